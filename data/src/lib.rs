@@ -1,0 +1,44 @@
+//! ember's data pipeline, as stages with one verb each:
+//!
+//! ```text
+//! text ─read_documents→ sentences per document ─WordPieceTokenizer::encode→ token ids
+//!      ─create_training_instances→ TrainingInstance (masked, with next-sentence label)
+//!      ─InstanceLoader::next_batch→ collate (dynamic padding) → Batch<B> tensors
+//! ```
+//!
+//! Field names are those of Google's `create_pretraining_data.py` and MLPerf's HDF5 shards:
+//! `input_ids`, `input_mask`, `segment_ids`, `masked_lm_positions`, `masked_lm_ids`,
+//! `masked_lm_weights`, `next_sentence_labels`.
+//!
+//! # Shapes
+//! B batch, S padded sequence length of the batch, P padded number of predictions of the batch.
+
+pub mod batch;
+pub mod corpus;
+mod error;
+pub mod instances;
+pub mod loader;
+pub mod tokenizer;
+
+pub use batch::{Batch, HostBatch, collate};
+pub use corpus::{Document, read_documents, split_held_out, tokenize_documents};
+pub use error::DataError;
+pub use instances::{PretrainingConfig, TrainingInstance, create_training_instances};
+pub use loader::InstanceLoader;
+pub use tokenizer::{SpecialTokens, WordPieceTokenizer};
+
+use std::path::PathBuf;
+
+/// The embedded default corpus: lead sections of 10,033 Wikipedia vital articles, one sentence
+/// per line, a blank line between documents (CC BY-SA 4.0; see `corpus/ATTRIBUTION.md`).
+pub fn default_corpus_path() -> PathBuf {
+    PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/corpus/wiki_vital_en.txt"
+    ))
+}
+
+/// The BERT-base uncased WordPiece vocabulary (30,522 tokens, Apache-2.0) shipped with ember.
+pub fn default_vocab_path() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/corpus/vocab.txt"))
+}

@@ -1,0 +1,115 @@
+//! In-memory instance loader: a fresh seeded permutation every epoch, fixed-size batches, the
+//! incomplete tail of an epoch dropped (as `drop_last=True`), so every step has the same global
+//! batch size.
+
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+
+use crate::{DataError, HostBatch, TrainingInstance, collate};
+
+/// Yields shuffled batches of a set of instances, deterministically for a seed.
+#[derive(Debug)]
+pub struct InstanceLoader {
+    instances: Vec<TrainingInstance>,
+    batch_size: usize,
+    max_seq_length: usize,
+    seed: u64,
+    /// Epochs completed so far; the permutation of epoch e is drawn from seed + e.
+    epoch: u64,
+    /// Next index into `order`.
+    position: usize,
+    order: Vec<usize>,
+}
+
+impl InstanceLoader {
+    /// A loader over `instances` with batches of `batch_size`.
+    ///
+    /// # Errors
+    /// [`DataError::BatchLargerThanData`] (naming `what`) if there are fewer instances than one
+    /// batch; [`DataError::InvalidSetting`] if `batch_size` is 0.
+    pub fn new(
+        instances: Vec<TrainingInstance>,
+        batch_size: usize,
+        max_seq_length: usize,
+        seed: u64,
+        what: &str,
+    ) -> Result<Self, DataError> {
+        if batch_size == 0 {
+            return Err(DataError::InvalidSetting {
+                field: "batch_size",
+                reason: "must be at least 1".into(),
+            });
+        }
+        if instances.len() < batch_size {
+            return Err(DataError::BatchLargerThanData {
+                what: what.to_string(),
+                batch_size,
+                available: instances.len(),
+            });
+        }
+        let mut loader = Self {
+            order: (0..instances.len()).collect(),
+            instances,
+            batch_size,
+            max_seq_length,
+            seed,
+            epoch: 0,
+            position: 0,
+        };
+        loader.shuffle();
+        Ok(loader)
+    }
+
+    fn shuffle(&mut self) {
+        let mut rng = StdRng::seed_from_u64(self.seed.wrapping_add(self.epoch));
+        self.order = (0..self.instances.len()).collect();
+        self.order.shuffle(&mut rng);
+    }
+
+    /// The next batch; starts a new epoch (a new permutation) when fewer than `batch_size`
+    /// instances are left.
+    pub fn next_batch(&mut self) -> HostBatch {
+        if self.position + self.batch_size > self.instances.len() {
+            self.epoch += 1;
+            self.position = 0;
+            self.shuffle();
+        }
+        let picked: Vec<&TrainingInstance> = self.order
+            [self.position..self.position + self.batch_size]
+            .iter()
+            .map(|&i| &self.instances[i])
+            .collect();
+        self.position += self.batch_size;
+        collate(&picked, self.max_seq_length)
+    }
+
+    /// Every instance once, in order, in batches of `batch_size` (the last one may be smaller):
+    /// for evaluation.
+    pub fn sequential_batches(&self) -> impl Iterator<Item = HostBatch> + '_ {
+        self.instances.chunks(self.batch_size).map(|chunk| {
+            let refs: Vec<&TrainingInstance> = chunk.iter().collect();
+            collate(&refs, self.max_seq_length)
+        })
+    }
+
+    /// Number of instances.
+    pub fn len(&self) -> usize {
+        self.instances.len()
+    }
+
+    /// Whether there are no instances (never true: `new` refuses that).
+    pub fn is_empty(&self) -> bool {
+        self.instances.is_empty()
+    }
+
+    /// Epochs completed so far.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The instances, in creation order.
+    pub fn instances(&self) -> &[TrainingInstance] {
+        &self.instances
+    }
+}

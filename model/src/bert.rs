@@ -1,0 +1,433 @@
+//! The BERT encoder: embeddings, encoder layers and pooler, module for module Hugging Face's
+//! `modeling_bert.py`.
+
+use burn::module::{Initializer, Module, Param};
+use burn::nn::{
+    Dropout, DropoutConfig, Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear,
+    LinearConfig,
+};
+use burn::tensor::activation::softmax;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor};
+
+use crate::BertConfig;
+
+/// Additive attention bias of a padded key: exp(-10000 - max) underflows to exactly 0 in f32,
+/// so padded keys get no weight, and a fully padded row stays finite (uniform) instead of NaN.
+/// The value of Google's reference `modeling.py`.
+const MASKED_SCORE: f32 = -10000.0;
+
+/// GELU with the exact erf form, `x · ½ · (1 + erf(x / √2))` (Hendrycks & Gimpel 2016), as
+/// BERT's and Hugging Face's `"gelu"`.
+///
+/// Composed of Burn ops on purpose: Burn 0.21's own `gelu` has the erf forward but the tanh
+/// approximation's derivative (2.7e-3 off in dx), and BERT's gradients must match PyTorch's.
+///
+/// # Shapes
+/// any shape; the output has the input's shape.
+pub fn gelu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let cdf = (x.clone() * std::f64::consts::FRAC_1_SQRT_2)
+        .erf()
+        .add_scalar(1.0)
+        * 0.5;
+    x * cdf
+}
+
+/// Mean of the token vectors over the real (unpadded) positions: sentence-transformers' pooling.
+///
+/// # Shapes
+/// - `sequence_output`: `[B, S, H]`
+/// - `input_mask`: `[B, S]`, 1 for real tokens, 0 for padding
+/// - output: `[B, H]`
+pub fn mean_pool<B: Backend>(
+    sequence_output: Tensor<B, 3>,
+    input_mask: Tensor<B, 2, Int>,
+) -> Tensor<B, 2> {
+    let mask = input_mask.float().unsqueeze_dim::<3>(2); // [B, S, 1]
+    let summed = (sequence_output * mask.clone())
+        .sum_dim(1)
+        .squeeze_dim::<2>(1); // [B, H]
+    let counts = mask.sum_dim(1).squeeze_dim::<2>(1).clamp_min(1.0); // [B, 1]
+    summed / counts
+}
+
+/// A dense layer initialised as BERT: weight N(0, std²), bias 0.
+pub(crate) fn dense<B: Backend>(
+    d_input: usize,
+    d_output: usize,
+    std: f64,
+    device: &B::Device,
+) -> Linear<B> {
+    let mut linear = LinearConfig::new(d_input, d_output)
+        .with_initializer(Initializer::Normal { mean: 0.0, std })
+        .init(device);
+    linear.bias = Some(Param::from_tensor(Tensor::zeros([d_output], device)));
+    linear
+}
+
+/// LayerNorm initialised as BERT: weight 1, bias 0.
+pub(crate) fn layer_norm<B: Backend>(config: &BertConfig, device: &B::Device) -> LayerNorm<B> {
+    LayerNormConfig::new(config.hidden_size)
+        .with_epsilon(config.layer_norm_eps)
+        .init(device)
+}
+
+fn embedding<B: Backend>(n: usize, config: &BertConfig, device: &B::Device) -> Embedding<B> {
+    EmbeddingConfig::new(n, config.hidden_size)
+        .with_initializer(Initializer::Normal {
+            mean: 0.0,
+            std: config.initializer_range,
+        })
+        .init(device)
+}
+
+/// Word, position and token-type embeddings, summed, then LayerNorm and dropout.
+/// Mirrors Hugging Face `BertEmbeddings`.
+#[derive(Module, Debug)]
+pub struct BertEmbeddings<B: Backend> {
+    /// `[V, H]`; also the MLM decoder's weight (tied).
+    pub word_embeddings: Embedding<B>,
+    /// `[max_position_embeddings, H]`.
+    pub position_embeddings: Embedding<B>,
+    /// `[type_vocab_size, H]`.
+    pub token_type_embeddings: Embedding<B>,
+    /// Hugging Face key `LayerNorm`.
+    pub layer_norm: LayerNorm<B>,
+    pub dropout: Dropout,
+}
+
+impl<B: Backend> BertEmbeddings<B> {
+    /// Builds the embeddings: N(0, `initializer_range`²) tables, the `[PAD]` row zeroed as
+    /// Hugging Face's `_init_weights` does.
+    pub fn new(config: &BertConfig, device: &B::Device) -> Self {
+        let mut word_embeddings = embedding(config.vocab_size, config, device);
+        let pad = config.pad_token_id;
+        // `Param::map` would keep the result's require-grad flag, which slice_assign clears on
+        // an autodiff backend: build a fresh parameter (and leaf tensor) instead.
+        let weight = word_embeddings.weight.val();
+        let [_, hidden] = weight.dims();
+        let weight = weight.slice_assign(
+            [pad..pad + 1, 0..hidden],
+            Tensor::zeros([1, hidden], device),
+        );
+        word_embeddings.weight = Param::from_tensor(weight.detach());
+        Self {
+            word_embeddings,
+            position_embeddings: embedding(config.max_position_embeddings, config, device),
+            token_type_embeddings: embedding(config.type_vocab_size, config, device),
+            layer_norm: layer_norm(config, device),
+            dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
+        }
+    }
+
+    /// # Shapes
+    /// - `input_ids`, `segment_ids`: `[B, S]`
+    /// - output: `[B, S, H]`
+    pub fn forward(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        segment_ids: Tensor<B, 2, Int>,
+    ) -> Tensor<B, 3> {
+        let [_, seq_len] = input_ids.dims();
+        let device = input_ids.device();
+        let position_ids = Tensor::<B, 1, Int>::arange(0..seq_len as i64, &device).unsqueeze::<2>(); // [1, S]
+        let embeddings = self.word_embeddings.forward(input_ids)
+            + self.position_embeddings.forward(position_ids) // [1, S, H], broadcast over B
+            + self.token_type_embeddings.forward(segment_ids);
+        self.dropout.forward(self.layer_norm.forward(embeddings))
+    }
+}
+
+/// Multi-head scaled dot-product self-attention with a padding mask.
+/// Mirrors Hugging Face `BertSelfAttention` (eager attention).
+#[derive(Module, Debug)]
+pub struct BertSelfAttention<B: Backend> {
+    pub query: Linear<B>,
+    pub key: Linear<B>,
+    pub value: Linear<B>,
+    /// Dropout on the attention probabilities.
+    pub dropout: Dropout,
+    pub num_attention_heads: usize,
+}
+
+impl<B: Backend> BertSelfAttention<B> {
+    pub fn new(config: &BertConfig, device: &B::Device) -> Self {
+        let h = config.hidden_size;
+        let std = config.initializer_range;
+        Self {
+            query: dense(h, h, std, device),
+            key: dense(h, h, std, device),
+            value: dense(h, h, std, device),
+            dropout: DropoutConfig::new(config.attention_probs_dropout_prob).init(),
+            num_attention_heads: config.num_attention_heads,
+        }
+    }
+
+    /// `softmax(Q·Kᵀ/√hd + mask_bias) · V`, heads concatenated.
+    ///
+    /// # Shapes
+    /// - `hidden_states`: `[B, S, H]`
+    /// - `mask_bias`: `[B, 1, 1, S]`, 0 for real keys, a large negative number for padded ones
+    /// - output: `[B, S, H]`
+    pub fn forward(&self, hidden_states: Tensor<B, 3>, mask_bias: Tensor<B, 4>) -> Tensor<B, 3> {
+        let [batch, seq_len, hidden] = hidden_states.dims();
+        let heads = self.num_attention_heads;
+        let head_dim = hidden / heads;
+        let split_heads = |x: Tensor<B, 3>| {
+            x.reshape([batch, seq_len, heads, head_dim]).swap_dims(1, 2) // [B, nh, S, hd]
+        };
+        let q = split_heads(self.query.forward(hidden_states.clone()));
+        let k = split_heads(self.key.forward(hidden_states.clone()));
+        let v = split_heads(self.value.forward(hidden_states));
+
+        let scores = q.matmul(k.swap_dims(2, 3)) / (head_dim as f64).sqrt(); // [B, nh, S, S]
+        let probs = self.dropout.forward(softmax(scores + mask_bias, 3));
+        probs
+            .matmul(v) // [B, nh, S, hd]
+            .swap_dims(1, 2) // [B, S, nh, hd]
+            .reshape([batch, seq_len, hidden])
+    }
+}
+
+/// Output projection of the attention, dropout, residual add, LayerNorm.
+/// Mirrors Hugging Face `BertSelfOutput`.
+#[derive(Module, Debug)]
+pub struct BertSelfOutput<B: Backend> {
+    pub dense: Linear<B>,
+    /// Hugging Face key `LayerNorm`.
+    pub layer_norm: LayerNorm<B>,
+    pub dropout: Dropout,
+}
+
+impl<B: Backend> BertSelfOutput<B> {
+    pub fn new(config: &BertConfig, device: &B::Device) -> Self {
+        let h = config.hidden_size;
+        Self {
+            dense: dense(h, h, config.initializer_range, device),
+            layer_norm: layer_norm(config, device),
+            dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
+        }
+    }
+
+    /// `LayerNorm(input + dropout(dense(hidden_states)))`.
+    ///
+    /// # Shapes
+    /// - `hidden_states`, `input`: `[B, S, H]`
+    /// - output: `[B, S, H]`
+    pub fn forward(&self, hidden_states: Tensor<B, 3>, input: Tensor<B, 3>) -> Tensor<B, 3> {
+        let x = self.dropout.forward(self.dense.forward(hidden_states));
+        self.layer_norm.forward(x + input)
+    }
+}
+
+/// Self-attention and its output block. Mirrors Hugging Face `BertAttention`.
+#[derive(Module, Debug)]
+pub struct BertAttention<B: Backend> {
+    /// Hugging Face key `self` (a Rust keyword): see [`crate::checkpoint`].
+    pub self_attention: BertSelfAttention<B>,
+    pub output: BertSelfOutput<B>,
+}
+
+/// First half of the feed-forward block: dense H → I and GELU.
+/// Mirrors Hugging Face `BertIntermediate`.
+#[derive(Module, Debug)]
+pub struct BertIntermediate<B: Backend> {
+    pub dense: Linear<B>,
+}
+
+/// Second half of the feed-forward block: dense I → H, dropout, residual add, LayerNorm.
+/// Mirrors Hugging Face `BertOutput`.
+#[derive(Module, Debug)]
+pub struct BertOutput<B: Backend> {
+    pub dense: Linear<B>,
+    /// Hugging Face key `LayerNorm`.
+    pub layer_norm: LayerNorm<B>,
+    pub dropout: Dropout,
+}
+
+/// One post-LN transformer layer. Mirrors Hugging Face `BertLayer`.
+#[derive(Module, Debug)]
+pub struct BertLayer<B: Backend> {
+    pub attention: BertAttention<B>,
+    pub intermediate: BertIntermediate<B>,
+    pub output: BertOutput<B>,
+}
+
+impl<B: Backend> BertLayer<B> {
+    pub fn new(config: &BertConfig, device: &B::Device) -> Self {
+        let (h, i, std) = (
+            config.hidden_size,
+            config.intermediate_size,
+            config.initializer_range,
+        );
+        Self {
+            attention: BertAttention {
+                self_attention: BertSelfAttention::new(config, device),
+                output: BertSelfOutput::new(config, device),
+            },
+            intermediate: BertIntermediate {
+                dense: dense(h, i, std, device),
+            },
+            output: BertOutput {
+                dense: dense(i, h, std, device),
+                layer_norm: layer_norm(config, device),
+                dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
+            },
+        }
+    }
+
+    /// # Shapes
+    /// - `hidden_states`: `[B, S, H]`
+    /// - `mask_bias`: `[B, 1, 1, S]`
+    /// - output: `[B, S, H]`
+    pub fn forward(&self, hidden_states: Tensor<B, 3>, mask_bias: Tensor<B, 4>) -> Tensor<B, 3> {
+        let attention = &self.attention;
+        let context = attention
+            .self_attention
+            .forward(hidden_states.clone(), mask_bias);
+        let attention_output = attention.output.forward(context, hidden_states);
+
+        let intermediate = gelu(self.intermediate.dense.forward(attention_output.clone())); // [B, S, I]
+        let x = self
+            .output
+            .dropout
+            .forward(self.output.dense.forward(intermediate));
+        self.output.layer_norm.forward(x + attention_output)
+    }
+}
+
+/// The stack of encoder layers. Mirrors Hugging Face `BertEncoder`.
+#[derive(Module, Debug)]
+pub struct BertEncoder<B: Backend> {
+    /// Hugging Face keys `layer.0`, `layer.1`, ...
+    pub layer: Vec<BertLayer<B>>,
+}
+
+impl<B: Backend> BertEncoder<B> {
+    /// # Shapes
+    /// - `hidden_states`: `[B, S, H]`
+    /// - `input_mask`: `[B, S]`, 1 for real tokens, 0 for padding
+    /// - output: `[B, S, H]`
+    pub fn forward(
+        &self,
+        hidden_states: Tensor<B, 3>,
+        input_mask: Tensor<B, 2, Int>,
+    ) -> Tensor<B, 3> {
+        let mask_bias = attention_mask_bias(input_mask);
+        self.layer.iter().fold(hidden_states, |x, layer| {
+            layer.forward(x, mask_bias.clone())
+        })
+    }
+}
+
+/// The additive attention bias of a padding mask: 0 where `input_mask` is 1, [`MASKED_SCORE`]
+/// where it is 0 (Hugging Face's "extended attention mask").
+///
+/// # Shapes
+/// - `input_mask`: `[B, S]`
+/// - output: `[B, 1, 1, S]`
+fn attention_mask_bias<B: Backend>(input_mask: Tensor<B, 2, Int>) -> Tensor<B, 4> {
+    let [batch, seq_len] = input_mask.dims();
+    let padding = input_mask.float().neg().add_scalar(1.0); // 1 where padded
+    (padding * MASKED_SCORE).reshape([batch, 1, 1, seq_len])
+}
+
+/// Dense + tanh on the first token (`[CLS]`). Mirrors Hugging Face `BertPooler`.
+#[derive(Module, Debug)]
+pub struct BertPooler<B: Backend> {
+    pub dense: Linear<B>,
+}
+
+impl<B: Backend> BertPooler<B> {
+    /// # Shapes
+    /// - `sequence_output`: `[B, S, H]`
+    /// - output: `[B, H]`
+    pub fn forward(&self, sequence_output: Tensor<B, 3>) -> Tensor<B, 2> {
+        let [batch, _, hidden] = sequence_output.dims();
+        let first = sequence_output
+            .slice([0..batch, 0..1])
+            .reshape([batch, hidden]);
+        self.dense.forward(first).tanh()
+    }
+}
+
+/// The BERT encoder with embeddings and pooler, without pre-training heads: what embedding and
+/// fine-tuning users call. Mirrors Hugging Face `BertModel`.
+#[derive(Module, Debug)]
+pub struct BertModel<B: Backend> {
+    pub embeddings: BertEmbeddings<B>,
+    pub encoder: BertEncoder<B>,
+    pub pooler: BertPooler<B>,
+}
+
+/// What [`BertModel::forward`] returns.
+#[derive(Debug, Clone)]
+pub struct BertModelOutput<B: Backend> {
+    /// Last layer's hidden states, `[B, S, H]`.
+    pub sequence_output: Tensor<B, 3>,
+    /// Pooler output (tanh of a dense layer on `[CLS]`), `[B, H]`.
+    pub pooled_output: Tensor<B, 2>,
+}
+
+impl BertConfig {
+    /// Builds a randomly initialised [`BertModel`] (weights N(0, `initializer_range`²),
+    /// biases 0, LayerNorm 1 and 0, as Hugging Face's `_init_weights`), drawing from the
+    /// backend's RNG (seed it with `B::seed` for a reproducible model).
+    ///
+    /// Call [`BertConfig::validate`] first on configurations from users: a hidden size that is
+    /// not a multiple of the head count panics here.
+    pub fn init_bert_model<B: Backend>(&self, device: &B::Device) -> BertModel<B> {
+        assert!(
+            self.hidden_size % self.num_attention_heads == 0,
+            "hidden_size must be a multiple of num_attention_heads (BertConfig::validate)"
+        );
+        BertModel {
+            embeddings: BertEmbeddings::new(self, device),
+            encoder: BertEncoder {
+                layer: (0..self.num_hidden_layers)
+                    .map(|_| BertLayer::new(self, device))
+                    .collect(),
+            },
+            pooler: BertPooler {
+                dense: dense(
+                    self.hidden_size,
+                    self.hidden_size,
+                    self.initializer_range,
+                    device,
+                ),
+            },
+        }
+    }
+}
+
+impl<B: Backend> BertModel<B> {
+    /// Encodes a batch of (possibly padded) token sequences.
+    ///
+    /// # Shapes
+    /// - `input_ids`, `segment_ids`: `[B, S]`
+    /// - `input_mask`: `[B, S]`, 1 for real tokens, 0 for padding
+    /// - output: `sequence_output` `[B, S, H]`, `pooled_output` `[B, H]`
+    ///
+    /// # Panics
+    /// If S exceeds `max_position_embeddings` or an id is out of its table (Burn's embedding
+    /// lookup); the data pipeline checks both before a batch reaches the model.
+    pub fn forward(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        segment_ids: Tensor<B, 2, Int>,
+        input_mask: Tensor<B, 2, Int>,
+    ) -> BertModelOutput<B> {
+        let embedded = self.embeddings.forward(input_ids, segment_ids);
+        let sequence_output = self.encoder.forward(embedded, input_mask);
+        let pooled_output = self.pooler.forward(sequence_output.clone());
+        BertModelOutput {
+            sequence_output,
+            pooled_output,
+        }
+    }
+
+    /// Number of learned positions (the longest sequence the model accepts).
+    pub fn max_position_embeddings(&self) -> usize {
+        self.embeddings.position_embeddings.weight.dims()[0]
+    }
+}

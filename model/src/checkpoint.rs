@@ -1,0 +1,206 @@
+//! Hugging Face checkpoints: safetensors files with `BertForPreTraining` (or `BertModel`) keys.
+//!
+//! Module paths follow the state-dict keys, so the mapping is short:
+//! - `attention.self` ↔ `attention.self_attention` (`self` is a Rust keyword);
+//! - `LayerNorm` ↔ `layer_norm` (Rust field case);
+//! - LayerNorm `weight`/`bias` ↔ Burn's `gamma`/`beta`, and Linear weights transposed
+//!   (`[out, in]` ↔ `[in, out]`): burn-store's PyTorch adapters do both.
+//!
+//! The tied MLM decoder (`cls.predictions.decoder.weight` = the word embeddings,
+//! `cls.predictions.decoder.bias` = `cls.predictions.bias`) is not a parameter of its own: it is
+//! skipped when present on load and not written on save, as `save_pretrained` does.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::backend::Backend;
+use burn_store::{
+    ApplyResult, BurnToPyTorchAdapter, ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore,
+};
+
+use crate::{BertForPreTraining, BertModel, ModelError};
+
+/// Hugging Face key fragment → ember path fragment, as regex and replacement.
+const HF_TO_EMBER: [(&str, &str); 2] = [
+    (r"\.self\.", ".self_attention."),
+    (r"\.LayerNorm\.", ".layer_norm."),
+];
+
+/// The Hugging Face state-dict key of an ember parameter path (Burn's `gamma`/`beta` become
+/// `weight`/`bias` for LayerNorms). Linear weights additionally need a transpose.
+///
+/// `bert.encoder.layer.0.attention.self_attention.query.weight`
+/// → `bert.encoder.layer.0.attention.self.query.weight`.
+pub fn ember_path_to_hf(path: &str) -> String {
+    let mut key = path
+        .replace(".self_attention.", ".self.")
+        .replace("layer_norm.", "LayerNorm.");
+    if key.contains("LayerNorm.") {
+        if let Some(stem) = key.strip_suffix(".gamma") {
+            key = format!("{stem}.weight");
+        } else if let Some(stem) = key.strip_suffix(".beta") {
+            key = format!("{stem}.bias");
+        }
+    }
+    key
+}
+
+fn checkpoint_error(path: &Path, reason: impl Into<String>) -> ModelError {
+    ModelError::Checkpoint {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+fn hf_load_store(path: &Path) -> SafetensorsStore {
+    let mut store = SafetensorsStore::from_file(path)
+        .with_from_adapter(PyTorchToBurnAdapter)
+        .allow_partial(true);
+    for (from, to) in HF_TO_EMBER {
+        store = store.with_key_remapping(from, to);
+    }
+    store
+}
+
+/// Turns burn-store's report into an error when a parameter was not loaded.
+fn check_applied(path: &Path, result: ApplyResult) -> Result<(), ModelError> {
+    if !result.errors.is_empty() {
+        let errors: Vec<String> = result.errors.iter().map(|e| format!("{e:?}")).collect();
+        return Err(checkpoint_error(
+            path,
+            format!("tensors do not fit the model: {}", errors.join("; ")),
+        ));
+    }
+    if !result.missing.is_empty() {
+        let missing: Vec<String> = result
+            .missing
+            .iter()
+            .map(|(p, _)| ember_path_to_hf(p))
+            .collect();
+        return Err(checkpoint_error(
+            path,
+            format!(
+                "{} parameter(s) missing from the checkpoint, first: {}",
+                missing.len(),
+                missing[..missing.len().min(5)].join(", ")
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn ensure_file(path: &Path) -> Result<(), ModelError> {
+    if path.is_file() {
+        Ok(())
+    } else {
+        Err(ModelError::Io {
+            path: path.to_path_buf(),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such checkpoint file"),
+        })
+    }
+}
+
+impl<B: Backend> BertForPreTraining<B> {
+    /// Loads every parameter from a Hugging Face `BertForPreTraining` safetensors file
+    /// (`model.safetensors` of `save_pretrained`, or `safetensors.torch.save_file` of the
+    /// state dict).
+    ///
+    /// # Errors
+    /// [`ModelError::Io`] if the file does not exist; [`ModelError::Checkpoint`] if it is not
+    /// safetensors, a parameter is missing, or a tensor's shape differs from the model's (e.g.
+    /// a checkpoint of another size: build the model from the checkpoint's `config.json`).
+    pub fn load_hf_safetensors(mut self, path: &Path) -> Result<Self, ModelError> {
+        ensure_file(path)?;
+        let result = self
+            .load_from(&mut hf_load_store(path))
+            .map_err(|e| checkpoint_error(path, e.to_string()))?;
+        check_applied(path, result)?;
+        Ok(self)
+    }
+
+    /// Writes every parameter under its Hugging Face key, so that
+    /// `BertForPreTraining.from_pretrained(dir)` reads the file (with `config.json` from
+    /// [`crate::BertConfig::to_hf_json`]). The file is written beside `path` and renamed into
+    /// place, so an interrupted save never leaves a half-written checkpoint.
+    ///
+    /// # Errors
+    /// [`ModelError::Checkpoint`] if the file cannot be written or renamed.
+    pub fn save_hf_safetensors(&self, path: &Path) -> Result<(), ModelError> {
+        let tmp = temp_path(path);
+        let mut store = SafetensorsStore::from_file(&tmp)
+            .with_to_adapter(BurnToPyTorchAdapter)
+            .clear_metadata()
+            .metadata("format", "pt");
+        for (hf, ember) in [
+            (".self.", r"\.self_attention\."),
+            (".LayerNorm.", r"\.layer_norm\."),
+        ] {
+            store = store.with_key_remapping(ember, hf);
+        }
+        let written = self
+            .save_into(&mut store)
+            .map_err(|e| checkpoint_error(path, e.to_string()));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+        std::fs::rename(&tmp, path).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            checkpoint_error(
+                path,
+                format!("cannot rename {} into place: {e}", tmp.display()),
+            )
+        })
+    }
+}
+
+impl<B: Backend> BertModel<B> {
+    /// Loads the encoder from a Hugging Face safetensors file, with or without the `bert.` key
+    /// prefix: a `BertModel` checkpoint (sentence-transformers models such as all-MiniLM-L6-v2)
+    /// or a `BertForPreTraining` one, whose heads are ignored.
+    ///
+    /// # Errors
+    /// As [`BertForPreTraining::load_hf_safetensors`].
+    pub fn load_hf_safetensors(mut self, path: &Path) -> Result<Self, ModelError> {
+        ensure_file(path)?;
+        let mut store = hf_load_store(path).with_key_remapping(r"^bert\.", "");
+        let result = self
+            .load_from(&mut store)
+            .map_err(|e| checkpoint_error(path, e.to_string()))?;
+        check_applied(path, result)?;
+        Ok(self)
+    }
+}
+
+/// `dir/name.ext` → `dir/.name.ext.tmp`: the same file system, so the final rename is atomic.
+pub fn temp_path(path: &Path) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    path.with_file_name(format!(".{name}.tmp"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ember_paths_map_to_hf_keys() {
+        assert_eq!(
+            ember_path_to_hf("bert.encoder.layer.3.attention.self_attention.query.weight"),
+            "bert.encoder.layer.3.attention.self.query.weight"
+        );
+        assert_eq!(
+            ember_path_to_hf("bert.encoder.layer.0.output.layer_norm.gamma"),
+            "bert.encoder.layer.0.output.LayerNorm.weight"
+        );
+        assert_eq!(
+            ember_path_to_hf("cls.predictions.transform.layer_norm.beta"),
+            "cls.predictions.transform.LayerNorm.bias"
+        );
+        assert_eq!(
+            ember_path_to_hf("cls.predictions.bias"),
+            "cls.predictions.bias"
+        );
+    }
+}

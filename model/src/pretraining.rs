@@ -1,0 +1,173 @@
+//! The pre-training heads (masked LM and next sentence) and their loss. Mirrors Hugging Face
+//! `BertForPreTraining`, with the MLM head evaluated only at the masked positions (MLPerf's
+//! `dense_seq_output`: the vocabulary projection is the largest matmul of a step, and only
+//! ~15% of positions carry a label).
+
+use burn::module::{Module, Param};
+use burn::nn::{LayerNorm, Linear};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor};
+
+use crate::BertConfig;
+use crate::bert::{BertModel, dense, gelu, layer_norm};
+
+/// Dense + GELU + LayerNorm before the vocabulary projection.
+/// Mirrors Hugging Face `BertPredictionHeadTransform`.
+#[derive(Module, Debug)]
+pub struct BertPredictionHeadTransform<B: Backend> {
+    pub dense: Linear<B>,
+    /// Hugging Face key `LayerNorm`.
+    pub layer_norm: LayerNorm<B>,
+}
+
+/// The masked-LM head. Its decoder weight is the word-embedding table (tied), so only the
+/// transform and the output bias are parameters of their own.
+/// Mirrors Hugging Face `BertLMPredictionHead`.
+#[derive(Module, Debug)]
+pub struct BertLMPredictionHead<B: Backend> {
+    pub transform: BertPredictionHeadTransform<B>,
+    /// Output bias, `[V]`; Hugging Face key `cls.predictions.bias` (also `decoder.bias`, tied).
+    pub bias: Param<Tensor<B, 1>>,
+}
+
+/// Masked-LM and next-sentence heads. Mirrors Hugging Face `BertPreTrainingHeads`.
+#[derive(Module, Debug)]
+pub struct BertPreTrainingHeads<B: Backend> {
+    pub predictions: BertLMPredictionHead<B>,
+    /// Next-sentence classifier on the pooled output, H → 2.
+    pub seq_relationship: Linear<B>,
+}
+
+/// BERT with its two pre-training heads. Mirrors Hugging Face `BertForPreTraining`.
+#[derive(Module, Debug)]
+pub struct BertForPreTraining<B: Backend> {
+    pub bert: BertModel<B>,
+    pub cls: BertPreTrainingHeads<B>,
+}
+
+/// What [`BertForPreTraining::forward`] returns.
+#[derive(Debug, Clone)]
+pub struct PreTrainingOutput<B: Backend> {
+    /// Vocabulary logits at the packed masked positions, `[N, V]`.
+    pub mlm_logits: Tensor<B, 2>,
+    /// Next-sentence logits, `[B, 2]`; class 1 is "B is a random sentence", as the reference
+    /// `create_pretraining_data.py` labels it.
+    pub nsp_logits: Tensor<B, 2>,
+}
+
+/// The pre-training loss and its two terms, each a scalar tensor `[1]`.
+#[derive(Debug, Clone)]
+pub struct PreTrainingLoss<B: Backend> {
+    /// `mlm + nsp`, Hugging Face's `total_loss`.
+    pub total: Tensor<B, 1>,
+    /// Cross-entropy of the masked tokens, averaged over the real (weight 1) predictions.
+    pub mlm: Tensor<B, 1>,
+    /// Cross-entropy of the next-sentence labels, averaged over the batch.
+    pub nsp: Tensor<B, 1>,
+}
+
+impl BertConfig {
+    /// Builds a randomly initialised [`BertForPreTraining`] (see
+    /// [`BertConfig::init_bert_model`]); the MLM output bias starts at 0.
+    pub fn init_for_pretraining<B: Backend>(&self, device: &B::Device) -> BertForPreTraining<B> {
+        let (h, std) = (self.hidden_size, self.initializer_range);
+        BertForPreTraining {
+            bert: self.init_bert_model(device),
+            cls: BertPreTrainingHeads {
+                predictions: BertLMPredictionHead {
+                    transform: BertPredictionHeadTransform {
+                        dense: dense(h, h, std, device),
+                        layer_norm: layer_norm(self, device),
+                    },
+                    bias: Param::from_tensor(Tensor::zeros([self.vocab_size], device)),
+                },
+                seq_relationship: dense(h, 2, std, device),
+            },
+        }
+    }
+}
+
+impl<B: Backend> BertForPreTraining<B> {
+    /// Runs the encoder and both heads; the MLM head only at the masked positions.
+    ///
+    /// The masked positions come packed, as MLPerf's `dense_seq_output`: only the N real
+    /// predictions of the batch, each as the row `b·S + position` of the flattened
+    /// `[B·S, H]` hidden states. Padding predictions are never computed (with dynamic padding
+    /// about a third of a `[B, P]` layout is padding, and the vocabulary projection plus its
+    /// softmax is the largest cost of a small model's step).
+    ///
+    /// # Shapes
+    /// - `input_ids`, `segment_ids`, `input_mask`: `[B, S]`
+    /// - `masked_lm_flat_positions`: `[N]`, values in `0..B·S`
+    /// - output: `mlm_logits` `[N, V]`, `nsp_logits` `[B, 2]`
+    pub fn forward(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        segment_ids: Tensor<B, 2, Int>,
+        input_mask: Tensor<B, 2, Int>,
+        masked_lm_flat_positions: Tensor<B, 1, Int>,
+    ) -> PreTrainingOutput<B> {
+        let out = self.bert.forward(input_ids, segment_ids, input_mask);
+        let [batch, seq_len, hidden] = out.sequence_output.dims();
+        let masked_states = out
+            .sequence_output
+            .reshape([batch * seq_len, hidden])
+            .select(0, masked_lm_flat_positions); // [N, H]
+
+        let predictions = &self.cls.predictions;
+        let transformed = predictions
+            .transform
+            .layer_norm
+            .forward(gelu(predictions.transform.dense.forward(masked_states)));
+        let decoder_weight = self.bert.embeddings.word_embeddings.weight.val(); // [V, H], tied
+        let mlm_logits = transformed.matmul(decoder_weight.transpose())
+            + predictions.bias.val().unsqueeze::<2>(); // [N, V]
+
+        PreTrainingOutput {
+            mlm_logits,
+            nsp_logits: self.cls.seq_relationship.forward(out.pooled_output),
+        }
+    }
+
+    /// The pre-training loss of an output: masked-LM cross-entropy averaged over the N
+    /// predictions, plus next-sentence cross-entropy averaged over the batch (Hugging Face
+    /// `BertForPreTraining`'s `total_loss`; Google's `run_pretraining.py` likewise).
+    ///
+    /// # Shapes
+    /// - `masked_lm_labels`: `[N]`, the original token ids at the packed masked positions
+    /// - `next_sentence_labels`: `[B]`, 0 = B follows A, 1 = B is random
+    pub fn loss(
+        &self,
+        output: &PreTrainingOutput<B>,
+        masked_lm_labels: Tensor<B, 1, Int>,
+        next_sentence_labels: Tensor<B, 1, Int>,
+    ) -> PreTrainingLoss<B> {
+        let mlm = cross_entropy(output.mlm_logits.clone(), masked_lm_labels);
+        let nsp = cross_entropy(output.nsp_logits.clone(), next_sentence_labels);
+
+        PreTrainingLoss {
+            total: mlm.clone() + nsp.clone(),
+            mlm,
+            nsp,
+        }
+    }
+}
+
+/// Mean cross-entropy of logits against class labels, `mean_i(logsumexp(x_i) − x_i[label_i])`
+/// (`torch.nn.functional.cross_entropy`).
+///
+/// Written as max-shifted log-sum-exp minus the gathered logit rather than through a full
+/// `log_softmax`: one `[N, V]` pass fewer forward and backward, which is measurable when V is
+/// the 30522-token vocabulary.
+///
+/// # Shapes
+/// - `logits`: `[N, C]`
+/// - `labels`: `[N]`, values in `0..C`
+/// - output: `[1]`
+pub fn cross_entropy<B: Backend>(logits: Tensor<B, 2>, labels: Tensor<B, 1, Int>) -> Tensor<B, 1> {
+    let [n, _] = logits.dims();
+    let max = logits.clone().detach().max_dim(1); // [N, 1]; a constant shift, no gradient
+    let log_sum_exp = (logits.clone() - max.clone()).exp().sum_dim(1).log() + max; // [N, 1]
+    let target = logits.gather(1, labels.reshape([n, 1])); // [N, 1]
+    (log_sum_exp - target).mean()
+}

@@ -1,0 +1,70 @@
+//! Shared helpers of the workspace tests: fixture paths and golden-file reading.
+
+use std::path::PathBuf;
+
+use safetensors::{Dtype, SafeTensors};
+
+/// `tests/fixtures/<name>`.
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(name)
+}
+
+/// A tensor of a golden file, converted to f64, with its shape.
+#[derive(Debug, Clone)]
+pub struct Golden {
+    pub shape: Vec<usize>,
+    pub values: Vec<f64>,
+}
+
+impl Golden {
+    /// The values as i64 (for integer inputs).
+    pub fn ints(&self) -> Vec<i64> {
+        self.values.iter().map(|&v| v as i64).collect()
+    }
+}
+
+/// Reads every tensor of a safetensors file written by a fixture script (f32 or i64).
+pub fn read_goldens(path: &std::path::Path) -> std::collections::HashMap<String, Golden> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let file = SafeTensors::deserialize(&bytes).expect("a safetensors golden file");
+    file.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let data = view.data();
+            let values: Vec<f64> = match view.dtype() {
+                Dtype::F32 => data
+                    .chunks_exact(4)
+                    .map(|c| f64::from(f32::from_le_bytes(c.try_into().unwrap())))
+                    .collect(),
+                Dtype::I64 => data
+                    .chunks_exact(8)
+                    .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f64)
+                    .collect(),
+                other => panic!("{name}: unexpected dtype {other:?}"),
+            };
+            (
+                name,
+                Golden {
+                    shape: view.shape().to_vec(),
+                    values,
+                },
+            )
+        })
+        .collect()
+}
+
+/// Largest absolute difference between two equally long slices.
+pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
+/// Largest absolute value of a slice.
+pub fn max_abs(a: &[f64]) -> f64 {
+    a.iter().map(|x| x.abs()).fold(0.0, f64::max)
+}

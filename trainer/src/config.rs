@@ -1,0 +1,349 @@
+//! The training configuration: one TOML file (`configs/*.toml`) with a section per concern.
+//! Every field has a default, unknown fields are errors (a typo must not be silently ignored),
+//! and the whole configuration is saved next to every checkpoint.
+
+use std::path::{Path, PathBuf};
+
+use ember_data::PretrainingConfig;
+use ember_model::{BertConfig, Preset};
+use serde::{Deserialize, Serialize};
+
+use crate::TrainError;
+
+/// Everything a training run needs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    pub model: ModelSection,
+    pub data: DataSection,
+    /// Instance creation, as `create_pretraining_data.py`'s flags (`max_seq_length`,
+    /// `max_predictions_per_seq`, `masked_lm_prob`, `short_seq_prob`, `dupe_factor`, `seed`).
+    pub instances: PretrainingConfig,
+    pub optimizer: OptimizerConfig,
+    pub schedule: ScheduleConfig,
+    pub train: LoopConfig,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            model: ModelSection::default(),
+            data: DataSection::default(),
+            instances: PretrainingConfig::default(),
+            optimizer: OptimizerConfig::default(),
+            schedule: ScheduleConfig::default(),
+            train: LoopConfig::default(),
+        }
+    }
+}
+
+/// Which model to build.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelSection {
+    /// Model size. Default: tiny.
+    pub preset: Preset,
+    /// Overrides the preset's `hidden_dropout_prob` (0.1) when set.
+    pub hidden_dropout_prob: Option<f64>,
+    /// Overrides the preset's `attention_probs_dropout_prob` (0.1) when set.
+    pub attention_probs_dropout_prob: Option<f64>,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        Self {
+            preset: Preset::Tiny,
+            hidden_dropout_prob: None,
+            attention_probs_dropout_prob: None,
+        }
+    }
+}
+
+/// Where the text comes from and how instances are made of it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataSection {
+    /// Corpus file or folder of `*.txt` (one sentence per line, blank line between documents).
+    /// Default: the embedded Wikipedia corpus.
+    pub corpus: Option<PathBuf>,
+    /// WordPiece `vocab.txt`. Default: the shipped bert-base-uncased vocabulary.
+    pub vocab: Option<PathBuf>,
+    /// Documents held out at the end of the corpus for evaluation. Default: 300.
+    pub eval_documents: usize,
+}
+
+impl Default for DataSection {
+    fn default() -> Self {
+        Self {
+            corpus: None,
+            vocab: None,
+            eval_documents: 300,
+        }
+    }
+}
+
+/// The optimizer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    /// Adam with decoupled weight decay (Loshchilov & Hutter 2019), PyTorch's `AdamW`.
+    AdamW,
+    /// Layer-wise adaptive moments (You et al. 2020), as MLPerf's BERT reference.
+    Lamb,
+}
+
+/// Optimizer hyper-parameters. Weight decay never applies to biases and LayerNorm weights
+/// (Google's `run_pretraining.py`, `exclude_from_weight_decay`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimizerConfig {
+    /// Default: adamw.
+    pub name: OptimizerKind,
+    /// Peak learning rate, reached at the end of warmup. Default: 1e-3.
+    pub lr: f64,
+    /// Default: 0.9.
+    pub beta1: f32,
+    /// Default: 0.999.
+    pub beta2: f32,
+    /// Default: 1e-6, as BERT's `AdamWeightDecayOptimizer`.
+    pub epsilon: f32,
+    /// Default: 0.01.
+    pub weight_decay: f32,
+    /// Gradients are scaled so that their global L2 norm is at most this; 0 turns clipping off.
+    /// Default: 1.0.
+    pub max_grad_norm: f64,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        Self {
+            name: OptimizerKind::AdamW,
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-6,
+            weight_decay: 0.01,
+            max_grad_norm: 1.0,
+        }
+    }
+}
+
+/// Learning-rate schedule: linear warmup, then polynomial decay to `end_lr` at the last step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScheduleConfig {
+    /// Steps of linear warmup; when unset, `warmup_proportion` of the steps.
+    pub warmup_steps: Option<u64>,
+    /// Fraction of the steps spent in warmup when `warmup_steps` is unset (NVIDIA's
+    /// `--warmup_proportion`). Default: 0.1.
+    pub warmup_proportion: f64,
+    /// Exponent of the decay; 1.0 is linear. Default: 1.0.
+    pub power: f64,
+    /// Learning rate at the last step. Default: 0.
+    pub end_lr: f64,
+    /// Step at which warmup starts; negative values start the run part-way into warmup, as
+    /// MLPerf's `start_warmup_step`. Default: 0.
+    pub start_warmup_step: i64,
+}
+
+impl Default for ScheduleConfig {
+    fn default() -> Self {
+        Self {
+            warmup_steps: None,
+            warmup_proportion: 0.1,
+            power: 1.0,
+            end_lr: 0.0,
+            start_warmup_step: 0,
+        }
+    }
+}
+
+/// The loop: how long, how big, when to evaluate and where to write.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LoopConfig {
+    /// Optimizer steps. Default: 500.
+    pub steps: u64,
+    /// Samples per step (the global batch size; one rank for now). Default: 32.
+    pub batch_size: usize,
+    /// Evaluate every this many steps (and after the last). Default: 100.
+    pub eval_every: u64,
+    /// Held-out instances evaluated each time (at most the number available). Default: 1024.
+    pub eval_samples: usize,
+    /// Stop as soon as an evaluation reaches this masked-LM accuracy (0..1). Default: none.
+    pub target_mlm_accuracy: Option<f64>,
+    /// Write a metrics line every this many steps. Default: 10.
+    pub log_every: u64,
+    /// Seed of the model initialisation, dropout and batch order. Default: 42.
+    pub seed: u64,
+    /// Output folder for metrics and the checkpoint. Default: `runs/latest`.
+    pub out: PathBuf,
+}
+
+impl Default for LoopConfig {
+    fn default() -> Self {
+        Self {
+            steps: 500,
+            batch_size: 32,
+            eval_every: 100,
+            eval_samples: 1024,
+            target_mlm_accuracy: None,
+            log_every: 10,
+            seed: 42,
+            out: PathBuf::from("runs/latest"),
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Reads a TOML configuration.
+    ///
+    /// # Errors
+    /// [`TrainError::Config`] naming the file: unreadable, not TOML, an unknown field or a value
+    /// of the wrong type (the TOML parser's message gives line and column).
+    pub fn load(path: &Path) -> Result<Self, TrainError> {
+        let text = std::fs::read_to_string(path).map_err(|e| TrainError::Config {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        toml::from_str(&text).map_err(|e| TrainError::Config {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })
+    }
+
+    /// The configuration as TOML text (saved with each checkpoint).
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("a TrainConfig always serialises")
+    }
+
+    /// The model configuration: the preset with the overrides, and `vocab_size` taken from the
+    /// vocabulary actually used.
+    pub fn bert_config(&self, vocab_size: usize) -> BertConfig {
+        let mut config = BertConfig::preset(self.model.preset);
+        config.vocab_size = vocab_size;
+        if let Some(p) = self.model.hidden_dropout_prob {
+            config.hidden_dropout_prob = p;
+        }
+        if let Some(p) = self.model.attention_probs_dropout_prob {
+            config.attention_probs_dropout_prob = p;
+        }
+        config
+    }
+
+    /// The corpus path, the embedded one if unset.
+    pub fn corpus_path(&self) -> PathBuf {
+        self.data
+            .corpus
+            .clone()
+            .unwrap_or_else(ember_data::default_corpus_path)
+    }
+
+    /// The vocabulary path, the shipped one if unset.
+    pub fn vocab_path(&self) -> PathBuf {
+        self.data
+            .vocab
+            .clone()
+            .unwrap_or_else(ember_data::default_vocab_path)
+    }
+
+    /// Warmup steps: as configured, else `warmup_proportion` of the steps.
+    pub fn warmup_steps(&self) -> u64 {
+        self.schedule
+            .warmup_steps
+            .unwrap_or((self.schedule.warmup_proportion * self.train.steps as f64).round() as u64)
+    }
+
+    /// Checks what can be checked before any file is read.
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidSetting`] naming the setting.
+    pub fn validate(&self) -> Result<(), TrainError> {
+        let invalid =
+            |field: &'static str, reason: String| Err(TrainError::InvalidSetting { field, reason });
+        let t = &self.train;
+        if t.steps == 0 {
+            return invalid("train.steps", "must be at least 1".into());
+        }
+        if t.batch_size == 0 {
+            return invalid("train.batch_size", "must be at least 1".into());
+        }
+        if t.eval_every == 0 || t.log_every == 0 {
+            return invalid("train.eval_every/log_every", "must be at least 1".into());
+        }
+        if let Some(target) = t.target_mlm_accuracy {
+            if !(0.0..=1.0).contains(&target) {
+                return invalid(
+                    "train.target_mlm_accuracy",
+                    format!("{target} is outside [0, 1]"),
+                );
+            }
+        }
+        let o = &self.optimizer;
+        if !(o.lr.is_finite() && o.lr > 0.0) {
+            return invalid(
+                "optimizer.lr",
+                format!("{} must be a positive number", o.lr),
+            );
+        }
+        if !(0.0..1.0).contains(&o.beta1) || !(0.0..1.0).contains(&o.beta2) {
+            return invalid("optimizer.beta1/beta2", "must be in [0, 1)".into());
+        }
+        if o.max_grad_norm < 0.0 || o.weight_decay < 0.0 {
+            return invalid(
+                "optimizer.max_grad_norm/weight_decay",
+                "must not be negative".into(),
+            );
+        }
+        if !(0.0..=1.0).contains(&self.schedule.warmup_proportion) {
+            return invalid(
+                "schedule.warmup_proportion",
+                format!("{} is outside [0, 1]", self.schedule.warmup_proportion),
+            );
+        }
+        if self.warmup_steps() > t.steps {
+            return invalid(
+                "schedule.warmup_steps",
+                format!(
+                    "{} is more than the {} steps of the run",
+                    self.warmup_steps(),
+                    t.steps
+                ),
+            );
+        }
+        let max_positions = BertConfig::preset(self.model.preset).max_position_embeddings;
+        let seq_len = self.instances.max_seq_length;
+        if seq_len > max_positions {
+            return Err(TrainError::SeqLenTooLong {
+                seq_len,
+                max_positions,
+            });
+        }
+        self.bert_config(30522).validate()?;
+        self.instances.validate()?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn toml_round_trips_and_rejects_typos() {
+        let config = TrainConfig::default();
+        let back: TrainConfig = toml::from_str(&config.to_toml()).unwrap();
+        assert_eq!(back, config);
+        let partial: TrainConfig = toml::from_str(
+            "[train]\nsteps = 7\n[instances]\nmax_seq_length = 64\n[optimizer]\nname = \"lamb\"",
+        )
+        .unwrap();
+        assert_eq!(partial.train.steps, 7);
+        assert_eq!(partial.instances.max_seq_length, 64);
+        assert_eq!(partial.optimizer.name, OptimizerKind::Lamb);
+        let typo = toml::from_str::<TrainConfig>("[train]\nstep = 7")
+            .unwrap_err()
+            .to_string();
+        assert!(typo.contains("step"), "{typo}");
+    }
+}

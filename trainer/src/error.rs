@@ -1,0 +1,59 @@
+use std::path::PathBuf;
+
+use ember_data::DataError;
+use ember_model::ModelError;
+
+/// Errors of a training run; each names the file or setting at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// A configuration file that cannot be read or parsed.
+    #[error("{}: {reason}", path.display())]
+    Config {
+        /// The TOML file.
+        path: PathBuf,
+        /// The parser's or file system's message.
+        reason: String,
+    },
+    /// A setting with a value the run cannot use.
+    #[error("invalid setting {field}: {reason}")]
+    InvalidSetting {
+        /// The setting, as `section.field`.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A sequence length the model has no positions for.
+    #[error(
+        "max_seq_length {seq_len} is above the model's max_position_embeddings {max_positions}"
+    )]
+    SeqLenTooLong {
+        /// The requested sequence length.
+        seq_len: usize,
+        /// The model's number of positions.
+        max_positions: usize,
+    },
+    /// The output folder cannot be created or written.
+    #[error("output folder {}: {reason}", path.display())]
+    Output {
+        /// The folder or file.
+        path: PathBuf,
+        /// The file system's message.
+        reason: String,
+    },
+    /// The loss became NaN or infinite.
+    #[error(
+        "the loss is {loss} at step {step}: training diverged (lower optimizer.lr or keep gradient clipping on)"
+    )]
+    Diverged {
+        /// The step.
+        step: u64,
+        /// The loss value.
+        loss: f64,
+    },
+    /// An error of the data pipeline.
+    #[error(transparent)]
+    Data(#[from] DataError),
+    /// An error of the model crate.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}

@@ -1,0 +1,102 @@
+//! Evaluation on held-out instances: masked-LM and next-sentence accuracy and loss, and the
+//! unigram baseline that masked-LM accuracy has to beat.
+
+use std::collections::HashMap;
+
+use burn::tensor::ElementConversion;
+use burn::tensor::backend::Backend;
+use ember_data::{HostBatch, TrainingInstance};
+use ember_model::BertForPreTraining;
+use serde::Serialize;
+
+/// Accuracy and loss over an evaluation set.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct EvalResult {
+    /// Fraction of masked tokens whose arg-max prediction is the original token.
+    pub mlm_accuracy: f64,
+    /// Fraction of samples whose next-sentence label is predicted.
+    pub nsp_accuracy: f64,
+    /// Masked-LM cross-entropy per masked token.
+    pub mlm_loss: f64,
+    /// Next-sentence cross-entropy per sample.
+    pub nsp_loss: f64,
+    /// Masked tokens evaluated.
+    pub num_predictions: usize,
+    /// Samples evaluated.
+    pub num_samples: usize,
+}
+
+/// Evaluates `model` (use `model.valid()`: the inner backend has no dropout) on `batches`.
+pub fn evaluate<B: Backend>(
+    model: &BertForPreTraining<B>,
+    batches: impl IntoIterator<Item = HostBatch>,
+    device: &B::Device,
+) -> EvalResult {
+    let (mut mlm_correct, mut mlm_loss, mut predictions) = (0.0f64, 0.0f64, 0.0f64);
+    let (mut nsp_correct, mut nsp_loss, mut samples) = (0.0f64, 0.0f64, 0usize);
+    for host in batches {
+        let batch = host.to_device::<B>(device);
+        let output = model.forward(
+            batch.input_ids,
+            batch.segment_ids,
+            batch.input_mask,
+            batch.masked_lm_flat_positions,
+        );
+        let loss = model.loss(
+            &output,
+            batch.masked_lm_labels.clone(),
+            batch.next_sentence_labels.clone(),
+        );
+        let [n, _] = output.mlm_logits.dims();
+        let b = host.batch_size;
+        let n_pred = n as f64;
+        let predicted = output.mlm_logits.argmax(1).reshape([n]);
+        let hits = predicted.equal(batch.masked_lm_labels).int().sum();
+        mlm_correct += f64::from(hits.into_scalar().elem::<i32>());
+        mlm_loss += f64::from(loss.mlm.into_scalar().elem::<f32>()) * n_pred;
+        predictions += n_pred;
+
+        let nsp_predicted = output.nsp_logits.argmax(1).reshape([b]);
+        let nsp_hits = nsp_predicted.equal(batch.next_sentence_labels).int().sum();
+        nsp_correct += f64::from(nsp_hits.into_scalar().elem::<i32>());
+        nsp_loss += f64::from(loss.nsp.into_scalar().elem::<f32>()) * b as f64;
+        samples += b;
+    }
+    let per = |x: f64, n: f64| if n > 0.0 { x / n } else { 0.0 };
+    EvalResult {
+        mlm_accuracy: per(mlm_correct, predictions),
+        nsp_accuracy: per(nsp_correct, samples as f64),
+        mlm_loss: per(mlm_loss, predictions),
+        nsp_loss: per(nsp_loss, samples as f64),
+        num_predictions: predictions as usize,
+        num_samples: samples,
+    }
+}
+
+/// The masked-LM accuracy of always predicting the most frequent masked token of `train`,
+/// measured on `eval`: what a model that ignores the context scores. Returns (token id,
+/// accuracy).
+pub fn unigram_baseline(train: &[TrainingInstance], eval: &[TrainingInstance]) -> (u32, f64) {
+    let mut counts: HashMap<u32, usize> = HashMap::new();
+    for id in train.iter().flat_map(|i| &i.masked_lm_ids) {
+        *counts.entry(*id).or_default() += 1;
+    }
+    // Ties go to the smaller id, so the baseline does not depend on hash order.
+    let top = counts
+        .into_iter()
+        .max_by_key(|&(id, n)| (n, std::cmp::Reverse(id)))
+        .map_or(0, |(id, _)| id);
+    let labels: Vec<u32> = eval
+        .iter()
+        .flat_map(|i| i.masked_lm_ids.iter().copied())
+        .collect();
+    let hits = labels.iter().filter(|&&id| id == top).count();
+    (
+        top,
+        if labels.is_empty() {
+            0.0
+        } else {
+            hits as f64 / labels.len() as f64
+        },
+    )
+}

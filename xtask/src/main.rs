@@ -1,0 +1,65 @@
+//! `cargo xtask <command>`: ember's command line.
+//!
+//! - `train`: pre-trains BERT from a TOML config (default `configs/tiny-cpu.toml`) with flag
+//!   overrides, on the CPU (Burn's NdArray backend).
+
+mod train;
+
+/// mimalloc instead of glibc's malloc: the MLM logits and their gradients are ~80 MB buffers,
+/// which glibc serves with a fresh mmap each time (page faults and zeroing on every op);
+/// mimalloc reuses them. Measured: a tiny-BERT step went from 3.5 s to 2.1 s on 2 cores.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "cargo xtask",
+    about = "ember: BERT pre-training in Rust on Burn",
+    version
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Pre-train BERT (single process) and write metrics and a Hugging Face checkpoint.
+    Train(train::TrainArgs),
+}
+
+/// The workspace root (the folder of the top-level Cargo.toml), so that default paths work
+/// from any working directory.
+pub fn project_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one folder below the workspace root")
+        .to_path_buf()
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result: Result<()> = match Cli::parse().command {
+        Command::Train(args) => train::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            // `{:#}` prints the whole chain of causes on one line, without a backtrace: the
+            // errors name the file or setting at fault, which is what a user needs.
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! `cargo xtask train`.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use burn::backend::{Autodiff, NdArray};
+use clap::Args;
+use ember_model::Preset;
+use ember_trainer::{OptimizerKind, RunOptions, TrainConfig};
+
+use crate::project_root;
+
+/// Flags of `train`. Each overrides the same setting of the config file.
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    /// TOML training config [default: configs/tiny-cpu.toml]
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Optimizer steps (train.steps)
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Samples per step, the global batch size (train.batch_size)
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// Peak learning rate after warmup (optimizer.lr)
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Optimizer: adamw or lamb (optimizer.name)
+    #[arg(long, value_parser = parse_optimizer)]
+    optimizer: Option<OptimizerKind>,
+    /// Longest sequence in tokens, [CLS] and [SEP]s included (instances.max_seq_length)
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Most masked positions per sequence (instances.max_predictions_per_seq)
+    #[arg(long)]
+    max_predictions: Option<usize>,
+    /// Model size: tiny, mini, small, base or large (model.preset)
+    #[arg(long)]
+    preset: Option<Preset>,
+    /// Corpus file or folder of .txt files: one sentence per line, blank line between
+    /// documents (data.corpus) [default: the embedded Wikipedia corpus]
+    #[arg(long)]
+    corpus: Option<PathBuf>,
+    /// WordPiece vocab.txt (data.vocab) [default: bert-base-uncased's]
+    #[arg(long)]
+    vocab: Option<PathBuf>,
+    /// Output folder for metrics.jsonl, model.safetensors, config.json (train.out)
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Seed of model initialisation, dropout, batch order and instance creation
+    /// (train.seed and instances.seed)
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Evaluate every N steps (train.eval_every)
+    #[arg(long)]
+    eval_every: Option<u64>,
+    /// Stop once held-out masked-LM accuracy reaches this fraction (train.target_mlm_accuracy)
+    #[arg(long)]
+    target_mlm_accuracy: Option<f64>,
+    /// Do not draw the progress bar
+    #[arg(long)]
+    no_progress: bool,
+}
+
+fn parse_optimizer(s: &str) -> Result<OptimizerKind, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "adamw" => Ok(OptimizerKind::AdamW),
+        "lamb" => Ok(OptimizerKind::Lamb),
+        other => Err(format!(
+            "unknown optimizer {other:?} (expected adamw or lamb)"
+        )),
+    }
+}
+
+impl TrainArgs {
+    /// The config file with the flags applied.
+    fn resolve(&self) -> Result<TrainConfig> {
+        let path = self
+            .config
+            .clone()
+            .unwrap_or_else(|| project_root().join("configs/tiny-cpu.toml"));
+        let mut config = TrainConfig::load(&path)?;
+        let t = &mut config.train;
+        if let Some(v) = self.steps {
+            t.steps = v;
+        }
+        if let Some(v) = self.batch_size {
+            t.batch_size = v;
+        }
+        if let Some(v) = self.eval_every {
+            t.eval_every = v;
+        }
+        if let Some(v) = self.target_mlm_accuracy {
+            t.target_mlm_accuracy = Some(v);
+        }
+        if let Some(v) = &self.out {
+            t.out = v.clone();
+        }
+        if let Some(v) = self.seed {
+            t.seed = v;
+            config.instances.seed = v;
+        }
+        if let Some(v) = self.lr {
+            config.optimizer.lr = v;
+        }
+        if let Some(v) = self.optimizer {
+            config.optimizer.name = v;
+        }
+        if let Some(v) = self.seq_len {
+            config.instances.max_seq_length = v;
+        }
+        if let Some(v) = self.max_predictions {
+            config.instances.max_predictions_per_seq = v;
+        }
+        if let Some(v) = self.preset {
+            config.model.preset = v;
+        }
+        if let Some(v) = &self.corpus {
+            config.data.corpus = Some(v.clone());
+        }
+        if let Some(v) = &self.vocab {
+            config.data.vocab = Some(v.clone());
+        }
+        Ok(config)
+    }
+}
+
+pub fn run(args: TrainArgs) -> Result<()> {
+    let config = args.resolve()?;
+    let device = Default::default();
+    let summary = ember_trainer::train::<Autodiff<NdArray>>(
+        &config,
+        &device,
+        RunOptions {
+            progress: !args.no_progress,
+        },
+    )
+    .context("training failed")?;
+    println!(
+        "ember: {} steps in {:.0} s ({:.0} tokens/s); held-out masked-LM accuracy {:.4} \
+         (unigram baseline {:.4}, always {:?}), next-sentence accuracy {:.4}; loss {:.3} -> {:.3}; \
+         checkpoint {}",
+        summary.steps,
+        summary.train_seconds,
+        summary.tokens_per_second,
+        summary.eval.mlm_accuracy,
+        summary.unigram_baseline,
+        summary.unigram_token,
+        summary.eval.nsp_accuracy,
+        summary.losses.first().copied().unwrap_or(f64::NAN),
+        summary.losses.last().copied().unwrap_or(f64::NAN),
+        summary.checkpoint.display(),
+    );
+    Ok(())
+}
