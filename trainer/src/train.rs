@@ -188,9 +188,11 @@ pub fn train<B: AutodiffBackend>(
     )?;
     let mut eval_instances = data.eval;
     eval_instances.truncate(config.train.eval_samples);
+    // Evaluation needs no full batches: a small held-out set is evaluated in smaller ones.
+    let eval_batch_size = batch_size.min(64).min(eval_instances.len().max(1));
     let eval_loader = InstanceLoader::new(
         eval_instances,
-        batch_size.min(64),
+        eval_batch_size,
         seq_len,
         0,
         "evaluation set",

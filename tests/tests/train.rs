@@ -1,0 +1,197 @@
+//! End to end through the library API: a short pre-training run on the embedded corpus, and
+//! every bad input refused before the first step with the file or setting named.
+
+use std::path::{Path, PathBuf};
+
+use burn::backend::{Autodiff, NdArray};
+use ember_model::BertForPreTraining;
+use ember_trainer::{RunOptions, TrainConfig, TrainError, train};
+
+type B = Autodiff<NdArray>;
+
+/// A quick configuration: tiny model, sequences of 64, batch 8, one pass of instances.
+fn quick_config(out: &Path, steps: u64) -> TrainConfig {
+    let mut config = TrainConfig::default();
+    config.instances.max_seq_length = 64;
+    config.instances.max_predictions_per_seq = 10;
+    config.instances.dupe_factor = 1;
+    config.optimizer.lr = 3e-3;
+    config.schedule.warmup_steps = Some(3);
+    config.train.steps = steps;
+    config.train.batch_size = 8;
+    config.train.eval_every = steps;
+    config.train.eval_samples = 64;
+    config.train.log_every = 5;
+    config.train.out = out.to_path_buf();
+    config
+}
+
+fn run(config: &TrainConfig) -> Result<ember_trainer::TrainSummary, TrainError> {
+    train::<B>(config, &Default::default(), RunOptions::default())
+}
+
+#[test]
+fn short_run_lowers_the_loss_and_writes_metrics_and_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let config = quick_config(&out, 40);
+    let summary = run(&config).unwrap();
+
+    assert_eq!(summary.steps, 40);
+    assert_eq!(summary.losses.len(), 40);
+    let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
+    let (first, last) = (mean(&summary.losses[..5]), mean(&summary.losses[35..]));
+    assert!(
+        first > 10.5,
+        "a fresh model starts near ln(30522) + ln(2) = 11.0, got {first}"
+    );
+    assert!(
+        last < first - 0.5,
+        "the loss did not fall: first five {first:.3}, last five {last:.3}"
+    );
+    assert!(summary.eval.num_predictions > 0 && summary.eval.num_samples == 64);
+    assert!((0.0..=1.0).contains(&summary.eval.mlm_accuracy));
+    assert!(summary.unigram_baseline > 0.03 && summary.unigram_baseline < 0.2);
+
+    // Metrics: one start line, a train line every 5 steps, one eval, one end line.
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let events: Vec<&str> = lines.iter().map(|l| l["event"].as_str().unwrap()).collect();
+    assert_eq!(events.iter().filter(|e| **e == "train").count(), 8);
+    assert_eq!(events.iter().filter(|e| **e == "eval").count(), 1);
+    assert_eq!((events[0], events[events.len() - 1]), ("start", "end"));
+    let last_train = lines.iter().rev().find(|l| l["event"] == "train").unwrap();
+    assert_eq!(last_train["step"], 40);
+    assert!((last_train["loss"].as_f64().unwrap() - summary.losses[39]).abs() < 1e-6);
+
+    // Checkpoint: Hugging Face config + weights, and no temporary file left behind.
+    let names: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    for expected in [
+        "model.safetensors",
+        "config.json",
+        "train_config.toml",
+        "metrics.jsonl",
+    ] {
+        assert!(
+            names.iter().any(|n| n == expected),
+            "{expected} missing from {names:?}"
+        );
+    }
+    assert!(!names.iter().any(|n| n.ends_with(".tmp")), "{names:?}");
+    let bert = ember_model::BertConfig::load_json(&out.join("config.json")).unwrap();
+    assert_eq!((bert.hidden_size, bert.vocab_size), (128, 30522));
+    let reloaded: BertForPreTraining<NdArray> = bert
+        .init_for_pretraining(&Default::default())
+        .load_hf_safetensors(&summary.checkpoint)
+        .unwrap();
+    let saved_config = TrainConfig::load(&out.join("train_config.toml")).unwrap();
+    assert_eq!(saved_config, config);
+    // The reloaded model evaluates to the run's final accuracy.
+    let prepared = ember_trainer::prepare_data(&config).unwrap();
+    let loader = ember_data::InstanceLoader::new(
+        prepared.eval.into_iter().take(64).collect(),
+        8,
+        64,
+        0,
+        "eval",
+    )
+    .unwrap();
+    let again =
+        ember_trainer::eval::evaluate(&reloaded, loader.sequential_batches(), &Default::default());
+    assert!((again.mlm_accuracy - summary.eval.mlm_accuracy).abs() < 1e-9);
+}
+
+fn expect_error(config: &TrainConfig, needles: &[&str]) {
+    let err = run(config).expect_err("the run should be refused");
+    let text = err.to_string();
+    for needle in needles {
+        assert!(
+            text.contains(needle),
+            "error {text:?} should mention {needle:?}"
+        );
+    }
+}
+
+#[test]
+fn bad_inputs_are_refused_before_training_with_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let base = quick_config(&out, 5);
+
+    // Missing corpus.
+    let mut config = base.clone();
+    config.data.corpus = Some(PathBuf::from("/nonexistent/corpus.txt"));
+    expect_error(&config, &["/nonexistent/corpus.txt"]);
+
+    // Empty corpus.
+    let empty = dir.path().join("empty-corpus.txt");
+    std::fs::write(&empty, "\n\n").unwrap();
+    config.data.corpus = Some(empty);
+    expect_error(&config, &["empty-corpus.txt", "empty"]);
+
+    // A vocabulary without the special tokens.
+    let mut config = base.clone();
+    let vocab = dir.path().join("plain-vocab.txt");
+    std::fs::write(&vocab, "[PAD]\n[UNK]\nthe\nof\n").unwrap();
+    config.data.vocab = Some(vocab);
+    expect_error(&config, &["plain-vocab.txt", "[CLS]"]);
+
+    // Sequences longer than the model's positions.
+    let mut config = base.clone();
+    config.instances.max_seq_length = 1024;
+    expect_error(&config, &["1024", "max_position_embeddings 512"]);
+
+    // A batch larger than the data: a corpus of 3 short documents.
+    let mut config = base.clone();
+    let small = dir.path().join("small-corpus.txt");
+    std::fs::write(
+        &small,
+        "The cat sat.\nIt purred.\n\nDogs bark.\nThey run.\n\nBirds fly.\nThey sing.\n",
+    )
+    .unwrap();
+    config.data.corpus = Some(small);
+    config.train.batch_size = 64;
+    expect_error(&config, &["batch size 64", "training set"]);
+
+    // An output folder that cannot be created (its parent is a file).
+    let mut config = base.clone();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "").unwrap();
+    config.train.out = file.join("run");
+    expect_error(&config, &["a-file/run"]);
+
+    // Settings that make no sense.
+    let mut config = base.clone();
+    config.train.batch_size = 0;
+    expect_error(&config, &["train.batch_size"]);
+    let mut config = base;
+    config.optimizer.lr = -1.0;
+    expect_error(&config, &["optimizer.lr"]);
+
+    // None of the refused runs wrote metrics.
+    assert!(!out.join("metrics.jsonl").exists());
+}
+
+#[test]
+fn config_file_errors_name_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("typo.toml");
+    std::fs::write(&path, "[train]\nstepz = 10\n").unwrap();
+    let err = TrainConfig::load(&path).unwrap_err().to_string();
+    assert!(err.contains("typo.toml") && err.contains("stepz"), "{err}");
+    let err = TrainConfig::load(&dir.path().join("missing.toml"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("missing.toml"), "{err}");
+    // The shipped default config parses and validates.
+    let shipped =
+        TrainConfig::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/tiny-cpu.toml"))
+            .unwrap();
+    shipped.validate().unwrap();
+}
