@@ -15,9 +15,9 @@ pub type Document = Vec<Vec<u32>>;
 /// [`DataError::Io`] naming the file that is missing or unreadable (or not UTF-8);
 /// [`DataError::EmptyCorpus`] if there is no sentence at all.
 pub fn read_documents(path: &Path) -> Result<Vec<Vec<String>>, DataError> {
-    let io_error = |path: &Path, source| DataError::Io {
+    let io_error = |path: &Path, error| DataError::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     };
     let files: Vec<PathBuf> = if path.is_dir() {
         let mut files: Vec<PathBuf> = std::fs::read_dir(path)

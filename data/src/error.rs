@@ -4,12 +4,12 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
     /// A file could not be opened or read.
-    #[error("{}: {source}", path.display())]
+    #[error("{}: {error}", path.display())]
     Io {
         /// The file.
         path: PathBuf,
-        /// The I/O error.
-        source: std::io::Error,
+        /// The I/O error (in the message, not chained, so it prints once).
+        error: std::io::Error,
     },
     /// A corpus file (or folder) that holds no text.
     #[error("{}: the corpus is empty (expected one sentence per line, a blank line between documents)", path.display())]

@@ -63,9 +63,9 @@ impl WordPieceTokenizer {
     /// [`DataError::Tokenizer`] if it has no tokens, [`DataError::MissingSpecialToken`] if one
     /// of `[PAD]`, `[UNK]`, `[CLS]`, `[SEP]`, `[MASK]` is absent.
     pub fn from_vocab_file(path: &Path) -> Result<Self, DataError> {
-        let text = std::fs::read_to_string(path).map_err(|source| DataError::Io {
+        let text = std::fs::read_to_string(path).map_err(|error| DataError::Io {
             path: path.to_path_buf(),
-            source,
+            error,
         })?;
         // The reference `load_vocab` keeps every line, so ids are line numbers.
         let tokens: Vec<&str> = text.lines().map(|l| l.trim_end()).collect();

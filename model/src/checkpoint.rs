@@ -94,7 +94,7 @@ fn ensure_file(path: &Path) -> Result<(), ModelError> {
     } else {
         Err(ModelError::Io {
             path: path.to_path_buf(),
-            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such checkpoint file"),
+            error: std::io::Error::new(std::io::ErrorKind::NotFound, "no such checkpoint file"),
         })
     }
 }

@@ -147,15 +147,14 @@ impl BertConfig {
     /// [`ModelError::Io`] if the file cannot be read, [`ModelError::ConfigJson`] if it is not
     /// valid JSON of this shape, and any error of [`BertConfig::validate`].
     pub fn load_json(path: &Path) -> Result<Self, ModelError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+        let text = std::fs::read_to_string(path).map_err(|error| ModelError::Io {
             path: path.to_path_buf(),
-            source,
+            error,
         })?;
-        let config: Self =
-            serde_json::from_str(&text).map_err(|source| ModelError::ConfigJson {
-                path: path.to_path_buf(),
-                source,
-            })?;
+        let config: Self = serde_json::from_str(&text).map_err(|error| ModelError::ConfigJson {
+            path: path.to_path_buf(),
+            error,
+        })?;
         config.validate()?;
         Ok(config)
     }

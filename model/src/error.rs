@@ -15,20 +15,20 @@ pub enum ModelError {
     #[error("unknown model preset {0:?} (expected one of: tiny, mini, small, base, large)")]
     UnknownPreset(String),
     /// A file could not be read or written.
-    #[error("{}: {source}", path.display())]
+    #[error("{}: {error}", path.display())]
     Io {
         /// The file.
         path: PathBuf,
-        /// The I/O error.
-        source: std::io::Error,
+        /// The I/O error (in the message, not chained, so it prints once).
+        error: std::io::Error,
     },
     /// A `config.json` that is not a BERT configuration.
-    #[error("{}: not a BERT config.json: {source}", path.display())]
+    #[error("{}: not a BERT config.json: {error}", path.display())]
     ConfigJson {
         /// The file.
         path: PathBuf,
         /// The JSON error.
-        source: serde_json::Error,
+        error: serde_json::Error,
     },
     /// A safetensors checkpoint that does not fit the model.
     #[error("{}: {reason}", path.display())]

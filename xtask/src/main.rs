@@ -20,6 +20,7 @@ use clap::{Parser, Subcommand};
 #[derive(Parser)]
 #[command(
     name = "cargo xtask",
+    bin_name = "cargo xtask",
     about = "ember: BERT pre-training in Rust on Burn",
     version
 )]
