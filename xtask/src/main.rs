@@ -7,7 +7,8 @@ mod train;
 
 /// mimalloc instead of glibc's malloc: the MLM logits and their gradients are ~80 MB buffers,
 /// which glibc serves with a fresh mmap each time (page faults and zeroing on every op);
-/// mimalloc reuses them. Measured: a tiny-BERT step went from 3.5 s to 2.1 s on 2 cores.
+/// mimalloc reuses them. Measured: a tiny-BERT batch-32 step takes 2.0 s instead of 2.6 s on
+/// 2 cores.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
