@@ -236,3 +236,28 @@ fn bad_checkpoints_are_refused_with_the_file_named() {
         .to_string();
     assert!(err.contains("absent.safetensors"), "{err}");
 }
+
+// Note [Approximate reciprocal]: Burn 0.21's autodiff computes the gradient of `a / b` as
+// `grad · recip(b)`, and burn-ndarray's `simd` feature maps `recip` to the CPU's approximate
+// reciprocal instruction (relative error up to 3.7e-4). With it on, softmax and LayerNorm
+// gradients were 2e-4..3e-4 relative off Hugging Face and the gradient of a key bias (exactly
+// 0) was not. The workspace therefore builds burn-ndarray without `simd`; this test fails if
+// a dependency turns it back on through feature unification.
+#[test]
+fn division_gradients_are_exact() {
+    let device = Default::default();
+    let divisors: Vec<f32> = (0..64).map(|i| 1.0 + (i as f32) * 0.173).collect();
+    let b = Tensor::<B, 1>::from_data(TensorData::new(divisors.clone(), [64]), &device);
+    let a = Tensor::<B, 1>::ones([64], &device).require_grad();
+    let grads = (a.clone() / b).sum().backward();
+    let ours = values(a.grad(&grads).unwrap().into_data());
+    let worst = ours
+        .iter()
+        .zip(&divisors)
+        .map(|(x, v)| (x * f64::from(*v) - 1.0).abs())
+        .fold(0f64, f64::max);
+    assert!(
+        worst <= 2.0 * f64::from(f32::EPSILON),
+        "d(a/b)/da is {worst:e} relative off 1/b: an approximate reciprocal is in use"
+    );
+}

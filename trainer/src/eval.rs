@@ -5,8 +5,8 @@ use std::collections::HashMap;
 
 use burn::tensor::ElementConversion;
 use burn::tensor::backend::Backend;
-use ember_data::{HostBatch, TrainingInstance};
-use ember_model::BertForPreTraining;
+use ember_data::{Batch, HostBatch, TrainingInstance};
+use ember_model::{BertForPreTraining, PreTrainingLoss, PreTrainingOutput};
 use serde::Serialize;
 
 /// Accuracy and loss over an evaluation set.
@@ -26,6 +26,21 @@ pub struct EvalResult {
     pub num_samples: usize,
 }
 
+/// Runs the model on a batch and computes its pre-training loss.
+pub fn forward_loss<B: Backend>(
+    model: &BertForPreTraining<B>,
+    batch: Batch<B>,
+) -> (PreTrainingOutput<B>, PreTrainingLoss<B>) {
+    let output = model.forward(
+        batch.input_ids,
+        batch.segment_ids,
+        batch.input_mask,
+        batch.masked_lm_flat_positions,
+    );
+    let loss = model.loss(&output, batch.masked_lm_labels, batch.next_sentence_labels);
+    (output, loss)
+}
+
 /// Evaluates `model` (use `model.valid()`: the inner backend has no dropout) on `batches`.
 pub fn evaluate<B: Backend>(
     model: &BertForPreTraining<B>,
@@ -36,17 +51,7 @@ pub fn evaluate<B: Backend>(
     let (mut nsp_correct, mut nsp_loss, mut samples) = (0.0f64, 0.0f64, 0usize);
     for host in batches {
         let batch = host.to_device::<B>(device);
-        let output = model.forward(
-            batch.input_ids,
-            batch.segment_ids,
-            batch.input_mask,
-            batch.masked_lm_flat_positions,
-        );
-        let loss = model.loss(
-            &output,
-            batch.masked_lm_labels.clone(),
-            batch.next_sentence_labels.clone(),
-        );
+        let (output, loss) = forward_loss(model, batch.clone());
         let [n, _] = output.mlm_logits.dims();
         let b = host.batch_size;
         let n_pred = n as f64;

@@ -20,7 +20,7 @@ use serde::Serialize;
 use serde_json::json;
 use tracing::info;
 
-use crate::eval::{EvalResult, evaluate, unigram_baseline};
+use crate::eval::{EvalResult, evaluate, forward_loss, unigram_baseline};
 use crate::grads::clip_global_norm;
 use crate::optim::PreTrainingOptimizer;
 use crate::schedule::WarmupPolyDecay;
@@ -265,15 +265,7 @@ pub fn train<B: AutodiffBackend>(
     while step < config.train.steps {
         let host = loader.next_batch();
         tokens += host.num_tokens();
-        let batch = host.to_device::<B>(device);
-
-        let output = model.forward(
-            batch.input_ids,
-            batch.segment_ids,
-            batch.input_mask,
-            batch.masked_lm_flat_positions,
-        );
-        let loss = model.loss(&output, batch.masked_lm_labels, batch.next_sentence_labels);
+        let (_, loss) = forward_loss(&model, host.to_device::<B>(device));
         let loss_value = f64::from(loss.total.clone().into_scalar().elem::<f32>());
         if !loss_value.is_finite() {
             return Err(TrainError::Diverged {
