@@ -10,6 +10,8 @@ use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
+use crate::hook::{ForwardHook, NoHook};
+
 use crate::BertConfig;
 
 /// Additive attention bias of a padded key: exp(-10000 - max) underflows to exactly 0 in f32,
@@ -313,10 +315,23 @@ impl<B: Backend> BertEncoder<B> {
         hidden_states: Tensor<B, 3>,
         input_mask: Tensor<B, 2, Int>,
     ) -> Tensor<B, 3> {
+        self.forward_hooked(hidden_states, input_mask, &NoHook)
+    }
+
+    /// [`BertEncoder::forward`] with `hook.layer_input(i, ..)` applied to each layer's input.
+    pub fn forward_hooked(
+        &self,
+        hidden_states: Tensor<B, 3>,
+        input_mask: Tensor<B, 2, Int>,
+        hook: &dyn ForwardHook<B>,
+    ) -> Tensor<B, 3> {
         let mask_bias = attention_mask_bias(input_mask);
-        self.layer.iter().fold(hidden_states, |x, layer| {
-            layer.forward(x, mask_bias.clone())
-        })
+        self.layer
+            .iter()
+            .enumerate()
+            .fold(hidden_states, |x, (i, layer)| {
+                layer.forward(hook.layer_input(i, x), mask_bias.clone())
+            })
     }
 }
 
@@ -417,8 +432,21 @@ impl<B: Backend> BertModel<B> {
         segment_ids: Tensor<B, 2, Int>,
         input_mask: Tensor<B, 2, Int>,
     ) -> BertModelOutput<B> {
+        self.forward_hooked(input_ids, segment_ids, input_mask, &NoHook)
+    }
+
+    /// [`BertModel::forward`] with `hook` at every encoder layer's input and at the pooler's
+    /// input (`heads_input`; the returned `sequence_output` is the hooked one).
+    pub fn forward_hooked(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        segment_ids: Tensor<B, 2, Int>,
+        input_mask: Tensor<B, 2, Int>,
+        hook: &dyn ForwardHook<B>,
+    ) -> BertModelOutput<B> {
         let embedded = self.embeddings.forward(input_ids, segment_ids);
-        let sequence_output = self.encoder.forward(embedded, input_mask);
+        let encoded = self.encoder.forward_hooked(embedded, input_mask, hook);
+        let sequence_output = hook.heads_input(encoded);
         let pooled_output = self.pooler.forward(sequence_output.clone());
         BertModelOutput {
             sequence_output,

@@ -34,6 +34,7 @@ mod bert;
 pub mod checkpoint;
 mod config;
 mod error;
+mod hook;
 mod pretraining;
 
 pub use bert::{
@@ -42,6 +43,7 @@ pub use bert::{
 };
 pub use config::{BertConfig, Preset};
 pub use error::ModelError;
+pub use hook::{ForwardHook, NoHook};
 pub use pretraining::{
     BertForPreTraining, BertLMPredictionHead, BertPreTrainingHeads, BertPredictionHeadTransform,
     PreTrainingLoss, PreTrainingOutput, cross_entropy,

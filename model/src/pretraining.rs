@@ -10,6 +10,7 @@ use burn::tensor::{Int, Tensor};
 
 use crate::BertConfig;
 use crate::bert::{BertModel, dense, gelu, layer_norm};
+use crate::hook::{ForwardHook, NoHook};
 
 /// Dense + GELU + LayerNorm before the vocabulary projection.
 /// Mirrors Hugging Face `BertPredictionHeadTransform`.
@@ -107,7 +108,28 @@ impl<B: Backend> BertForPreTraining<B> {
         input_mask: Tensor<B, 2, Int>,
         masked_lm_flat_positions: Tensor<B, 1, Int>,
     ) -> PreTrainingOutput<B> {
-        let out = self.bert.forward(input_ids, segment_ids, input_mask);
+        self.forward_hooked(
+            input_ids,
+            segment_ids,
+            input_mask,
+            masked_lm_flat_positions,
+            &NoHook,
+        )
+    }
+
+    /// [`BertForPreTraining::forward`] with `hook` at every encoder layer's input and at the
+    /// input of the pooler and heads (see [`ForwardHook`]).
+    pub fn forward_hooked(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        segment_ids: Tensor<B, 2, Int>,
+        input_mask: Tensor<B, 2, Int>,
+        masked_lm_flat_positions: Tensor<B, 1, Int>,
+        hook: &dyn ForwardHook<B>,
+    ) -> PreTrainingOutput<B> {
+        let out = self
+            .bert
+            .forward_hooked(input_ids, segment_ids, input_mask, hook);
         let [batch, seq_len, hidden] = out.sequence_output.dims();
         let masked_states = out
             .sequence_output

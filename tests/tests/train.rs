@@ -95,7 +95,7 @@ fn short_run_lowers_the_loss_and_writes_metrics_and_checkpoint() {
     // The reloaded model evaluates to the run's final accuracy.
     let prepared = ember_trainer::prepare_data(&config).unwrap();
     let loader = ember_data::InstanceLoader::new(
-        prepared.eval.into_iter().take(64).collect(),
+        prepared.eval.iter().take(64).cloned().collect::<Vec<_>>(),
         8,
         64,
         0,

@@ -9,6 +9,7 @@ use ember_model::{BertConfig, Preset};
 use serde::{Deserialize, Serialize};
 
 use crate::TrainError;
+use crate::dist::ClipMode;
 
 /// Everything a training run needs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -22,6 +23,7 @@ pub struct TrainConfig {
     pub optimizer: OptimizerConfig,
     pub schedule: ScheduleConfig,
     pub train: LoopConfig,
+    pub parallel: ParallelConfig,
 }
 
 impl Default for TrainConfig {
@@ -33,6 +35,7 @@ impl Default for TrainConfig {
             optimizer: OptimizerConfig::default(),
             schedule: ScheduleConfig::default(),
             train: LoopConfig::default(),
+            parallel: ParallelConfig::default(),
         }
     }
 }
@@ -164,7 +167,9 @@ impl Default for ScheduleConfig {
 pub struct LoopConfig {
     /// Optimizer steps. Default: 500.
     pub steps: u64,
-    /// Samples per step (the global batch size; one rank for now). Default: 32.
+    /// Samples per rank and micro-batch (the local batch size). The global batch size, the
+    /// samples behind one optimizer step, is `batch_size × parallel.grad_accum × world_size`.
+    /// Default: 32.
     pub batch_size: usize,
     /// Evaluate every this many steps (and after the last). Default: 100.
     pub eval_every: u64,
@@ -191,6 +196,37 @@ impl Default for LoopConfig {
             log_every: 10,
             seed: 42,
             out: PathBuf::from("runs/latest"),
+        }
+    }
+}
+
+/// Data-parallel settings (PyTorch DDP's `bucket_cap_mb`; MLPerf BERT's clipping modes).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ParallelConfig {
+    /// Gradient clipping mode, with `optimizer.max_grad_norm` ([`ClipMode`] gives each
+    /// formula). Default: global.
+    pub clip: ClipMode,
+    /// Cap of every gradient bucket but the first, MiB of f32. Default: 25 (PyTorch DDP).
+    pub bucket_cap_mb: f64,
+    /// Cap of the first bucket, MiB: small, so communication starts early. Default: 1.
+    pub first_bucket_mb: f64,
+    /// Micro-batches per optimizer step (gradient accumulation); only the last one
+    /// communicates. Default: 1.
+    pub grad_accum: usize,
+    /// Seconds any collective may wait for the other ranks before the run stops with an
+    /// error naming the missing rank. Default: 300.
+    pub timeout_s: f64,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        Self {
+            clip: ClipMode::Global,
+            bucket_cap_mb: 25.0,
+            first_bucket_mb: 1.0,
+            grad_accum: 1,
+            timeout_s: 300.0,
         }
     }
 }
@@ -309,6 +345,22 @@ impl TrainConfig {
                     self.warmup_steps(),
                     t.steps
                 ),
+            );
+        }
+        let p = &self.parallel;
+        if !(p.bucket_cap_mb > 0.0 && p.first_bucket_mb > 0.0) {
+            return invalid(
+                "parallel.bucket_cap_mb/first_bucket_mb",
+                "must be positive".into(),
+            );
+        }
+        if p.grad_accum == 0 {
+            return invalid("parallel.grad_accum", "must be at least 1".into());
+        }
+        if !(p.timeout_s.is_finite() && p.timeout_s > 0.0) {
+            return invalid(
+                "parallel.timeout_s",
+                format!("{} must be a positive number", p.timeout_s),
             );
         }
         let max_positions = BertConfig::preset(self.model.preset).max_position_embeddings;

@@ -50,6 +50,28 @@ pub enum TrainError {
         /// The loss value.
         loss: f64,
     },
+    /// A collective failed: another rank left or stalled, or the ranks disagree.
+    #[error("data-parallel communication failed: {0}")]
+    Comm(#[from] crate::dist::CommError),
+    /// Ranks started with different configurations or bucket plans.
+    #[error(
+        "rank {rank} disagrees with rank 0 on the {what}, line {line}: rank 0 has {theirs:?}, rank {rank} has {ours:?}"
+    )]
+    RankMismatch {
+        /// `configuration` or `bucket plan`.
+        what: &'static str,
+        /// The rank that differs.
+        rank: usize,
+        /// First differing line.
+        line: usize,
+        /// That line on rank 0.
+        theirs: String,
+        /// That line on `rank`.
+        ours: String,
+    },
+    /// Launch variables that cannot be used.
+    #[error(transparent)]
+    Launch(#[from] crate::dist::LaunchError),
     /// An error of the data pipeline.
     #[error(transparent)]
     Data(#[from] DataError),

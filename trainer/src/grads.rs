@@ -165,3 +165,34 @@ pub fn named_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     module.visit(&mut collect);
     collect.out
 }
+
+/// Moves the gradients of the parameters in `ids` out of `grads` to the host, as
+/// `(parameter, f32 data in the parameter's shape)`: how gradients that no hook delivered
+/// reach the reducer.
+pub fn take_host_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &mut GradientsParams,
+    ids: &[ParamId],
+) -> Vec<(ParamId, burn::tensor::TensorData)> {
+    struct Take<'a> {
+        grads: &'a mut GradientsParams,
+        ids: &'a [ParamId],
+        out: Vec<(ParamId, burn::tensor::TensorData)>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Take<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if self.ids.contains(&param.id) {
+                if let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+                    self.out.push((param.id, grad.into_data().convert::<f32>()));
+                }
+            }
+        }
+    }
+    let mut take = Take {
+        grads,
+        ids,
+        out: Vec::new(),
+    };
+    module.visit(&mut take);
+    take.out
+}

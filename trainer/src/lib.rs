@@ -1,10 +1,13 @@
 //! BERT pre-training: the loop, its optimizers, schedule, gradient clipping, evaluation,
 //! metrics and checkpoints.
 //!
-//! One process, one rank for now. The loop lives in [`train()`]; a configuration is a
-//! [`TrainConfig`] read from TOML.
+//! The loop lives in [`train_rank`]: one data-parallel rank, which is the whole job when
+//! [`train()`] runs it alone, one of several threads under [`train_in_process`], or one of
+//! several processes under MPI. A configuration is a [`TrainConfig`] read from TOML;
+//! [`dist`] holds the collectives, gradient hooks and the bucketed reducer.
 
 pub mod config;
+pub mod dist;
 mod error;
 pub mod eval;
 pub mod grads;
@@ -12,7 +15,9 @@ pub mod optim;
 pub mod schedule;
 mod train;
 
-pub use config::{OptimizerKind, TrainConfig};
+pub use config::{OptimizerKind, ParallelConfig, TrainConfig};
 pub use error::TrainError;
 pub use eval::EvalResult;
-pub use train::{PreparedData, RunOptions, TrainSummary, prepare_data, train};
+pub use train::{
+    PreparedData, RunOptions, TrainSummary, prepare_data, train, train_in_process, train_rank,
+};

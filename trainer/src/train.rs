@@ -1,15 +1,18 @@
-//! The training loop, top to bottom: config → data → model → optimizer → loop (forward,
-//! backward, clip, step, log, evaluate) → checkpoint.
+//! The training loop, top to bottom: config → data → model → optimizer → loop (forward with
+//! gradient hooks, backward, bucketed allreduce and clipping, step, log, evaluate) →
+//! checkpoint. One function, [`train_rank`], is one data-parallel rank; a one-rank job is the
+//! same loop with a [`SingleRank`] communicator.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use burn::module::{AutodiffModule, Module};
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::ElementConversion;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Tensor, TensorData};
 use ember_data::{
     InstanceLoader, TrainingInstance, WordPieceTokenizer, create_training_instances,
     read_documents, split_held_out, tokenize_documents,
@@ -20,8 +23,13 @@ use serde::Serialize;
 use serde_json::json;
 use tracing::info;
 
-use crate::eval::{EvalResult, evaluate, forward_loss, unigram_baseline};
-use crate::grads::clip_global_norm;
+use crate::dist::hooks::ready_order;
+use crate::dist::{
+    BucketPlan, Collective, CommError, CommThread, GradHookBackend, GradHooks, InProcess, ReduceOp,
+    Reducer, SingleRank,
+};
+use crate::eval::{EvalResult, evaluate, unigram_baseline};
+use crate::grads::named_params;
 use crate::optim::PreTrainingOptimizer;
 use crate::schedule::WarmupPolyDecay;
 use crate::{TrainConfig, TrainError};
@@ -29,7 +37,7 @@ use crate::{TrainConfig, TrainError};
 /// How a run reports while it runs.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RunOptions {
-    /// Draw an indicatif progress bar on stderr.
+    /// Draw an indicatif progress bar on stderr (rank 0 only).
     pub progress: bool,
 }
 
@@ -56,13 +64,20 @@ pub struct TrainSummary {
     pub checkpoint: PathBuf,
     /// The metrics file (JSON lines).
     pub metrics: PathBuf,
+    /// Ranks that trained together.
+    pub world_size: usize,
+    /// Samples per optimizer step over all ranks and micro-batches.
+    pub global_batch_size: usize,
+    /// The gradient buckets, `"K buckets: a, b MiB"`.
+    pub buckets: String,
 }
 
 /// Training and held-out instances of a configuration, with the tokenizer that made them.
 pub struct PreparedData {
     pub tokenizer: WordPieceTokenizer,
-    pub train: Vec<TrainingInstance>,
-    pub eval: Vec<TrainingInstance>,
+    /// Shared, so that in-process ranks read one copy.
+    pub train: Arc<[TrainingInstance]>,
+    pub eval: Arc<[TrainingInstance]>,
 }
 
 /// Reads the vocabulary and corpus of `config`, holds out the last `eval_documents`
@@ -95,8 +110,8 @@ pub fn prepare_data(config: &TrainConfig) -> Result<PreparedData, TrainError> {
         create_training_instances(&eval_docs, &eval_config, special, tokenizer.vocab_size())?;
     Ok(PreparedData {
         tokenizer,
-        train,
-        eval,
+        train: train.into(),
+        eval: eval.into(),
     })
 }
 
@@ -154,40 +169,250 @@ impl MetricsWriter {
     }
 }
 
-/// Pre-trains BERT as `config` says, on `device`, and writes `metrics.jsonl`,
-/// `model.safetensors`, `config.json` (Hugging Face) and `train_config.toml` to `train.out`.
+/// Pre-trains BERT as `config` says, on `device`, as a single process, and writes
+/// `metrics.jsonl`, `model.safetensors`, `config.json` (Hugging Face) and `train_config.toml`
+/// to `train.out`.
 ///
 /// # Errors
 /// Every bad input is reported before the first step: [`TrainError::InvalidSetting`],
 /// [`TrainError::SeqLenTooLong`], [`TrainError::Output`] (folder not writable),
 /// [`TrainError::Data`] (corpus, vocabulary, batch larger than the data). During the run:
 /// [`TrainError::Diverged`] on a non-finite loss, [`TrainError::Output`] if a write fails.
-pub fn train<B: AutodiffBackend>(
+pub fn train<B: GradHookBackend>(
     config: &TrainConfig,
     device: &B::Device,
     options: RunOptions,
 ) -> Result<TrainSummary, TrainError> {
+    train_rank::<B>(config, device, options, Box::new(SingleRank), None)
+}
+
+/// Trains with `world_size` data-parallel ranks as threads of this process (each with its
+/// own model replica on `device`, meeting through [`InProcess`] collectives), and returns
+/// rank 0's summary. The result equals one rank with `world_size` times the batch.
+///
+/// # Errors
+/// As [`train`]. When a rank fails, the others stop with [`TrainError::Comm`] naming it; the
+/// error returned is the first rank's own failure, not the others' reaction to it.
+pub fn train_in_process<B: GradHookBackend>(
+    config: &TrainConfig,
+    world_size: usize,
+    device: &B::Device,
+    options: RunOptions,
+) -> Result<TrainSummary, TrainError> {
+    if world_size == 0 {
+        return Err(TrainError::InvalidSetting {
+            field: "nproc",
+            reason: "must be at least 1".into(),
+        });
+    }
+    config.validate()?;
+    let data = Arc::new(prepare_data(config)?);
+    let timeout = Duration::from_secs_f64(config.parallel.timeout_s);
+    let results: Vec<Result<TrainSummary, TrainError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = InProcess::group(world_size, timeout)
+            .into_iter()
+            .map(|comm| {
+                let data = data.clone();
+                scope.spawn(move || {
+                    train_rank::<B>(config, device, options, Box::new(comm), Some(data))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| {
+                h.join().unwrap_or_else(|_| {
+                    Err(TrainError::Comm(CommError::Backend {
+                        backend: "in-process",
+                        message: format!("rank {rank} panicked"),
+                    }))
+                })
+            })
+            .collect()
+    });
+    let mut errors = Vec::new();
+    let mut summary = None;
+    for (rank, result) in results.into_iter().enumerate() {
+        match result {
+            Ok(s) if rank == 0 => summary = Some(s),
+            Ok(_) => {}
+            Err(e) => errors.push(e),
+        }
+    }
+    // A rank's own failure first; the others' communication errors are its echo.
+    if let Some(i) = errors
+        .iter()
+        .position(|e| !matches!(e, TrainError::Comm(_)))
+    {
+        return Err(errors.swap_remove(i));
+    }
+    match errors.into_iter().next() {
+        Some(e) => Err(e),
+        None => Ok(summary.expect("rank 0 returned a summary")),
+    }
+}
+
+/// Serialises model initialisation across in-process ranks: Burn's NdArray random generator
+/// is process-wide, so ranks initialising at once would interleave their draws.
+static INIT_LOCK: Mutex<()> = Mutex::new(());
+
+/// Checks that every rank has the same `text` (configuration or bucket plan), naming the
+/// first differing line.
+fn agree(comm: &CommThread, what: &'static str, text: String) -> Result<(), TrainError> {
+    let all = comm.call(move |c| c.allgather(text.as_bytes()))?;
+    let reference = String::from_utf8_lossy(&all[0]).into_owned();
+    for (rank, other) in all.iter().enumerate().skip(1) {
+        let other = String::from_utf8_lossy(other);
+        if let Some((line, theirs, ours)) =
+            crate::dist::reducer::first_difference(&reference, &other)
+        {
+            return Err(TrainError::RankMismatch {
+                what,
+                rank,
+                line,
+                theirs,
+                ours,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The bucket plan of a model: its float parameters in `order` (the order their gradients
+/// become ready, [`crate::dist::hooks::ready_order`]), bucketed by size.
+pub fn bucket_plan<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    order: &[burn::module::ParamId],
+    first_bucket_mb: f64,
+    bucket_cap_mb: f64,
+) -> BucketPlan {
+    struct Shapes(Vec<Vec<usize>>);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Shapes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push(param.shape().dims::<D>().to_vec());
+        }
+    }
+    let mut shapes = Shapes(Vec::new());
+    module.visit(&mut shapes);
+    let mut by_id: std::collections::HashMap<_, (String, Vec<usize>)> =
+        named_params::<B, M>(module)
+            .into_iter()
+            .zip(shapes.0)
+            .map(|((name, id), shape)| (id, (name, shape)))
+            .collect();
+    let params: Vec<(String, _, Vec<usize>)> = order
+        .iter()
+        .map(|id| {
+            let (name, shape) = by_id
+                .remove(id)
+                .expect("the order lists each parameter once");
+            (name, *id, shape)
+        })
+        .collect();
+    BucketPlan::new(&params, first_bucket_mb, bucket_cap_mb)
+}
+
+/// Replaces `module`'s parameters with rank 0's (PyTorch DDP does the same at construction),
+/// one bucket-sized broadcast at a time.
+fn broadcast_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: M,
+    plan: &BucketPlan,
+    comm: &CommThread,
+) -> Result<M, TrainError> {
+    let mut values: std::collections::HashMap<burn::module::ParamId, Vec<f32>> = Default::default();
+    struct Read<'a>(&'a mut std::collections::HashMap<burn::module::ParamId, Vec<f32>>);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Read<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let data = param.val().into_data().convert::<f32>();
+            self.0
+                .insert(param.id, data.into_vec::<f32>().expect("f32 data"));
+        }
+    }
+    module.visit(&mut Read(&mut values));
+    for bucket in &plan.buckets {
+        let mut flat = Vec::with_capacity(bucket.numel);
+        for p in &bucket.params {
+            flat.extend_from_slice(&values[&p.id]);
+        }
+        let flat = comm.call(move |c| {
+            let mut flat = flat;
+            c.broadcast(&mut flat, 0).map(|()| flat)
+        })?;
+        for p in &bucket.params {
+            values.insert(p.id, flat[p.offset..p.offset + p.numel()].to_vec());
+        }
+    }
+    struct Write(std::collections::HashMap<burn::module::ParamId, Vec<f32>>);
+    impl<B: AutodiffBackend> ModuleMapper<B> for Write {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let Some(values) = self.0.remove(&param.id) else {
+                return param;
+            };
+            param.map(|tensor| {
+                let shape = tensor.shape();
+                Tensor::from_data(TensorData::new(values, shape), &tensor.device()).require_grad()
+            })
+        }
+    }
+    Ok(module.map(&mut Write(values)))
+}
+
+/// One data-parallel rank of a training run: the whole loop, with `comm` connecting it to
+/// the other ranks ([`SingleRank`] for a job of one). Rank 0 writes the metrics, the
+/// checkpoint and the progress bar; every rank evaluates its share of the held-out set.
+///
+/// `data` lets in-process ranks share one [`PreparedData`]; `None` prepares it here.
+///
+/// # Errors
+/// As [`train`], plus [`TrainError::Comm`] when another rank fails or stalls past
+/// `parallel.timeout_s`, and [`TrainError::RankMismatch`] when the ranks' configurations or
+/// bucket plans differ (checked before the first step).
+pub fn train_rank<B: GradHookBackend>(
+    config: &TrainConfig,
+    device: &B::Device,
+    options: RunOptions,
+    comm: Box<dyn Collective>,
+    data: Option<Arc<PreparedData>>,
+) -> Result<TrainSummary, TrainError> {
     // Config and output.
     config.validate()?;
+    let (rank, world_size) = (comm.rank(), comm.world_size());
+    let main = rank == 0;
     let out = &config.train.out;
-    prepare_output_dir(out)?;
+    if main {
+        prepare_output_dir(out)?;
+    }
+    let comm = Arc::new(CommThread::spawn(comm));
+    agree(&comm, "configuration", config.to_toml())?;
 
     // Data.
-    let data = prepare_data(config)?;
+    let data = match data {
+        Some(data) => data,
+        None => Arc::new(prepare_data(config)?),
+    };
     let seq_len = config.instances.max_seq_length;
     let (unigram_id, unigram_baseline) = unigram_baseline(&data.train, &data.eval);
     let unigram_token = data.tokenizer.id_to_token(unigram_id).unwrap_or_default();
     let num_train = data.train.len();
     let batch_size = config.train.batch_size;
-    let mut loader = InstanceLoader::new(
-        data.train,
+    let grad_accum = config.parallel.grad_accum;
+    let global_batch_size = batch_size * grad_accum * world_size;
+    let mut loader = InstanceLoader::for_rank(
+        data.train.clone(),
         batch_size,
         seq_len,
         config.train.seed,
         "training set",
+        rank,
+        world_size,
     )?;
-    let mut eval_instances = data.eval;
-    eval_instances.truncate(config.train.eval_samples);
+    let eval_instances: Vec<TrainingInstance> = data
+        .eval
+        .iter()
+        .take(config.train.eval_samples)
+        .cloned()
+        .collect();
     // Evaluation needs no full batches: a small held-out set is evaluated in smaller ones.
     let eval_batch_size = batch_size.min(64).min(eval_instances.len().max(1));
     let eval_loader = InstanceLoader::new(
@@ -198,11 +423,38 @@ pub fn train<B: AutodiffBackend>(
         "evaluation set",
     )?;
 
-    // Model and optimizer.
-    B::seed(device, config.train.seed);
+    // Model, buckets, optimizer.
     let bert_config = config.bert_config(data.tokenizer.vocab_size());
     bert_config.validate()?;
-    let mut model: BertForPreTraining<B> = bert_config.init_for_pretraining(device);
+    let model: BertForPreTraining<B> = {
+        let _guard = INIT_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        B::seed(device, config.train.seed);
+        bert_config.init_for_pretraining(device)
+    };
+    // Which gradients the hooks can hand over, in which order: one probe backward on the
+    // first held-out batch (Note [Late gradients] in dist/hooks.rs).
+    let probe = eval_loader
+        .sequential_batches()
+        .next()
+        .expect("the evaluation set is not empty");
+    let order = ready_order(&model, probe.to_device::<B>(device));
+    let plan = bucket_plan::<B, _>(
+        &model,
+        &order.params(),
+        config.parallel.first_bucket_mb,
+        config.parallel.bucket_cap_mb,
+    );
+    agree(&comm, "bucket plan", plan.describe())?;
+    let mut model = broadcast_parameters::<B, _>(model, &plan, &comm)?;
+    let hooked = order.hooked_set();
+    let after_backward = order.late.clone();
+    let bucket_summary = plan.summary();
+    let reducer = Reducer::new(
+        plan,
+        config.parallel.clip,
+        config.optimizer.max_grad_norm,
+        comm.clone(),
+    );
     let mut optimizer = PreTrainingOptimizer::new(&config.optimizer, &model);
     let schedule = WarmupPolyDecay::new(
         config.optimizer.lr,
@@ -211,38 +463,58 @@ pub fn train<B: AutodiffBackend>(
         &config.schedule,
     );
 
+    info!(
+        rank,
+        world_size,
+        collective = comm.name(),
+        device = ?device,
+        buckets = %bucket_summary,
+        bucket_plan_hash = format!("{:016x}", reducer.plan().fingerprint()),
+        clip = %config.parallel.clip,
+        "rank ready"
+    );
     let mean_len =
         loader.instances().iter().map(|i| i.len()).sum::<usize>() as f64 / num_train as f64;
-    info!(
-        preset = %config.model.preset,
-        parameters = model.num_params(),
-        train_instances = num_train,
-        eval_instances = eval_loader.len(),
-        global_batch_size = batch_size,
-        max_seq_length = seq_len,
-        mean_tokens_per_sample = format!("{mean_len:.1}"),
-        tokens_per_step = format!("{:.0}", mean_len * batch_size as f64),
-        optimizer = ?config.optimizer.name,
-        peak_lr = config.optimizer.lr,
-        warmup_steps = config.warmup_steps(),
-        steps = config.train.steps,
-        "starting pre-training"
-    );
-    info!(
-        unigram_token = %unigram_token,
-        unigram_baseline = format!("{unigram_baseline:.4}"),
-        "masked-LM accuracy of always predicting the most frequent masked token"
-    );
+    if main {
+        info!(
+            preset = %config.model.preset,
+            parameters = model.num_params(),
+            train_instances = num_train,
+            eval_instances = eval_loader.len(),
+            world_size,
+            global_batch_size,
+            max_seq_length = seq_len,
+            mean_tokens_per_sample = format!("{mean_len:.1}"),
+            tokens_per_step = format!("{:.0}", mean_len * global_batch_size as f64),
+            optimizer = ?config.optimizer.name,
+            peak_lr = config.optimizer.lr,
+            warmup_steps = config.warmup_steps(),
+            steps = config.train.steps,
+            "starting pre-training"
+        );
+        info!(
+            unigram_token = %unigram_token,
+            unigram_baseline = format!("{unigram_baseline:.4}"),
+            "masked-LM accuracy of always predicting the most frequent masked token"
+        );
+    }
 
-    let mut metrics = MetricsWriter::create(out.join("metrics.jsonl"))?;
-    metrics.write(json!({
-        "event": "start", "preset": config.model.preset.name(), "parameters": model.num_params(),
-        "train_instances": num_train, "eval_instances": eval_loader.len(),
-        "global_batch_size": batch_size, "max_seq_length": seq_len,
-        "unigram_token": unigram_token, "unigram_baseline": unigram_baseline,
-    }))?;
+    let mut metrics = if main {
+        let mut metrics = MetricsWriter::create(out.join("metrics.jsonl"))?;
+        metrics.write(json!({
+            "event": "start", "preset": config.model.preset.name(), "parameters": model.num_params(),
+            "train_instances": num_train, "eval_instances": eval_loader.len(),
+            "world_size": world_size, "global_batch_size": global_batch_size,
+            "max_seq_length": seq_len, "buckets": bucket_summary,
+            "clip": config.parallel.clip.to_string(),
+            "unigram_token": unigram_token, "unigram_baseline": unigram_baseline,
+        }))?;
+        Some(metrics)
+    } else {
+        None
+    };
 
-    let progress = if options.progress {
+    let progress = if options.progress && main {
         ProgressBar::new(config.train.steps)
     } else {
         ProgressBar::hidden()
@@ -263,53 +535,99 @@ pub fn train<B: AutodiffBackend>(
     let mut reached_target = false;
     let mut step = 0;
     while step < config.train.steps {
-        let host = loader.next_batch();
-        tokens += host.num_tokens();
-        let (_, loss) = forward_loss(&model, host.to_device::<B>(device));
-        let loss_value = f64::from(loss.total.clone().into_scalar().elem::<f32>());
+        // Micro-batches: gradients accumulate in the reducer's buckets; only the last one's
+        // backward launches allreduces. Each loss is divided by K, so the step's gradient is
+        // the mean over the K micro-batches.
+        let mut step_losses = [0f32; 3];
+        for micro in 0..grad_accum {
+            let host = loader.next_batch();
+            tokens += host.num_tokens();
+            let batch = host.to_device::<B>(device);
+            reducer.begin_micro_batch(micro == 0, micro + 1 == grad_accum);
+            let hooks = GradHooks::new(&model, reducer.callback(), Some(&hooked));
+            let output = model.forward_hooked(
+                batch.input_ids,
+                batch.segment_ids,
+                batch.input_mask,
+                batch.masked_lm_flat_positions,
+                &hooks,
+            );
+            let loss = model.loss(&output, batch.masked_lm_labels, batch.next_sentence_labels);
+            for (sum, term) in step_losses
+                .iter_mut()
+                .zip([&loss.total, &loss.mlm, &loss.nsp])
+            {
+                *sum += term.clone().into_scalar().elem::<f32>() / grad_accum as f32;
+            }
+            let total = if grad_accum > 1 {
+                loss.total.div_scalar(grad_accum as f32)
+            } else {
+                loss.total
+            };
+            let mut grads = GradientsParams::from_grads(total.backward(), &model);
+            drop(hooks);
+            // The embeddings are final only now (the word embedding is also the decoder).
+            reducer.deliver(crate::grads::take_host_grads(
+                &model,
+                &mut grads,
+                &after_backward,
+            ));
+        }
+        let reduced = reducer.finish()?;
+        // The loss averaged over ranks, for the log (queued behind the buckets).
+        let step_losses = comm.call(move |c| {
+            let mut l = step_losses;
+            c.allreduce(&mut l, ReduceOp::Average).map(|()| l)
+        })?;
+        let loss_value = f64::from(step_losses[0]);
         if !loss_value.is_finite() {
             return Err(TrainError::Diverged {
                 step,
                 loss: loss_value,
             });
         }
-        let mut grads = GradientsParams::from_grads(loss.total.backward(), &model);
-        let grad_norm = clip_global_norm(&model, &mut grads, config.optimizer.max_grad_norm);
+        let grads = reducer.gradients::<B, _>(&model, device);
         let lr = schedule.lr(step);
         model = optimizer.step(lr, model, grads);
         losses.push(loss_value);
         step += 1;
 
-        if step % config.train.log_every == 0 || step == config.train.steps {
-            metrics.write(json!({
-                "event": "train", "step": step, "loss": loss_value,
-                "mlm_loss": f64::from(loss.mlm.into_scalar().elem::<f32>()),
-                "nsp_loss": f64::from(loss.nsp.into_scalar().elem::<f32>()),
-                "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                "elapsed_s": started.elapsed().as_secs_f64(),
-            }))?;
+        if let Some(metrics) = metrics.as_mut() {
+            if step % config.train.log_every == 0 || step == config.train.steps {
+                metrics.write(json!({
+                    "event": "train", "step": step, "loss": loss_value,
+                    "mlm_loss": step_losses[1], "nsp_loss": step_losses[2],
+                    "lr": lr, "grad_norm": reduced.grad_norm, "tokens": tokens * world_size,
+                    "comm_wait_s": reduced.timings.wait_after_backward.as_secs_f64(),
+                    "elapsed_s": started.elapsed().as_secs_f64(),
+                }))?;
+            }
         }
         progress.set_message(format!("loss {loss_value:.3}"));
         progress.inc(1);
 
         if step % config.train.eval_every == 0 || step == config.train.steps {
-            let result = evaluate(&model.valid(), eval_loader.sequential_batches(), device);
-            metrics.write(json!({
-                "event": "eval", "step": step, "mlm_accuracy": result.mlm_accuracy,
-                "nsp_accuracy": result.nsp_accuracy, "mlm_loss": result.mlm_loss,
-                "nsp_loss": result.nsp_loss, "elapsed_s": started.elapsed().as_secs_f64(),
-            }))?;
-            progress.suspend(|| {
-                info!(
-                    step,
-                    mlm_accuracy = format!("{:.4}", result.mlm_accuracy),
-                    nsp_accuracy = format!("{:.4}", result.nsp_accuracy),
-                    mlm_loss = format!("{:.3}", result.mlm_loss),
-                    tokens_per_second =
-                        format!("{:.0}", tokens as f64 / started.elapsed().as_secs_f64()),
-                    "eval"
-                )
-            });
+            let result = evaluate_sharded(&model, &eval_loader, device, &comm)?;
+            if let Some(metrics) = metrics.as_mut() {
+                metrics.write(json!({
+                    "event": "eval", "step": step, "mlm_accuracy": result.mlm_accuracy,
+                    "nsp_accuracy": result.nsp_accuracy, "mlm_loss": result.mlm_loss,
+                    "nsp_loss": result.nsp_loss, "elapsed_s": started.elapsed().as_secs_f64(),
+                }))?;
+                progress.suspend(|| {
+                    info!(
+                        step,
+                        mlm_accuracy = format!("{:.4}", result.mlm_accuracy),
+                        nsp_accuracy = format!("{:.4}", result.nsp_accuracy),
+                        mlm_loss = format!("{:.3}", result.mlm_loss),
+                        tokens_per_second = format!(
+                            "{:.0}",
+                            (tokens * world_size) as f64 / started.elapsed().as_secs_f64()
+                        ),
+                        "eval"
+                    )
+                });
+            }
             last_eval = Some(result);
             if config
                 .train
@@ -325,16 +643,22 @@ pub fn train<B: AutodiffBackend>(
     let train_seconds = started.elapsed().as_secs_f64();
     let eval = last_eval.expect("the last step always evaluates");
 
-    // Checkpoint: Hugging Face layout, each file written to a temporary name and renamed.
+    // Checkpoint (rank 0): Hugging Face layout, each file written to a temporary name and
+    // renamed.
     let checkpoint = out.join("model.safetensors");
-    model.valid().save_hf_safetensors(&checkpoint)?;
-    write_atomically(&out.join("config.json"), &bert_config.to_hf_json())?;
-    write_atomically(&out.join("train_config.toml"), &config.to_toml())?;
-    metrics.write(json!({
-        "event": "end", "steps": step, "reached_target": reached_target,
-        "mlm_accuracy": eval.mlm_accuracy, "unigram_baseline": unigram_baseline,
-        "train_seconds": train_seconds, "checkpoint": checkpoint,
-    }))?;
+    if let Some(metrics) = metrics.as_mut() {
+        model.valid().save_hf_safetensors(&checkpoint)?;
+        write_atomically(&out.join("config.json"), &bert_config.to_hf_json())?;
+        write_atomically(&out.join("train_config.toml"), &config.to_toml())?;
+        metrics.write(json!({
+            "event": "end", "steps": step, "reached_target": reached_target,
+            "mlm_accuracy": eval.mlm_accuracy, "unigram_baseline": unigram_baseline,
+            "train_seconds": train_seconds, "checkpoint": checkpoint,
+        }))?;
+    }
+    // No rank leaves before rank 0 has written the checkpoint: a rank's exit is how the
+    // others learn of failures.
+    comm.call(|c| c.barrier())?;
 
     Ok(TrainSummary {
         steps: step,
@@ -344,8 +668,55 @@ pub fn train<B: AutodiffBackend>(
         unigram_token,
         reached_target,
         train_seconds,
-        tokens_per_second: tokens as f64 / train_seconds,
+        tokens_per_second: (tokens * world_size) as f64 / train_seconds,
         checkpoint,
-        metrics: metrics.path.clone(),
+        metrics: out.join("metrics.jsonl"),
+        world_size,
+        global_batch_size,
+        buckets: bucket_summary,
+    })
+}
+
+/// Evaluates the held-out set split over the ranks (batch i on rank i mod W) and sums the
+/// counts over ranks, so every rank gets the whole set's result.
+fn evaluate_sharded<B: GradHookBackend>(
+    model: &BertForPreTraining<B>,
+    eval_loader: &InstanceLoader,
+    device: &B::Device,
+    comm: &CommThread,
+) -> Result<EvalResult, TrainError> {
+    let (rank, world_size) = (comm.rank(), comm.world_size());
+    let mine = eval_loader
+        .sequential_batches()
+        .enumerate()
+        .filter(|(i, _)| i % world_size == rank)
+        .map(|(_, b)| b);
+    let local = evaluate(&model.valid(), mine, device);
+    if world_size == 1 {
+        return Ok(local);
+    }
+    // Counts are integers (exact in f32 below 2^24); loss sums lose only f32 rounding.
+    let (n, s) = (local.num_predictions as f64, local.num_samples as f64);
+    let sums = [
+        (local.mlm_accuracy * n).round(),
+        local.mlm_loss * n,
+        n,
+        (local.nsp_accuracy * s).round(),
+        local.nsp_loss * s,
+        s,
+    ]
+    .map(|x| x as f32);
+    let sums = comm.call(move |c| {
+        let mut sums = sums;
+        c.allreduce(&mut sums, ReduceOp::Sum).map(|()| sums)
+    })?;
+    let per = |x: f32, n: f32| if n > 0.0 { f64::from(x / n) } else { 0.0 };
+    Ok(EvalResult {
+        mlm_accuracy: per(sums[0], sums[2]),
+        mlm_loss: per(sums[1], sums[2]),
+        nsp_accuracy: per(sums[3], sums[5]),
+        nsp_loss: per(sums[4], sums[5]),
+        num_predictions: sums[2].round() as usize,
+        num_samples: sums[5].round() as usize,
     })
 }

@@ -1,0 +1,620 @@
+//! Collective communication behind one trait, and the in-process implementation (one thread
+//! per rank) that tests and single-machine CPU runs use.
+//!
+//! Every collective takes part in a numbered sequence: the n-th call on every rank is the same
+//! operation, as in MPI and NCCL. Ranks that disagree (one calls `allreduce` where another
+//! calls `broadcast`, or buffer sizes differ) get an error, not a hang; a rank that never
+//! arrives makes the others fail after the timeout with an error naming it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// How an allreduce combines the ranks' buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Element-wise sum over ranks.
+    Sum,
+    /// Element-wise sum divided by `world_size` (what data-parallel gradients need).
+    Average,
+}
+
+/// A failed collective. Each variant names the rank at fault where it is known.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CommError {
+    /// A rank dropped its communicator (it returned an error, panicked or was killed) before
+    /// contributing to an operation the others wait on.
+    #[error("rank {rank} left the job before {op} #{seq} (it failed or was killed)")]
+    RankGone {
+        /// The rank that left.
+        rank: usize,
+        /// The operation the others were waiting in.
+        op: &'static str,
+        /// Sequence number of the operation.
+        seq: u64,
+    },
+    /// The operation did not complete within the timeout.
+    #[error(
+        "{op} #{seq} on rank {rank} timed out after {:.1} s waiting for rank(s) {missing:?}",
+        timeout.as_secs_f64()
+    )]
+    Timeout {
+        /// The rank reporting.
+        rank: usize,
+        /// The operation.
+        op: &'static str,
+        /// Sequence number of the operation.
+        seq: u64,
+        /// The timeout in force.
+        timeout: Duration,
+        /// Ranks that had not arrived (empty when unknown, as with MPI).
+        missing: Vec<usize>,
+    },
+    /// Ranks called different operations, or the same one with different sizes.
+    #[error("collective #{seq} mismatch: {detail}")]
+    Mismatch {
+        /// Sequence number of the operation.
+        seq: u64,
+        /// What differed, naming the ranks.
+        detail: String,
+    },
+    /// An error reported by the communication library (MPI, NCCL).
+    #[error("{backend}: {message}")]
+    Backend {
+        /// `mpi` or `nccl`.
+        backend: &'static str,
+        /// The library's message.
+        message: String,
+    },
+}
+
+/// The collectives data-parallel training needs. Each call blocks until the operation has
+/// completed on this rank; implementations bound the wait by a timeout.
+///
+/// Buffers are host memory: the in-process and MPI implementations work on them directly,
+/// NCCL stages them through device memory.
+pub trait Collective: Send {
+    /// This process's (or thread's) rank, `0..world_size`.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the job.
+    fn world_size(&self) -> usize;
+    /// Short name for logs: `in-process`, `mpi`, `nccl`, `single`.
+    fn name(&self) -> &'static str;
+    /// Reduces `data` over all ranks in place; every rank ends with the result.
+    ///
+    /// # Errors
+    /// [`CommError`]: a rank left, the timeout passed, or the sizes differ.
+    fn allreduce(&mut self, data: &mut [f32], op: ReduceOp) -> Result<(), CommError>;
+    /// Copies `root`'s `data` into every rank's `data` (all ranks pass the same length).
+    ///
+    /// # Errors
+    /// As [`Collective::allreduce`].
+    fn broadcast(&mut self, data: &mut [f32], root: usize) -> Result<(), CommError>;
+    /// Every rank's `data`, indexed by rank (lengths may differ).
+    ///
+    /// # Errors
+    /// As [`Collective::allreduce`].
+    fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError>;
+    /// Returns once every rank has called it.
+    ///
+    /// # Errors
+    /// As [`Collective::allreduce`].
+    fn barrier(&mut self) -> Result<(), CommError>;
+}
+
+/// The one-rank job: every collective is the identity.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SingleRank;
+
+impl Collective for SingleRank {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn name(&self) -> &'static str {
+        "single"
+    }
+    fn allreduce(&mut self, _data: &mut [f32], _op: ReduceOp) -> Result<(), CommError> {
+        Ok(())
+    }
+    fn broadcast(&mut self, _data: &mut [f32], _root: usize) -> Result<(), CommError> {
+        Ok(())
+    }
+    fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        Ok(vec![data.to_vec()])
+    }
+    fn barrier(&mut self) -> Result<(), CommError> {
+        Ok(())
+    }
+}
+
+enum Payload {
+    F32(Vec<f32>),
+    Bytes(Vec<u8>),
+    Gathered(Vec<Vec<u8>>),
+}
+
+struct Slot {
+    op: &'static str,
+    inputs: Vec<Option<Payload>>,
+    output: Option<Arc<Payload>>,
+    readers_left: usize,
+}
+
+struct HubState {
+    slots: HashMap<u64, Slot>,
+    gone: Vec<bool>,
+}
+
+struct Hub {
+    world_size: usize,
+    state: Mutex<HubState>,
+    arrived: Condvar,
+}
+
+/// One rank of an in-process group: ranks are threads of one process that meet in shared
+/// memory. Sums run in rank order, so results are identical on every rank and every run.
+///
+/// Dropping a communicator (its thread returned or panicked) tells the others that the rank
+/// has left: their pending and later collectives fail with [`CommError::RankGone`].
+pub struct InProcess {
+    hub: Arc<Hub>,
+    rank: usize,
+    seq: u64,
+    timeout: Duration,
+}
+
+impl InProcess {
+    /// Communicators for ranks `0..world_size`, to be moved one into each rank's thread.
+    /// `timeout` bounds every wait.
+    pub fn group(world_size: usize, timeout: Duration) -> Vec<InProcess> {
+        assert!(world_size > 0, "a group has at least one rank");
+        let hub = Arc::new(Hub {
+            world_size,
+            state: Mutex::new(HubState {
+                slots: HashMap::new(),
+                gone: vec![false; world_size],
+            }),
+            arrived: Condvar::new(),
+        });
+        (0..world_size)
+            .map(|rank| InProcess {
+                hub: hub.clone(),
+                rank,
+                seq: 0,
+                timeout,
+            })
+            .collect()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HubState> {
+        // A rank that panicked while holding the lock leaves consistent data (each update is
+        // a single insert or take), so the poison flag carries no information here.
+        self.hub.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Deposits this rank's `input` for the next operation; the last rank to arrive runs
+    /// `combine` over all inputs (in rank order); everyone gets the shared output.
+    fn exchange(
+        &mut self,
+        op: &'static str,
+        input: Payload,
+        combine: impl FnOnce(u64, Vec<Payload>) -> Result<Payload, CommError>,
+    ) -> Result<Arc<Payload>, CommError> {
+        let seq = self.seq;
+        self.seq += 1;
+        let world_size = self.hub.world_size;
+        let deadline = Instant::now() + self.timeout;
+        let mut state = self.lock();
+        let slot = state.slots.entry(seq).or_insert_with(|| Slot {
+            op,
+            inputs: (0..world_size).map(|_| None).collect(),
+            output: None,
+            readers_left: world_size,
+        });
+        if slot.op != op {
+            let first = slot
+                .inputs
+                .iter()
+                .position(Option::is_some)
+                .unwrap_or_default();
+            return Err(CommError::Mismatch {
+                seq,
+                detail: format!(
+                    "rank {} called {op} where rank {first} called {}",
+                    self.rank, slot.op
+                ),
+            });
+        }
+        slot.inputs[self.rank] = Some(input);
+        if slot.inputs.iter().all(Option::is_some) {
+            let inputs = slot.inputs.iter_mut().map(|i| i.take().unwrap()).collect();
+            let output = combine(seq, inputs);
+            // On a mismatch every rank gets the same error: store it as a poisoned slot.
+            match output {
+                Ok(output) => slot.output = Some(Arc::new(output)),
+                Err(error) => {
+                    state.slots.remove(&seq);
+                    self.hub.arrived.notify_all();
+                    return Err(error);
+                }
+            }
+            self.hub.arrived.notify_all();
+        }
+        loop {
+            let Some(slot) = state.slots.get_mut(&seq) else {
+                // Removed by the combining rank after a mismatch.
+                return Err(CommError::Mismatch {
+                    seq,
+                    detail: format!("{op}: another rank's buffer disagreed (see rank 0's error)"),
+                });
+            };
+            if let Some(output) = slot.output.clone() {
+                slot.readers_left -= 1;
+                if slot.readers_left == 0 {
+                    state.slots.remove(&seq);
+                }
+                return Ok(output);
+            }
+            let missing: Vec<usize> = (0..world_size)
+                .filter(|&r| slot.inputs[r].is_none())
+                .collect();
+            if let Some(&rank) = missing.iter().find(|&&r| state.gone[r]) {
+                return Err(CommError::RankGone { rank, op, seq });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(CommError::Timeout {
+                    rank: self.rank,
+                    op,
+                    seq,
+                    timeout: self.timeout,
+                    missing,
+                });
+            }
+            state = self
+                .hub
+                .arrived
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+impl Drop for InProcess {
+    fn drop(&mut self) {
+        let mut state = self.lock();
+        state.gone[self.rank] = true;
+        drop(state);
+        self.hub.arrived.notify_all();
+    }
+}
+
+fn same_lengths(seq: u64, op: &str, lengths: impl Iterator<Item = usize>) -> Result<(), CommError> {
+    let lengths: Vec<usize> = lengths.collect();
+    match lengths.iter().position(|&n| n != lengths[0]) {
+        None => Ok(()),
+        Some(rank) => Err(CommError::Mismatch {
+            seq,
+            detail: format!(
+                "{op} of {} values on rank {rank} but {} on rank 0",
+                lengths[rank], lengths[0]
+            ),
+        }),
+    }
+}
+
+impl Collective for InProcess {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.hub.world_size
+    }
+
+    fn name(&self) -> &'static str {
+        "in-process"
+    }
+
+    fn allreduce(&mut self, data: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        let world_size = self.hub.world_size as f32;
+        let output = self.exchange("allreduce", Payload::F32(data.to_vec()), |seq, inputs| {
+            let buffers: Vec<Vec<f32>> = inputs
+                .into_iter()
+                .map(|p| match p {
+                    Payload::F32(v) => v,
+                    _ => unreachable!("allreduce slots hold f32 buffers"),
+                })
+                .collect();
+            same_lengths(seq, "allreduce", buffers.iter().map(Vec::len))?;
+            let mut sum = buffers[0].clone();
+            for buffer in &buffers[1..] {
+                sum.iter_mut().zip(buffer).for_each(|(s, x)| *s += x);
+            }
+            if op == ReduceOp::Average {
+                sum.iter_mut().for_each(|s| *s /= world_size);
+            }
+            Ok(Payload::F32(sum))
+        })?;
+        let Payload::F32(result) = &*output else {
+            unreachable!("allreduce produces f32")
+        };
+        data.copy_from_slice(result);
+        Ok(())
+    }
+
+    fn broadcast(&mut self, data: &mut [f32], root: usize) -> Result<(), CommError> {
+        let output = self.exchange("broadcast", Payload::F32(data.to_vec()), |seq, inputs| {
+            let buffers: Vec<Vec<f32>> = inputs
+                .into_iter()
+                .map(|p| match p {
+                    Payload::F32(v) => v,
+                    _ => unreachable!("broadcast slots hold f32 buffers"),
+                })
+                .collect();
+            same_lengths(seq, "broadcast", buffers.iter().map(Vec::len))?;
+            Ok(Payload::F32(buffers.into_iter().nth(root).unwrap()))
+        })?;
+        let Payload::F32(result) = &*output else {
+            unreachable!("broadcast produces f32")
+        };
+        data.copy_from_slice(result);
+        Ok(())
+    }
+
+    fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        let output = self.exchange("allgather", Payload::Bytes(data.to_vec()), |_, inputs| {
+            Ok(Payload::Gathered(
+                inputs
+                    .into_iter()
+                    .map(|p| match p {
+                        Payload::Bytes(v) => v,
+                        _ => unreachable!("allgather slots hold bytes"),
+                    })
+                    .collect(),
+            ))
+        })?;
+        let Payload::Gathered(all) = &*output else {
+            unreachable!("allgather produces bytes")
+        };
+        Ok(all.clone())
+    }
+
+    fn barrier(&mut self) -> Result<(), CommError> {
+        self.exchange("barrier", Payload::Bytes(Vec::new()), |_, _| {
+            Ok(Payload::Bytes(Vec::new()))
+        })
+        .map(|_| ())
+    }
+}
+
+/// A network link's cost model (Hockney's α-β model): a message of n bytes takes
+/// `latency + n / bandwidth`. Ring algorithms (Patarasuk & Yuan 2009) move
+/// `2(W−1)/W · bytes` per rank for an allreduce, in `2(W−1)` latency-bound steps.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinkModel {
+    /// α, seconds per message.
+    pub latency_s: f64,
+    /// β⁻¹, bytes per second.
+    pub bandwidth_bytes_per_s: f64,
+}
+
+impl LinkModel {
+    /// Seconds a ring allreduce of `bytes` takes over `world_size` ranks.
+    pub fn allreduce_seconds(&self, bytes: usize, world_size: usize) -> f64 {
+        if world_size < 2 {
+            return 0.0;
+        }
+        let w = world_size as f64;
+        2.0 * (w - 1.0) * self.latency_s
+            + 2.0 * (w - 1.0) / w * bytes as f64 / self.bandwidth_bytes_per_s
+    }
+
+    /// Seconds a broadcast of `bytes` takes (pipelined: one latency per hop, one full copy).
+    pub fn broadcast_seconds(&self, bytes: usize, world_size: usize) -> f64 {
+        if world_size < 2 {
+            return 0.0;
+        }
+        (world_size as f64 - 1.0) * self.latency_s + bytes as f64 / self.bandwidth_bytes_per_s
+    }
+}
+
+/// Wraps a [`Collective`] so that each operation takes at least the time `link` predicts,
+/// sleeping (not spinning) for the difference: a shared-memory group then behaves like ranks
+/// joined by that network, without using CPU for the modelled transfer.
+pub struct Delayed<C: Collective> {
+    inner: C,
+    link: LinkModel,
+}
+
+impl<C: Collective> Delayed<C> {
+    /// `inner` delayed by `link`.
+    pub fn new(inner: C, link: LinkModel) -> Self {
+        Self { inner, link }
+    }
+
+    fn pad(started: Instant, seconds: f64) {
+        let target = Duration::from_secs_f64(seconds);
+        if let Some(rest) = target.checked_sub(started.elapsed()) {
+            std::thread::sleep(rest);
+        }
+    }
+}
+
+impl<C: Collective> Collective for Delayed<C> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn allreduce(&mut self, data: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        let started = Instant::now();
+        self.inner.allreduce(data, op)?;
+        Self::pad(
+            started,
+            self.link
+                .allreduce_seconds(data.len() * 4, self.world_size()),
+        );
+        Ok(())
+    }
+    fn broadcast(&mut self, data: &mut [f32], root: usize) -> Result<(), CommError> {
+        let started = Instant::now();
+        self.inner.broadcast(data, root)?;
+        Self::pad(
+            started,
+            self.link
+                .broadcast_seconds(data.len() * 4, self.world_size()),
+        );
+        Ok(())
+    }
+    fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        let started = Instant::now();
+        let all = self.inner.allgather(data)?;
+        let total: usize = all.iter().map(Vec::len).sum();
+        Self::pad(
+            started,
+            self.link.broadcast_seconds(total, self.world_size()),
+        );
+        Ok(all)
+    }
+    fn barrier(&mut self) -> Result<(), CommError> {
+        let started = Instant::now();
+        self.inner.barrier()?;
+        Self::pad(started, self.link.allreduce_seconds(0, self.world_size()));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run_group<T: Send + 'static>(
+        world_size: usize,
+        timeout: Duration,
+        body: impl Fn(InProcess) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
+        let body = Arc::new(body);
+        let handles: Vec<_> = InProcess::group(world_size, timeout)
+            .into_iter()
+            .map(|comm| {
+                let body = body.clone();
+                std::thread::spawn(move || body(comm))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn allreduce_broadcast_allgather_give_every_rank_the_result() {
+        let results = run_group(3, Duration::from_secs(10), |mut comm| {
+            let r = comm.rank() as f32;
+            let mut sum = vec![r, 10.0 * r];
+            comm.allreduce(&mut sum, ReduceOp::Sum).unwrap();
+            let mut mean = vec![r + 1.0];
+            comm.allreduce(&mut mean, ReduceOp::Average).unwrap();
+            let mut root = vec![r; 2];
+            comm.broadcast(&mut root, 2).unwrap();
+            let gathered = comm.allgather(&[comm.rank() as u8; 2]).unwrap();
+            comm.barrier().unwrap();
+            (sum, mean, root, gathered)
+        });
+        for (sum, mean, root, gathered) in results {
+            assert_eq!(sum, vec![3.0, 30.0]);
+            assert_eq!(mean, vec![2.0]);
+            assert_eq!(root, vec![2.0, 2.0]);
+            assert_eq!(gathered, vec![vec![0, 0], vec![1, 1], vec![2, 2]]);
+        }
+    }
+
+    #[test]
+    fn different_sizes_or_operations_are_errors_not_hangs() {
+        let results = run_group(2, Duration::from_secs(10), |mut comm| {
+            let mut data = vec![0.0; 1 + comm.rank()];
+            comm.allreduce(&mut data, ReduceOp::Sum)
+                .unwrap_err()
+                .to_string()
+        });
+        for message in results {
+            assert!(message.contains("mismatch"), "{message}");
+        }
+        let results = run_group(2, Duration::from_secs(10), |mut comm| {
+            if comm.rank() == 0 {
+                comm.barrier().unwrap_err().to_string()
+            } else {
+                comm.allgather(&[1]).unwrap_err().to_string()
+            }
+        });
+        assert!(results.iter().any(|m| m.contains("called")), "{results:?}");
+    }
+
+    #[test]
+    fn a_rank_that_leaves_or_stalls_is_named() {
+        // Rank 1 returns without joining the allreduce: rank 0 learns at once, not at timeout.
+        let started = Instant::now();
+        let results = run_group(2, Duration::from_secs(30), |mut comm| {
+            if comm.rank() == 1 {
+                return String::new();
+            }
+            let mut data = vec![1.0];
+            comm.allreduce(&mut data, ReduceOp::Sum)
+                .unwrap_err()
+                .to_string()
+        });
+        assert!(results[0].contains("rank 1 left"), "{}", results[0]);
+        assert!(started.elapsed() < Duration::from_secs(10));
+
+        // Rank 1 stalls (alive, never calls): rank 0 times out naming it.
+        let results = run_group(2, Duration::from_millis(300), |mut comm| {
+            if comm.rank() == 1 {
+                std::thread::sleep(Duration::from_secs(2));
+                return String::new();
+            }
+            let mut data = vec![1.0];
+            comm.allreduce(&mut data, ReduceOp::Sum)
+                .unwrap_err()
+                .to_string()
+        });
+        assert!(
+            results[0].contains("timed out") && results[0].contains("[1]"),
+            "{}",
+            results[0]
+        );
+    }
+
+    #[test]
+    fn link_model_costs_follow_the_ring_formula() {
+        let link = LinkModel {
+            latency_s: 1e-5,
+            bandwidth_bytes_per_s: 1e9,
+        };
+        // 2(W−1)α + 2(W−1)/W · n/β with W = 4, n = 1e8: 6e-5 + 1.5 · 0.1.
+        let t = link.allreduce_seconds(100_000_000, 4);
+        assert!((t - (6e-5 + 0.15)).abs() < 1e-12, "{t}");
+        assert_eq!(link.allreduce_seconds(1_000, 1), 0.0);
+        let mut delayed: Vec<_> = InProcess::group(1, Duration::from_secs(1))
+            .into_iter()
+            .map(|c| {
+                Delayed::new(
+                    c,
+                    LinkModel {
+                        latency_s: 0.05,
+                        bandwidth_bytes_per_s: 1e9,
+                    },
+                )
+            })
+            .collect();
+        // One rank: the model says free, so no delay.
+        let started = Instant::now();
+        delayed[0].allreduce(&mut [1.0], ReduceOp::Sum).unwrap();
+        assert!(started.elapsed() < Duration::from_millis(40));
+    }
+}
