@@ -5,8 +5,8 @@ use std::sync::OnceLock;
 
 use ember_data::instances::num_predictions;
 use ember_data::{
-    DataError, Document, PretrainingConfig, TrainingInstance, WordPieceTokenizer, collate,
-    create_training_instances, default_corpus_path, default_vocab_path, read_documents,
+    DataError, Document, InstanceLoader, PretrainingConfig, TrainingInstance, WordPieceTokenizer,
+    collate, create_training_instances, default_corpus_path, default_vocab_path, read_documents,
     split_held_out, tokenize_documents,
 };
 
@@ -272,4 +272,28 @@ fn bad_inputs_name_the_file() {
         create_training_instances(documents(), &bad, tokenizer().special(), 30522).unwrap_err();
     assert!(err.to_string().contains("max_seq_length"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn ranks_draw_disjoint_slices_of_the_one_rank_batch() {
+    let all = instances().clone();
+    let mut one = InstanceLoader::new(all.clone(), 6, 128, 9, "train").unwrap();
+    let mut ranks: Vec<InstanceLoader> = (0..3)
+        .map(|r| InstanceLoader::for_rank(all.clone(), 2, 128, 9, "train", r, 3).unwrap())
+        .collect();
+    for _ in 0..4 {
+        let whole = one.next_batch();
+        let parts: Vec<_> = ranks.iter_mut().map(|l| l.next_batch()).collect();
+        // Concatenated, the ranks' samples are the one-rank batch's, in order.
+        let ids = |b: &ember_data::HostBatch| -> Vec<Vec<i64>> {
+            b.input_ids
+                .chunks(b.seq_len)
+                .map(|row| row.iter().copied().filter(|&t| t != 0).collect())
+                .collect()
+        };
+        let joined: Vec<Vec<i64>> = parts.iter().flat_map(|p| ids(p)).collect();
+        assert_eq!(joined, ids(&whole));
+    }
+    let error = InstanceLoader::for_rank(all, 2, 128, 9, "train", 3, 3).unwrap_err();
+    assert!(error.to_string().contains("rank 3"), "{error}");
 }

@@ -68,3 +68,47 @@ pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
 pub fn max_abs(a: &[f64]) -> f64 {
     a.iter().map(|x| x.abs()).fold(0.0, f64::max)
 }
+
+/// Every tensor of a safetensors file as f64 values, by name.
+pub fn read_safetensors(path: &std::path::Path) -> std::collections::BTreeMap<String, Vec<f64>> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    file.names()
+        .into_iter()
+        .map(|name| {
+            let values = file
+                .tensor(name)
+                .unwrap()
+                .data()
+                .chunks_exact(4)
+                .map(|c| f64::from(f32::from_le_bytes(c.try_into().unwrap())))
+                .collect();
+            (name.to_string(), values)
+        })
+        .collect()
+}
+
+/// Asserts that two checkpoints hold the same tensors, each within `tol · max(1, max|a|)`
+/// (weights are O(0.02..1), so this is an absolute bound for most). Returns the largest
+/// difference seen.
+pub fn assert_same_weights(a: &std::path::Path, b: &std::path::Path, tol: f64) -> f64 {
+    let (x, y) = (read_safetensors(a), read_safetensors(b));
+    assert_eq!(
+        x.keys().collect::<Vec<_>>(),
+        y.keys().collect::<Vec<_>>(),
+        "the same tensors"
+    );
+    let mut worst = 0f64;
+    for (name, values) in &x {
+        let diff = max_abs_diff(values, &y[name]);
+        let bound = tol * max_abs(values).max(1.0);
+        assert!(
+            diff <= bound,
+            "{name}: {} and {} differ by {diff:e} (bound {bound:e})",
+            a.display(),
+            b.display()
+        );
+        worst = worst.max(diff);
+    }
+    worst
+}

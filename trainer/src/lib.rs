@@ -19,5 +19,6 @@ pub use config::{OptimizerKind, ParallelConfig, TrainConfig};
 pub use error::TrainError;
 pub use eval::EvalResult;
 pub use train::{
-    PreparedData, RunOptions, TrainSummary, prepare_data, train, train_in_process, train_rank,
+    PreparedData, RunOptions, TrainSummary, bucket_plan, prepare_data, train, train_in_process,
+    train_in_process_with_data, train_rank,
 };

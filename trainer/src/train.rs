@@ -23,6 +23,7 @@ use serde::Serialize;
 use serde_json::json;
 use tracing::info;
 
+use crate::dist::check_agreement;
 use crate::dist::hooks::ready_order;
 use crate::dist::{
     BucketPlan, Collective, CommError, CommThread, GradHookBackend, GradHooks, InProcess, ReduceOp,
@@ -199,6 +200,21 @@ pub fn train_in_process<B: GradHookBackend>(
     device: &B::Device,
     options: RunOptions,
 ) -> Result<TrainSummary, TrainError> {
+    train_in_process_with_data::<B>(config, world_size, device, options, None)
+}
+
+/// [`train_in_process`] on data prepared by the caller (`None`: prepared here), so that
+/// several runs can share one [`prepare_data`].
+///
+/// # Errors
+/// As [`train_in_process`].
+pub fn train_in_process_with_data<B: GradHookBackend>(
+    config: &TrainConfig,
+    world_size: usize,
+    device: &B::Device,
+    options: RunOptions,
+    data: Option<Arc<PreparedData>>,
+) -> Result<TrainSummary, TrainError> {
     if world_size == 0 {
         return Err(TrainError::InvalidSetting {
             field: "nproc",
@@ -206,7 +222,10 @@ pub fn train_in_process<B: GradHookBackend>(
         });
     }
     config.validate()?;
-    let data = Arc::new(prepare_data(config)?);
+    let data = match data {
+        Some(data) => data,
+        None => Arc::new(prepare_data(config)?),
+    };
     let timeout = Duration::from_secs_f64(config.parallel.timeout_s);
     let results: Vec<Result<TrainSummary, TrainError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = InProcess::group(world_size, timeout)
@@ -254,30 +273,9 @@ pub fn train_in_process<B: GradHookBackend>(
 }
 
 /// Serialises model initialisation across in-process ranks: Burn's NdArray random generator
-/// is process-wide, so ranks initialising at once would interleave their draws.
+/// is process-wide, so ranks initialising at once would interleave their draws. (Rank 0's
+/// parameters are broadcast anyway; this makes rank 0's equal a one-rank run's.)
 static INIT_LOCK: Mutex<()> = Mutex::new(());
-
-/// Checks that every rank has the same `text` (configuration or bucket plan), naming the
-/// first differing line.
-fn agree(comm: &CommThread, what: &'static str, text: String) -> Result<(), TrainError> {
-    let all = comm.call(move |c| c.allgather(text.as_bytes()))?;
-    let reference = String::from_utf8_lossy(&all[0]).into_owned();
-    for (rank, other) in all.iter().enumerate().skip(1) {
-        let other = String::from_utf8_lossy(other);
-        if let Some((line, theirs, ours)) =
-            crate::dist::reducer::first_difference(&reference, &other)
-        {
-            return Err(TrainError::RankMismatch {
-                what,
-                rank,
-                line,
-                theirs,
-                ours,
-            });
-        }
-    }
-    Ok(())
-}
 
 /// The bucket plan of a model: its float parameters in `order` (the order their gradients
 /// become ready, [`crate::dist::hooks::ready_order`]), bucketed by size.
@@ -384,7 +382,7 @@ pub fn train_rank<B: GradHookBackend>(
         prepare_output_dir(out)?;
     }
     let comm = Arc::new(CommThread::spawn(comm));
-    agree(&comm, "configuration", config.to_toml())?;
+    check_agreement(&comm, "configuration", config.to_toml())?;
 
     // Data.
     let data = match data {
@@ -429,7 +427,17 @@ pub fn train_rank<B: GradHookBackend>(
     let model: BertForPreTraining<B> = {
         let _guard = INIT_LOCK.lock().unwrap_or_else(|e| e.into_inner());
         B::seed(device, config.train.seed);
-        bert_config.init_for_pretraining(device)
+        let model = bert_config.init_for_pretraining(device);
+        // Burn initialises parameters lazily, at their first use: draw them all now, in
+        // module order, while this rank holds the generator.
+        struct Materialize;
+        impl<B: AutodiffBackend> ModuleVisitor<B> for Materialize {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let _ = param.val();
+            }
+        }
+        model.visit(&mut Materialize);
+        model
     };
     // Which gradients the hooks can hand over, in which order: one probe backward on the
     // first held-out batch (Note [Late gradients] in dist/hooks.rs).
@@ -444,7 +452,7 @@ pub fn train_rank<B: GradHookBackend>(
         config.parallel.first_bucket_mb,
         config.parallel.bucket_cap_mb,
     );
-    agree(&comm, "bucket plan", plan.describe())?;
+    check_agreement(&comm, "bucket plan", plan.describe())?;
     let mut model = broadcast_parameters::<B, _>(model, &plan, &comm)?;
     let hooked = order.hooked_set();
     let after_backward = order.late.clone();
