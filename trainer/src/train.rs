@@ -71,6 +71,8 @@ pub struct TrainSummary {
     pub global_batch_size: usize,
     /// The gradient buckets, `"K buckets: a, b MiB"`.
     pub buckets: String,
+    /// Whether this is rank 0 (which wrote the checkpoint and metrics).
+    pub is_main_rank: bool,
 }
 
 /// Training and held-out instances of a configuration, with the tokenizer that made them.
@@ -682,6 +684,7 @@ pub fn train_rank<B: GradHookBackend>(
         world_size,
         global_batch_size,
         buckets: bucket_summary,
+        is_main_rank: main,
     })
 }
 

@@ -2,10 +2,11 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use burn::backend::{Autodiff, NdArray};
 use clap::Args;
 use ember_model::Preset;
+use ember_trainer::dist::{ClipMode, LaunchEnv};
 use ember_trainer::{OptimizerKind, RunOptions, TrainConfig};
 
 use crate::project_root;
@@ -19,7 +20,8 @@ pub struct TrainArgs {
     /// Optimizer steps (train.steps)
     #[arg(long)]
     steps: Option<u64>,
-    /// Samples per step, the global batch size (train.batch_size)
+    /// Samples per rank and micro-batch; the global batch size is this × grad-accum × ranks
+    /// (train.batch_size)
     #[arg(long)]
     batch_size: Option<usize>,
     /// Peak learning rate after warmup (optimizer.lr)
@@ -57,9 +59,33 @@ pub struct TrainArgs {
     /// Stop once held-out masked-LM accuracy reaches this fraction (train.target_mlm_accuracy)
     #[arg(long)]
     target_mlm_accuracy: Option<f64>,
+    /// Data-parallel ranks as threads of this process (in-process collectives). Under
+    /// mpirun, srun or torchrun the ranks come from the launcher instead
+    #[arg(long, default_value_t = 1)]
+    nproc: usize,
+    /// Gradient clipping: none, global, local-global or bucket (parallel.clip)
+    #[arg(long, value_parser = parse_clip)]
+    clip: Option<ClipMode>,
+    /// Cap of each gradient bucket after the first, MiB (parallel.bucket_cap_mb)
+    #[arg(long)]
+    bucket_cap_mb: Option<f64>,
+    /// Cap of the first gradient bucket, MiB (parallel.first_bucket_mb)
+    #[arg(long)]
+    first_bucket_mb: Option<f64>,
+    /// Micro-batches per optimizer step (parallel.grad_accum)
+    #[arg(long)]
+    grad_accum: Option<usize>,
+    /// Seconds a collective waits for the other ranks before the run stops
+    /// (parallel.timeout_s)
+    #[arg(long)]
+    collective_timeout: Option<f64>,
     /// Do not draw the progress bar
     #[arg(long)]
     no_progress: bool,
+}
+
+fn parse_clip(s: &str) -> Result<ClipMode, String> {
+    s.parse()
 }
 
 fn parse_optimizer(s: &str) -> Result<OptimizerKind, String> {
@@ -121,6 +147,22 @@ impl TrainArgs {
         if let Some(v) = &self.vocab {
             config.data.vocab = Some(v.clone());
         }
+        let p = &mut config.parallel;
+        if let Some(v) = self.clip {
+            p.clip = v;
+        }
+        if let Some(v) = self.bucket_cap_mb {
+            p.bucket_cap_mb = v;
+        }
+        if let Some(v) = self.first_bucket_mb {
+            p.first_bucket_mb = v;
+        }
+        if let Some(v) = self.grad_accum {
+            p.grad_accum = v;
+        }
+        if let Some(v) = self.collective_timeout {
+            p.timeout_s = v;
+        }
         Ok(config)
     }
 }
@@ -128,19 +170,40 @@ impl TrainArgs {
 pub fn run(args: TrainArgs) -> Result<()> {
     let config = args.resolve()?;
     let device = Default::default();
-    let summary = ember_trainer::train::<Autodiff<NdArray>>(
-        &config,
-        &device,
-        RunOptions {
-            progress: !args.no_progress,
-        },
-    )
-    .context("training failed")?;
+    let options = RunOptions {
+        progress: !args.no_progress,
+    };
+    let launch = LaunchEnv::from_env(None)?;
+    let summary = if launch.world_size > 1 {
+        if args.nproc > 1 {
+            bail!(
+                "--nproc {} asks for in-process ranks, but this process is already rank {} of {} \
+                 from the {}",
+                args.nproc,
+                launch.rank,
+                launch.world_size,
+                launch.source
+            );
+        }
+        crate::launch::train_launched(&config, &device, options, &launch)
+            .context("training failed")?
+    } else if args.nproc > 1 {
+        ember_trainer::train_in_process::<Autodiff<NdArray>>(&config, args.nproc, &device, options)
+            .context("training failed")?
+    } else {
+        ember_trainer::train::<Autodiff<NdArray>>(&config, &device, options)
+            .context("training failed")?
+    };
+    if !summary.is_main_rank {
+        return Ok(());
+    }
     println!(
-        "ember: {} steps in {:.0} s ({:.0} tokens/s); held-out masked-LM accuracy {:.4} \
+        "ember: {} steps of {} samples on {} rank(s) in {:.0} s ({:.0} tokens/s); held-out masked-LM accuracy {:.4} \
          (unigram baseline {:.4}, always {:?}), next-sentence accuracy {:.4}; loss {:.3} -> {:.3}; \
          checkpoint {}",
         summary.steps,
+        summary.global_batch_size,
+        summary.world_size,
         summary.train_seconds,
         summary.tokens_per_second,
         summary.eval.mlm_accuracy,

@@ -4,6 +4,8 @@
 pub mod collective;
 pub mod hooks;
 pub mod launch;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod reducer;
 
 pub use collective::{Collective, CommError, Delayed, InProcess, LinkModel, ReduceOp, SingleRank};

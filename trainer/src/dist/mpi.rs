@@ -1,0 +1,167 @@
+//! Collectives over MPI (rsmpi, OpenMPI from Debian), for multi-process and multi-node CPU
+//! runs launched by `mpirun` or `srun`. Behind the `mpi` cargo feature.
+//!
+//! MPI has no timeouts of its own: allreduce and broadcast run as non-blocking collectives
+//! polled until the deadline. A rank that passes the deadline prints which operation stalled
+//! and calls `MPI_Abort`, which ends every rank of the job (MPI cannot cancel a collective
+//! in flight). A rank that dies is reported by `mpirun` itself, which then stops the others.
+
+use std::time::{Duration, Instant};
+
+use mpi::collective::SystemOperation;
+use mpi::datatype::PartitionMut;
+use mpi::environment::Universe;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+use mpi::Threading;
+
+use super::collective::{Collective, CommError, ReduceOp};
+
+/// The MPI world communicator. Owns the MPI environment: dropping it finalises MPI.
+pub struct Mpi {
+    world: SimpleCommunicator,
+    // Dropped after `world` (field order): MPI_Finalize last.
+    _universe: Universe,
+    timeout: Duration,
+    seq: u64,
+}
+
+// SAFETY: MPI is initialised with MPI_THREAD_SERIALIZED (checked in `init`), which allows any
+// thread to call MPI as long as calls never overlap. An `Mpi` is used by one thread at a time:
+// it is created on the main thread and then moved to the communication thread, which alone
+// uses it until it drops it.
+unsafe impl Send for Mpi {}
+
+impl Mpi {
+    /// Initialises MPI (`MPI_Init_thread`, serialized) and takes its world communicator.
+    ///
+    /// # Errors
+    /// [`CommError::Backend`] when MPI is already initialised or lacks serialized threading.
+    pub fn init(timeout: Duration) -> Result<Self, CommError> {
+        let (universe, threading) = mpi::initialize_with_threading(Threading::Serialized)
+            .ok_or_else(|| CommError::Backend {
+                backend: "mpi",
+                message: "MPI was already initialised in this process".into(),
+            })?;
+        if threading < Threading::Serialized {
+            return Err(CommError::Backend {
+                backend: "mpi",
+                message: format!("the MPI library offers only {threading:?} threading; serialized is needed"),
+            });
+        }
+        Ok(Self {
+            world: universe.world(),
+            _universe: universe,
+            timeout,
+            seq: 0,
+        })
+    }
+
+    /// Polls a non-blocking collective until it completes or the timeout passes; on timeout,
+    /// aborts the job (see the module docs).
+    fn wait(&self, op: &'static str, seq: u64, mut test: impl FnMut() -> bool) {
+        let deadline = Instant::now() + self.timeout;
+        let mut pause = Duration::from_micros(10);
+        while !test() {
+            if Instant::now() >= deadline {
+                eprintln!(
+                    "error: {op} #{seq} on MPI rank {} timed out after {:.1} s: another rank stalled or died; aborting the job",
+                    self.world.rank(),
+                    self.timeout.as_secs_f64()
+                );
+                self.world.abort(1);
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+}
+
+impl Collective for Mpi {
+    fn rank(&self) -> usize {
+        self.world.rank() as usize
+    }
+
+    fn world_size(&self) -> usize {
+        self.world.size() as usize
+    }
+
+    fn name(&self) -> &'static str {
+        "mpi"
+    }
+
+    fn allreduce(&mut self, data: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        let seq = self.seq;
+        self.seq += 1;
+        let send = data.to_vec();
+        mpi::request::scope(|scope| {
+            let mut request = Some(self.world.immediate_all_reduce_into(
+                scope,
+                &send[..],
+                &mut *data,
+                SystemOperation::sum(),
+            ));
+            self.wait("allreduce", seq, || match request.take().unwrap().test() {
+                Ok(_) => true,
+                Err(pending) => {
+                    request = Some(pending);
+                    false
+                }
+            });
+        });
+        if op == ReduceOp::Average {
+            let n = self.world.size() as f32;
+            data.iter_mut().for_each(|x| *x /= n);
+        }
+        Ok(())
+    }
+
+    fn broadcast(&mut self, data: &mut [f32], root: usize) -> Result<(), CommError> {
+        let seq = self.seq;
+        self.seq += 1;
+        let root = self.world.process_at_rank(root as i32);
+        mpi::request::scope(|scope| {
+            let mut request = Some(root.immediate_broadcast_into(scope, &mut *data));
+            self.wait("broadcast", seq, || match request.take().unwrap().test() {
+                Ok(_) => true,
+                Err(pending) => {
+                    request = Some(pending);
+                    false
+                }
+            });
+        });
+        Ok(())
+    }
+
+    fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        // Start-up only (configuration and bucket plan): blocking, lengths first.
+        self.seq += 1;
+        let n = self.world.size() as usize;
+        let mut counts = vec![0i32; n];
+        self.world.all_gather_into(&(data.len() as i32), &mut counts[..]);
+        let displs: Vec<i32> = counts
+            .iter()
+            .scan(0, |offset, &c| {
+                let d = *offset;
+                *offset += c;
+                Some(d)
+            })
+            .collect();
+        let mut buffer = vec![0u8; counts.iter().sum::<i32>() as usize];
+        {
+            let mut partition = PartitionMut::new(&mut buffer[..], &counts[..], &displs[..]);
+            self.world.all_gather_varcount_into(data, &mut partition);
+        }
+        Ok(counts
+            .iter()
+            .zip(&displs)
+            .map(|(&c, &d)| buffer[d as usize..(d + c) as usize].to_vec())
+            .collect())
+    }
+
+    fn barrier(&mut self) -> Result<(), CommError> {
+        self.seq += 1;
+        self.world.barrier();
+        Ok(())
+    }
+}

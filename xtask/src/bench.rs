@@ -1,0 +1,303 @@
+//! `cargo xtask bench overlap`: how much of the gradient allreduce the bucketed hooks hide
+//! behind backward.
+//!
+//! Two in-process ranks, one compute thread each (`RAYON_NUM_THREADS=1`,
+//! `MATMUL_NUM_THREADS=1`), time a training step's forward and backward (no optimizer) three
+//! ways: (a) with no communication at all, (b) with every bucket allreduced after backward
+//! (serial), (c) with buckets launched from the hooks during backward (overlap). The fraction
+//! of communication hidden is (b − c) / (b − a).
+//!
+//! On two cores the same CPU does compute and the in-process copies, so the second table runs
+//! the collectives through a link model ([`Delayed`]): each allreduce takes the α-β time of
+//! a ring over a link of the given bandwidth, sleeping instead of computing, which is how a
+//! network-bound cluster behaves. By default the bandwidth is chosen so that the serial
+//! allreduce of all gradients takes 40% of the measured backward time.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use burn::backend::{Autodiff, NdArray};
+use burn::optim::GradientsParams;
+use burn::module::Module;
+use burn::tensor::backend::Backend;
+use clap::{Args, Subcommand};
+use ember_data::{HostBatch, InstanceLoader};
+use ember_model::{BertConfig, BertForPreTraining, Preset};
+use ember_trainer::dist::{
+    ClipMode, Collective, CommError, CommThread, Delayed, GradHooks, InProcess, LinkModel,
+    ReadyOrder, ReduceOp, Reducer, ready_order,
+};
+use ember_trainer::grads::take_host_grads;
+use ember_trainer::{TrainConfig, bucket_plan, prepare_data};
+
+type B = Autodiff<NdArray>;
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// Communication hidden behind backward by bucketed gradient hooks (2 ranks).
+    Overlap(OverlapArgs),
+}
+
+/// Flags of `bench overlap`.
+#[derive(Args, Debug)]
+pub struct OverlapArgs {
+    /// Model size
+    #[arg(long, default_value = "base")]
+    preset: Preset,
+    /// Samples per rank
+    #[arg(long, default_value_t = 2)]
+    batch_size: usize,
+    /// Sequence length of the samples
+    #[arg(long, default_value_t = 128)]
+    seq_len: usize,
+    /// Timed steps per configuration (after one warm-up step)
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// Link bandwidth in GB/s for the link model [default: serial allreduce = 40% of backward]
+    #[arg(long)]
+    bandwidth_gbps: Option<f64>,
+    /// Link latency in microseconds (α)
+    #[arg(long, default_value_t = 10.0)]
+    latency_us: f64,
+    /// Bucket cap, MiB
+    #[arg(long, default_value_t = 25.0)]
+    bucket_cap_mb: f64,
+    /// First bucket cap, MiB
+    #[arg(long, default_value_t = 1.0)]
+    first_bucket_mb: f64,
+    /// Also print the bucket plans of BERT-base and BERT-large (initialises both)
+    #[arg(long)]
+    plans: bool,
+}
+
+pub fn run(command: BenchCommand) -> Result<()> {
+    match command {
+        BenchCommand::Overlap(args) => overlap(args),
+    }
+}
+
+/// A collective whose allreduce does nothing: the "no communication" baseline (a). Barriers
+/// still synchronise the ranks between steps.
+struct NoAllreduce(InProcess);
+
+impl Collective for NoAllreduce {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn name(&self) -> &'static str {
+        "none"
+    }
+    fn allreduce(&mut self, _: &mut [f32], _: ReduceOp) -> Result<(), CommError> {
+        Ok(())
+    }
+    fn broadcast(&mut self, data: &mut [f32], root: usize) -> Result<(), CommError> {
+        self.0.broadcast(data, root)
+    }
+    fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        self.0.allgather(data)
+    }
+    fn barrier(&mut self) -> Result<(), CommError> {
+        self.0.barrier()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Mode {
+    /// (a) no communication.
+    Compute,
+    /// (b) all buckets after backward.
+    Serial,
+    /// (c) buckets from the hooks.
+    Overlap,
+}
+
+/// Mean seconds per step and mean seconds of backward alone, rank 0.
+struct Timing {
+    step: f64,
+    backward: f64,
+}
+
+fn model(preset: Preset) -> BertForPreTraining<B> {
+    let mut config = BertConfig::preset(preset);
+    config.hidden_dropout_prob = 0.0;
+    config.attention_probs_dropout_prob = 0.0;
+    B::seed(&Default::default(), 1);
+    config.init_for_pretraining(&Default::default())
+}
+
+fn timed_run(
+    mode: Mode,
+    link: Option<LinkModel>,
+    args: &OverlapArgs,
+    models: &[BertForPreTraining<B>],
+    batches: &[Vec<HostBatch>],
+    orders: &[ReadyOrder],
+) -> Timing {
+    let comms = InProcess::group(2, Duration::from_secs(600));
+    let timings: Vec<Timing> = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                scope.spawn(move || {
+                    let comm: Box<dyn Collective> = match (mode, link) {
+                        (Mode::Compute, _) => Box::new(NoAllreduce(comm)),
+                        (_, Some(link)) => Box::new(Delayed::new(comm, link)),
+                        (_, None) => Box::new(comm),
+                    };
+                    let comm = Arc::new(CommThread::spawn(comm));
+                    let model = &models[rank];
+                    let (hooked, late) = (orders[rank].hooked_set(), &orders[rank].late);
+                    let plan = bucket_plan::<B, _>(model, &orders[rank].params(), args.first_bucket_mb, args.bucket_cap_mb);
+                    // Serial: every bucket after backward (local-global with no clipping).
+                    let clip = if mode == Mode::Serial { ClipMode::LocalGlobal } else { ClipMode::None };
+                    let reducer = Reducer::new(plan, clip, 0.0, comm.clone());
+                    let device = Default::default();
+                    let (mut step_sum, mut backward_sum) = (0.0, 0.0);
+                    for (i, host) in batches[rank].iter().enumerate() {
+                        comm.call(|c| c.barrier()).unwrap();
+                        let batch = host.to_device::<B>(&device);
+                        let started = Instant::now();
+                        reducer.begin_micro_batch(true, true);
+                        let hooks = GradHooks::new(model, reducer.callback(), Some(&hooked));
+                        let output = model.forward_hooked(
+                            batch.input_ids,
+                            batch.segment_ids,
+                            batch.input_mask,
+                            batch.masked_lm_flat_positions,
+                            &hooks,
+                        );
+                        let loss = model.loss(&output, batch.masked_lm_labels, batch.next_sentence_labels);
+                        let backward_started = Instant::now();
+                        let mut grads = GradientsParams::from_grads(loss.total.backward(), model);
+                        drop(hooks);
+                        reducer.deliver(take_host_grads(model, &mut grads, late));
+                        let backward = backward_started.elapsed().as_secs_f64();
+                        reducer.finish().unwrap();
+                        let step = started.elapsed().as_secs_f64();
+                        if i > 0 {
+                            step_sum += step;
+                            backward_sum += backward;
+                        }
+                    }
+                    let n = (batches[rank].len() - 1) as f64;
+                    Timing { step: step_sum / n, backward: backward_sum / n }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // The step ends when the slower rank ends.
+    Timing {
+        step: timings.iter().map(|t| t.step).fold(0.0, f64::max),
+        backward: timings.iter().map(|t| t.backward).fold(0.0, f64::max),
+    }
+}
+
+fn overlap(args: OverlapArgs) -> Result<()> {
+    // SAFETY: no other thread exists yet (the thread pools start lazily, at the first matmul
+    // or parallel op), so nothing reads the environment concurrently.
+    unsafe {
+        std::env::set_var("RAYON_NUM_THREADS", "1");
+        std::env::set_var("MATMUL_NUM_THREADS", "1");
+    }
+    if args.plans {
+        for preset in [Preset::Base, Preset::Large] {
+            let m = model(preset);
+            let probe = probe_batch(16);
+            let order = ready_order(&m, probe);
+            let plan = bucket_plan::<B, _>(&m, &order.params(), args.first_bucket_mb, args.bucket_cap_mb);
+            println!("{preset}: {} parameters, {}", m.num_params(), plan.summary());
+        }
+    }
+    let mut config = TrainConfig::default();
+    config.instances.max_seq_length = args.seq_len;
+    config.instances.dupe_factor = 1;
+    let data = prepare_data(&config)?;
+    let batches: Vec<Vec<HostBatch>> = (0..2)
+        .map(|rank| {
+            let mut loader = InstanceLoader::for_rank(
+                data.train.clone(), args.batch_size, args.seq_len, 1, "training set", rank, 2,
+            )
+            .expect("the corpus holds enough samples");
+            (0..=args.steps).map(|_| loader.next_batch()).collect()
+        })
+        .collect();
+    let models = [model(args.preset), model(args.preset)];
+    // Parameter ids are per model: each rank's model gets its own probe.
+    let orders: Vec<ReadyOrder> = models
+        .iter()
+        .map(|m| ready_order(m, batches[0][0].to_device::<B>(&Default::default())))
+        .collect();
+    let late = orders[0].late.clone();
+    let plan = bucket_plan::<B, _>(&models[0], &orders[0].params(), args.first_bucket_mb, args.bucket_cap_mb);
+    let late_bytes: usize = plan
+        .buckets
+        .iter()
+        .flat_map(|b| &b.params)
+        .filter(|p| late.contains(&p.id))
+        .map(|p| p.numel() * 4)
+        .sum();
+    println!(
+        "{}: {} parameters, {}; {:.1} MiB ({:.0}%) of gradients are final only after backward (tied word embedding, reshaped LayerNorm parameters)",
+        args.preset,
+        models[0].num_params(),
+        plan.summary(),
+        late_bytes as f64 / 1048576.0,
+        100.0 * late_bytes as f64 / (plan.numel() * 4) as f64
+    );
+    let run = |mode, link| timed_run(mode, link, &args, &models, &batches, &orders);
+    let a = run(Mode::Compute, None);
+    let bytes = plan.numel() * 4;
+    let bandwidth = args
+        .bandwidth_gbps
+        .map(|g| g * 1e9)
+        .unwrap_or_else(|| bytes as f64 / (0.4 * a.backward));
+    let link = LinkModel {
+        latency_s: args.latency_us * 1e-6,
+        bandwidth_bytes_per_s: bandwidth,
+    };
+    println!(
+        "batch {} × {} tokens per rank, 2 ranks, 1 compute thread each; backward alone {:.3} s",
+        args.batch_size, args.seq_len, a.backward
+    );
+    println!();
+    println!("| collectives | (a) no comm s | (b) serial s | (c) overlap s | serial comm / backward | hidden (b−c)/(b−a) |");
+    println!("|---|---|---|---|---|---|");
+    for (name, link) in [
+        ("in-process (shared memory, same 2 cores)".to_string(), None),
+        (
+            format!("link model {:.2} GB/s, {} µs", bandwidth / 1e9, args.latency_us),
+            Some(link),
+        ),
+    ] {
+        let b = run(Mode::Serial, link);
+        let c = run(Mode::Overlap, link);
+        println!(
+            "| {name} | {:.3} | {:.3} | {:.3} | {:.2} | {:.2} |",
+            a.step,
+            b.step,
+            c.step,
+            (b.step - a.step) / a.backward,
+            (b.step - c.step) / (b.step - a.step)
+        );
+    }
+    Ok(())
+}
+
+fn probe_batch(seq_len: usize) -> ember_data::Batch<B> {
+    let mut config = TrainConfig::default();
+    config.instances.max_seq_length = seq_len.max(16);
+    config.instances.dupe_factor = 1;
+    let data = prepare_data(&config).expect("the embedded corpus");
+    let loader = InstanceLoader::new(data.eval.clone(), 1, seq_len, 0, "eval").expect("eval data");
+    loader
+        .sequential_batches()
+        .next()
+        .expect("one batch")
+        .to_device::<B>(&Default::default())
+}

@@ -1,0 +1,82 @@
+//! `cargo xtask <command>` (also built as the `ember` binary, for `mpirun`): ember's command
+//! line.
+//!
+//! - `train`: pre-trains BERT from a TOML config (default `configs/tiny-cpu.toml`) with flag
+//!   overrides, on the CPU (Burn's NdArray backend); `--nproc N` trains with N in-process
+//!   data-parallel ranks; under `mpirun` each process is one rank (`mpi` feature).
+//! - `launch`: runs `mpirun -np N` on this binary.
+//! - `bench overlap`: how much of the gradient allreduce the bucketed hooks hide.
+
+mod bench;
+mod launch;
+mod train;
+
+/// mimalloc instead of glibc's malloc: the MLM logits and their gradients are ~80 MB buffers,
+/// which glibc serves with a fresh mmap each time (page faults and zeroing on every op);
+/// mimalloc reuses them. Measured: a tiny-BERT batch-32 step takes 2.0 s instead of 2.6 s on
+/// 2 cores.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "cargo xtask",
+    bin_name = "cargo xtask",
+    about = "ember: BERT pre-training in Rust on Burn",
+    version
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Pre-train BERT and write metrics and a Hugging Face checkpoint.
+    Train(train::TrainArgs),
+    /// Run this binary under `mpirun -np N` (needs the `mpi` feature):
+    /// `launch --nproc 4 -- train --steps 100`.
+    Launch(launch::LaunchArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+/// The workspace root (the folder of the top-level Cargo.toml), so that default paths work
+/// from any working directory.
+pub fn project_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one folder below the workspace root")
+        .to_path_buf()
+}
+
+/// Parses the command line and runs the command; what both binaries' `main` calls.
+pub fn cli_main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result: Result<()> = match Cli::parse().command {
+        Command::Train(args) => train::run(args),
+        Command::Launch(args) => launch::run(args),
+        Command::Bench(command) => bench::run(command),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            // `{:#}` prints the whole chain of causes on one line, without a backtrace: the
+            // errors name the file or setting at fault, which is what a user needs.
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
