@@ -147,13 +147,7 @@ fn batches(n: usize, batch_size: usize) -> Vec<Batch<B>> {
 }
 
 fn plain_gradients(model: &BertForPreTraining<B>, batch: Batch<B>) -> HashMap<ParamId, Vec<f32>> {
-    let output = model.forward(
-        batch.input_ids,
-        batch.segment_ids,
-        batch.input_mask,
-        batch.masked_lm_flat_positions,
-    );
-    let loss = model.loss(&output, batch.masked_lm_labels, batch.next_sentence_labels);
+    let (_, loss) = ember_trainer::eval::forward_loss(model, batch);
     let mut grads = GradientsParams::from_grads(loss.total.backward(), model);
     let ids: Vec<ParamId> = named_params::<B, _>(model)
         .into_iter()

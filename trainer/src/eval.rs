@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use burn::tensor::ElementConversion;
 use burn::tensor::backend::Backend;
 use ember_data::{Batch, HostBatch, TrainingInstance};
-use ember_model::{BertForPreTraining, PreTrainingLoss, PreTrainingOutput};
+use ember_model::{BertForPreTraining, ForwardHook, NoHook, PreTrainingLoss, PreTrainingOutput};
 use serde::Serialize;
 
 /// Accuracy and loss over an evaluation set.
@@ -31,11 +31,21 @@ pub fn forward_loss<B: Backend>(
     model: &BertForPreTraining<B>,
     batch: Batch<B>,
 ) -> (PreTrainingOutput<B>, PreTrainingLoss<B>) {
-    let output = model.forward(
+    forward_loss_hooked(model, batch, &NoHook)
+}
+
+/// [`forward_loss`] with `hook` at the model's layer boundaries (see [`ForwardHook`]).
+pub fn forward_loss_hooked<B: Backend>(
+    model: &BertForPreTraining<B>,
+    batch: Batch<B>,
+    hook: &dyn ForwardHook<B>,
+) -> (PreTrainingOutput<B>, PreTrainingLoss<B>) {
+    let output = model.forward_hooked(
         batch.input_ids,
         batch.segment_ids,
         batch.input_mask,
         batch.masked_lm_flat_positions,
+        hook,
     );
     let loss = model.loss(&output, batch.masked_lm_labels, batch.next_sentence_labels);
     (output, loss)

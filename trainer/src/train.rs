@@ -29,7 +29,7 @@ use crate::dist::{
     BucketPlan, Collective, CommError, CommThread, GradHookBackend, GradHooks, InProcess, ReduceOp,
     Reducer, SingleRank,
 };
-use crate::eval::{EvalResult, evaluate, unigram_baseline};
+use crate::eval::{EvalResult, evaluate, forward_loss_hooked, unigram_baseline};
 use crate::grads::named_params;
 use crate::optim::PreTrainingOptimizer;
 use crate::schedule::WarmupPolyDecay;
@@ -555,14 +555,7 @@ pub fn train_rank<B: GradHookBackend>(
             let batch = host.to_device::<B>(device);
             reducer.begin_micro_batch(micro == 0, micro + 1 == grad_accum);
             let hooks = GradHooks::new(&model, reducer.callback(), Some(&hooked));
-            let output = model.forward_hooked(
-                batch.input_ids,
-                batch.segment_ids,
-                batch.input_mask,
-                batch.masked_lm_flat_positions,
-                &hooks,
-            );
-            let loss = model.loss(&output, batch.masked_lm_labels, batch.next_sentence_labels);
+            let (_, loss) = forward_loss_hooked(&model, batch, &hooks);
             for (sum, term) in step_losses
                 .iter_mut()
                 .zip([&loss.total, &loss.mlm, &loss.nsp])

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use burn::backend::{Autodiff, NdArray};
-use burn::optim::GradientsParams;
 use burn::module::Module;
+use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use clap::{Args, Subcommand};
 use ember_data::{HostBatch, InstanceLoader};
@@ -152,9 +152,18 @@ fn timed_run(
                     let comm = Arc::new(CommThread::spawn(comm));
                     let model = &models[rank];
                     let (hooked, late) = (orders[rank].hooked_set(), &orders[rank].late);
-                    let plan = bucket_plan::<B, _>(model, &orders[rank].params(), args.first_bucket_mb, args.bucket_cap_mb);
+                    let plan = bucket_plan::<B, _>(
+                        model,
+                        &orders[rank].params(),
+                        args.first_bucket_mb,
+                        args.bucket_cap_mb,
+                    );
                     // Serial: every bucket after backward (local-global with no clipping).
-                    let clip = if mode == Mode::Serial { ClipMode::LocalGlobal } else { ClipMode::None };
+                    let clip = if mode == Mode::Serial {
+                        ClipMode::LocalGlobal
+                    } else {
+                        ClipMode::None
+                    };
                     let reducer = Reducer::new(plan, clip, 0.0, comm.clone());
                     let device = Default::default();
                     let (mut step_sum, mut backward_sum) = (0.0, 0.0);
@@ -164,14 +173,8 @@ fn timed_run(
                         let started = Instant::now();
                         reducer.begin_micro_batch(true, true);
                         let hooks = GradHooks::new(model, reducer.callback(), Some(&hooked));
-                        let output = model.forward_hooked(
-                            batch.input_ids,
-                            batch.segment_ids,
-                            batch.input_mask,
-                            batch.masked_lm_flat_positions,
-                            &hooks,
-                        );
-                        let loss = model.loss(&output, batch.masked_lm_labels, batch.next_sentence_labels);
+                        let (_, loss) =
+                            ember_trainer::eval::forward_loss_hooked(model, batch, &hooks);
                         let backward_started = Instant::now();
                         let mut grads = GradientsParams::from_grads(loss.total.backward(), model);
                         drop(hooks);
@@ -185,7 +188,10 @@ fn timed_run(
                         }
                     }
                     let n = (batches[rank].len() - 1) as f64;
-                    Timing { step: step_sum / n, backward: backward_sum / n }
+                    Timing {
+                        step: step_sum / n,
+                        backward: backward_sum / n,
+                    }
                 })
             })
             .collect();
@@ -210,8 +216,17 @@ fn overlap(args: OverlapArgs) -> Result<()> {
             let m = model(preset);
             let probe = probe_batch(16);
             let order = ready_order(&m, probe);
-            let plan = bucket_plan::<B, _>(&m, &order.params(), args.first_bucket_mb, args.bucket_cap_mb);
-            println!("{preset}: {} parameters, {}", m.num_params(), plan.summary());
+            let plan = bucket_plan::<B, _>(
+                &m,
+                &order.params(),
+                args.first_bucket_mb,
+                args.bucket_cap_mb,
+            );
+            println!(
+                "{preset}: {} parameters, {}",
+                m.num_params(),
+                plan.summary()
+            );
         }
     }
     let mut config = TrainConfig::default();
@@ -221,7 +236,13 @@ fn overlap(args: OverlapArgs) -> Result<()> {
     let batches: Vec<Vec<HostBatch>> = (0..2)
         .map(|rank| {
             let mut loader = InstanceLoader::for_rank(
-                data.train.clone(), args.batch_size, args.seq_len, 1, "training set", rank, 2,
+                data.train.clone(),
+                args.batch_size,
+                args.seq_len,
+                1,
+                "training set",
+                rank,
+                2,
             )
             .expect("the corpus holds enough samples");
             (0..=args.steps).map(|_| loader.next_batch()).collect()
@@ -234,7 +255,12 @@ fn overlap(args: OverlapArgs) -> Result<()> {
         .map(|m| ready_order(m, batches[0][0].to_device::<B>(&Default::default())))
         .collect();
     let late = orders[0].late.clone();
-    let plan = bucket_plan::<B, _>(&models[0], &orders[0].params(), args.first_bucket_mb, args.bucket_cap_mb);
+    let plan = bucket_plan::<B, _>(
+        &models[0],
+        &orders[0].params(),
+        args.first_bucket_mb,
+        args.bucket_cap_mb,
+    );
     let late_bytes: usize = plan
         .buckets
         .iter()
@@ -266,12 +292,18 @@ fn overlap(args: OverlapArgs) -> Result<()> {
         args.batch_size, args.seq_len, a.backward
     );
     println!();
-    println!("| collectives | (a) no comm s | (b) serial s | (c) overlap s | serial comm / backward | hidden (b−c)/(b−a) |");
+    println!(
+        "| collectives | (a) no comm s | (b) serial s | (c) overlap s | serial comm / backward | hidden (b−c)/(b−a) |"
+    );
     println!("|---|---|---|---|---|---|");
     for (name, link) in [
         ("in-process (shared memory, same 2 cores)".to_string(), None),
         (
-            format!("link model {:.2} GB/s, {} µs", bandwidth / 1e9, args.latency_us),
+            format!(
+                "link model {:.2} GB/s, {} µs",
+                bandwidth / 1e9,
+                args.latency_us
+            ),
             Some(link),
         ),
     ] {

@@ -55,6 +55,46 @@ pub fn run(args: LaunchArgs) -> Result<()> {
     Ok(())
 }
 
+/// Trains as the rank `launch` describes on GPU `local_rank`, with NCCL collectives whose
+/// unique id travels by MPI.
+#[cfg(all(feature = "mpi", feature = "cuda"))]
+pub fn train_launched_cuda(
+    config: &TrainConfig,
+    options: RunOptions,
+    launch: &LaunchEnv,
+) -> Result<TrainSummary> {
+    use ember_trainer::dist::nccl::Nccl;
+    let timeout = std::time::Duration::from_secs_f64(config.parallel.timeout_s);
+    // MPI stays initialised until the run ends (dropping it finalises MPI).
+    let mut mpi = ember_trainer::dist::mpi::Mpi::init(timeout)?;
+    let nccl = Nccl::bootstrap(&mut mpi, launch.local_rank, timeout)?;
+    let device = burn::backend::cuda::CudaDevice::new(launch.local_rank);
+    let summary = ember_trainer::train_rank::<burn::backend::Autodiff<burn::backend::Cuda>>(
+        config,
+        &device,
+        options,
+        Box::new(nccl),
+        None,
+    )?;
+    drop(mpi);
+    Ok(summary)
+}
+
+/// Without MPI there is no way yet to pass NCCL's unique id.
+#[cfg(all(not(feature = "mpi"), feature = "cuda"))]
+pub fn train_launched_cuda(
+    _config: &TrainConfig,
+    _options: RunOptions,
+    launch: &LaunchEnv,
+) -> Result<TrainSummary> {
+    bail!(
+        "rank {} of {}: multi-GPU runs pass NCCL's unique id through MPI; build with \
+         `--features cuda,mpi` and start with mpirun or srun",
+        launch.rank,
+        launch.world_size
+    )
+}
+
 /// Trains as the rank `launch` describes, through MPI.
 #[cfg(feature = "mpi")]
 pub fn train_launched(
@@ -78,13 +118,9 @@ pub fn train_launched(
             comm.world_size()
         );
     }
-    Ok(ember_trainer::train_rank::<burn::backend::Autodiff<burn::backend::NdArray>>(
-        config,
-        device,
-        options,
-        Box::new(comm),
-        None,
-    )?)
+    Ok(ember_trainer::train_rank::<
+        burn::backend::Autodiff<burn::backend::NdArray>,
+    >(config, device, options, Box::new(comm), None)?)
 }
 
 /// Without MPI support, a launched rank cannot reach the others.

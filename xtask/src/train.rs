@@ -79,6 +79,10 @@ pub struct TrainArgs {
     /// (parallel.timeout_s)
     #[arg(long)]
     collective_timeout: Option<f64>,
+    /// Where to train: cpu (Burn's NdArray) or cuda (NVIDIA GPU `LOCAL_RANK`, needs the `cuda`
+    /// feature; several GPUs through mpirun with `cuda,mpi`)
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    device: String,
     /// Do not draw the progress bar
     #[arg(long)]
     no_progress: bool,
@@ -174,7 +178,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
         progress: !args.no_progress,
     };
     let launch = LaunchEnv::from_env(None)?;
-    let summary = if launch.world_size > 1 {
+    let summary = if args.device == "cuda" {
+        train_cuda(&config, options, &launch, args.nproc)?
+    } else if launch.world_size > 1 {
         if args.nproc > 1 {
             bail!(
                 "--nproc {} asks for in-process ranks, but this process is already rank {} of {} \
@@ -215,4 +221,36 @@ pub fn run(args: TrainArgs) -> Result<()> {
         summary.checkpoint.display(),
     );
     Ok(())
+}
+
+/// Training on NVIDIA GPUs: one process per GPU.
+#[cfg(feature = "cuda")]
+fn train_cuda(
+    config: &TrainConfig,
+    options: RunOptions,
+    launch: &LaunchEnv,
+    nproc: usize,
+) -> Result<ember_trainer::TrainSummary> {
+    if nproc > 1 {
+        bail!("--nproc runs CPU ranks as threads; on GPUs start one process per GPU with mpirun");
+    }
+    if launch.world_size > 1 {
+        return crate::launch::train_launched_cuda(config, options, launch)
+            .context("training failed");
+    }
+    let device = burn::backend::cuda::CudaDevice::new(launch.local_rank);
+    ember_trainer::train::<Autodiff<burn::backend::Cuda>>(config, &device, options)
+        .context("training failed")
+}
+
+#[cfg(not(feature = "cuda"))]
+fn train_cuda(
+    _config: &TrainConfig,
+    _options: RunOptions,
+    _launch: &LaunchEnv,
+    _nproc: usize,
+) -> Result<ember_trainer::TrainSummary> {
+    bail!(
+        "--device cuda needs a build with the `cuda` feature: cargo run --release -p xtask --features cuda -- train --device cuda"
+    )
 }

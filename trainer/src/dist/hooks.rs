@@ -283,14 +283,7 @@ where
         record.lock().unwrap().push((group, grads));
     }));
     let hooks = GradHooks::new(model, callback, None);
-    let output = model.forward_hooked(
-        batch.input_ids,
-        batch.segment_ids,
-        batch.input_mask,
-        batch.masked_lm_flat_positions,
-        &hooks,
-    );
-    let loss = model.loss(&output, batch.masked_lm_labels, batch.next_sentence_labels);
+    let (_, loss) = crate::eval::forward_loss_hooked(model, batch, &hooks);
     let grads = GradientsParams::from_grads(loss.total.backward(), model);
     drop(hooks);
     let final_grads: HashMap<ParamId, TensorData> = {

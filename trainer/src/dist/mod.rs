@@ -6,6 +6,8 @@ pub mod hooks;
 pub mod launch;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod reducer;
 
 pub use collective::{Collective, CommError, Delayed, InProcess, LinkModel, ReduceOp, SingleRank};

@@ -8,12 +8,12 @@
 
 use std::time::{Duration, Instant};
 
+use mpi::Threading;
 use mpi::collective::SystemOperation;
 use mpi::datatype::PartitionMut;
 use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
-use mpi::Threading;
 
 use super::collective::{Collective, CommError, ReduceOp};
 
@@ -46,7 +46,9 @@ impl Mpi {
         if threading < Threading::Serialized {
             return Err(CommError::Backend {
                 backend: "mpi",
-                message: format!("the MPI library offers only {threading:?} threading; serialized is needed"),
+                message: format!(
+                    "the MPI library offers only {threading:?} threading; serialized is needed"
+                ),
             });
         }
         Ok(Self {
@@ -138,7 +140,8 @@ impl Collective for Mpi {
         self.seq += 1;
         let n = self.world.size() as usize;
         let mut counts = vec![0i32; n];
-        self.world.all_gather_into(&(data.len() as i32), &mut counts[..]);
+        self.world
+            .all_gather_into(&(data.len() as i32), &mut counts[..]);
         let displs: Vec<i32> = counts
             .iter()
             .scan(0, |offset, &c| {

@@ -1,0 +1,95 @@
+//! Multi-process data parallelism through MPI: `mpirun -np 2` ends with the same parameters
+//! as two in-process ranks. Needs the `mpi` feature and OpenMPI (`.ci/run` installs Debian's
+//! libopenmpi-dev, openmpi-bin and libclang-dev):
+//! `cargo test --locked -p xtask --features mpi --test mpi`.
+#![cfg(feature = "mpi")]
+
+use std::path::Path;
+use std::process::Command;
+
+/// Tiny model without dropout; one masked token per sample so that rank means average to the
+/// global mean (as in tests/tests/data_parallel.rs).
+const CONFIG: &str = r#"
+[model]
+preset = "tiny"
+hidden_dropout_prob = 0.0
+attention_probs_dropout_prob = 0.0
+
+[instances]
+max_seq_length = 64
+max_predictions_per_seq = 1
+dupe_factor = 1
+
+[train]
+steps = 3
+batch_size = 2
+eval_every = 3
+eval_samples = 16
+log_every = 1
+
+[parallel]
+clip = "global"
+timeout_s = 120.0
+"#;
+
+fn ember(args: &[&str], dir: &Path) -> String {
+    let output = Command::new(env!("CARGO_BIN_EXE_ember"))
+        .args(args)
+        .current_dir(dir)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("running the ember binary");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success(), "ember {args:?} failed:\n{text}");
+    text
+}
+
+#[test]
+fn mpirun_two_processes_equal_two_in_process_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("dp.toml");
+    std::fs::write(&config, CONFIG).unwrap();
+    let config = config.to_str().unwrap();
+    let threads = ember(
+        &[
+            "train",
+            "--config",
+            config,
+            "--nproc",
+            "2",
+            "--out",
+            "threads",
+            "--no-progress",
+        ],
+        dir.path(),
+    );
+    assert!(threads.contains("on 2 rank(s)"), "{threads}");
+    let mpi = ember(
+        &[
+            "launch",
+            "--nproc",
+            "2",
+            "--",
+            "train",
+            "--config",
+            config,
+            "--out",
+            "mpi",
+            "--no-progress",
+        ],
+        dir.path(),
+    );
+    assert!(mpi.contains("on 2 rank(s)"), "{mpi}");
+    // One summary line: only rank 0 reports.
+    assert_eq!(mpi.matches("ember: 3 steps").count(), 1, "{mpi}");
+    let worst = ember_tests::assert_same_weights(
+        &dir.path().join("threads/model.safetensors"),
+        &dir.path().join("mpi/model.safetensors"),
+        1e-5,
+    );
+    eprintln!("largest difference between MPI and in-process ranks: {worst:e}");
+}
