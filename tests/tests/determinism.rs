@@ -39,33 +39,15 @@ fn same_seed_gives_the_same_loss_sequence() {
     }
     assert_eq!(a.eval.mlm_accuracy, b.eval.mlm_accuracy);
     assert_ne!(a.losses, c.losses, "another seed gave the same losses");
-    // The final weights are identical too, tensor by tensor.
-    let read = |name: &str| std::fs::read(dir.path().join(name).join("model.safetensors")).unwrap();
-    let (bytes_a, bytes_b) = (read("a"), read("b"));
-    let (file_a, file_b) = (
-        safetensors::SafeTensors::deserialize(&bytes_a).unwrap(),
-        safetensors::SafeTensors::deserialize(&bytes_b).unwrap(),
+    // The final weights are identical too, tensor by tensor (to 1e-6 · max(1, largest entry)).
+    let (a, b) = (
+        dir.path().join("a/model.safetensors"),
+        dir.path().join("b/model.safetensors"),
     );
-    let mut names = file_a.names();
-    names.sort();
-    assert_eq!(names.len(), 46, "every parameter of the 2-layer model");
-    let floats = |bytes: &[u8]| -> Vec<f64> {
-        bytes
-            .chunks_exact(4)
-            .map(|c| f64::from(f32::from_le_bytes(c.try_into().unwrap())))
-            .collect()
-    };
-    for name in names {
-        let x = floats(file_a.tensor(name).unwrap().data());
-        let y = floats(file_b.tensor(name).unwrap().data());
-        let scale = x.iter().fold(0f64, |m, v| m.max(v.abs()));
-        let diff = x
-            .iter()
-            .zip(&y)
-            .fold(0f64, |m, (p, q)| m.max((p - q).abs()));
-        assert!(
-            diff <= 1e-6 * scale.max(1.0),
-            "{name} differs by {diff} between two runs with the same seed"
-        );
-    }
+    assert_eq!(
+        ember_tests::read_safetensors(&a).len(),
+        46,
+        "every parameter of the 2-layer model"
+    );
+    ember_tests::assert_same_weights(&a, &b, 1e-6);
 }
