@@ -307,6 +307,19 @@ fn same_lengths(seq: u64, op: &str, lengths: impl Iterator<Item = usize>) -> Res
     }
 }
 
+/// The ranks' f32 buffers of an allreduce or broadcast, checked to have equal lengths.
+fn f32_buffers(seq: u64, op: &str, inputs: Vec<Payload>) -> Result<Vec<Vec<f32>>, CommError> {
+    let buffers: Vec<Vec<f32>> = inputs
+        .into_iter()
+        .map(|p| match p {
+            Payload::F32(v) => v,
+            _ => unreachable!("{op} slots hold f32 buffers"),
+        })
+        .collect();
+    same_lengths(seq, op, buffers.iter().map(Vec::len))?;
+    Ok(buffers)
+}
+
 impl Collective for InProcess {
     fn rank(&self) -> usize {
         self.rank
@@ -323,14 +336,7 @@ impl Collective for InProcess {
     fn allreduce(&mut self, data: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
         let world_size = self.hub.world_size as f32;
         let output = self.exchange("allreduce", Payload::F32(data.to_vec()), |seq, inputs| {
-            let buffers: Vec<Vec<f32>> = inputs
-                .into_iter()
-                .map(|p| match p {
-                    Payload::F32(v) => v,
-                    _ => unreachable!("allreduce slots hold f32 buffers"),
-                })
-                .collect();
-            same_lengths(seq, "allreduce", buffers.iter().map(Vec::len))?;
+            let buffers = f32_buffers(seq, "allreduce", inputs)?;
             let mut sum = buffers[0].clone();
             for buffer in &buffers[1..] {
                 sum.iter_mut().zip(buffer).for_each(|(s, x)| *s += x);
@@ -349,14 +355,7 @@ impl Collective for InProcess {
 
     fn broadcast(&mut self, data: &mut [f32], root: usize) -> Result<(), CommError> {
         let output = self.exchange("broadcast", Payload::F32(data.to_vec()), |seq, inputs| {
-            let buffers: Vec<Vec<f32>> = inputs
-                .into_iter()
-                .map(|p| match p {
-                    Payload::F32(v) => v,
-                    _ => unreachable!("broadcast slots hold f32 buffers"),
-                })
-                .collect();
-            same_lengths(seq, "broadcast", buffers.iter().map(Vec::len))?;
+            let buffers = f32_buffers(seq, "broadcast", inputs)?;
             Ok(Payload::F32(buffers.into_iter().nth(root).unwrap()))
         })?;
         let Payload::F32(result) = &*output else {
