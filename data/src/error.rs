@@ -61,4 +61,78 @@ pub enum DataError {
         /// The number of examples available.
         available: usize,
     },
+    /// A file that is not HDF5, or is truncated.
+    #[error("{}: not a readable HDF5 file (truncated or another format): {reason}", path.display())]
+    NotHdf5 {
+        /// The file.
+        path: PathBuf,
+        /// HDF5's message.
+        reason: String,
+    },
+    /// A shard without one of the MLPerf fields.
+    #[error("{}: no field `{field}` (an MLPerf shard has input_ids, input_mask, segment_ids, masked_lm_positions, masked_lm_ids, next_sentence_labels)", path.display())]
+    MissingField {
+        /// The file.
+        path: PathBuf,
+        /// The missing field.
+        field: String,
+    },
+    /// A shard field of a type other than integer (e.g. float ids).
+    #[error("{}: field `{field}` has dtype {found}; expected an integer type (i1/i2/i4/i8)", path.display())]
+    WrongDtype {
+        /// The file.
+        path: PathBuf,
+        /// The field.
+        field: String,
+        /// The dtype found.
+        found: String,
+    },
+    /// A shard field whose shape disagrees with the others.
+    #[error("{}: field `{field}` has shape {shape:?}, expected {expected} to agree with input_ids", path.display())]
+    ShapeMismatch {
+        /// The file.
+        path: PathBuf,
+        /// The field.
+        field: String,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// The shape it should have.
+        expected: String,
+    },
+    /// A token id outside the vocabulary.
+    #[error("{}: field `{field}`, sample {sample}: id {id} is not below the vocabulary size {vocab_size} (was the shard made with another vocab?)", path.display())]
+    IdOutOfRange {
+        /// The file.
+        path: PathBuf,
+        /// The field.
+        field: String,
+        /// The sample (row).
+        sample: usize,
+        /// The id.
+        id: i64,
+        /// The vocabulary size.
+        vocab_size: usize,
+    },
+    /// A shard with zero samples.
+    #[error("{}: the shard holds zero samples", path.display())]
+    EmptyShard {
+        /// The file.
+        path: PathBuf,
+    },
+    /// A folder without `*.hdf5`/`*.h5` files.
+    #[error("{}: no HDF5 shards (*.hdf5, *.h5) found", path.display())]
+    NoShards {
+        /// The folder.
+        path: PathBuf,
+    },
+    /// Any other problem with a shard's field.
+    #[error("{}: field `{field}`: {problem}", path.display())]
+    Shard {
+        /// The file.
+        path: PathBuf,
+        /// The field (or "(file)").
+        field: String,
+        /// What is wrong.
+        problem: String,
+    },
 }

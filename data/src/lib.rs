@@ -18,6 +18,7 @@ pub mod corpus;
 mod error;
 pub mod instances;
 pub mod loader;
+pub mod shard;
 pub mod tokenizer;
 
 pub use batch::{Batch, HostBatch, collate};
