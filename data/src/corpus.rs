@@ -1,12 +1,92 @@
 //! Corpus reading in the format of Google's `create_pretraining_data.py`: one sentence per line,
 //! a blank line between documents.
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
 use crate::{DataError, WordPieceTokenizer};
 
 /// A tokenised document: its sentences, each a list of token ids (no special tokens).
 pub type Document = Vec<Vec<u32>>;
+
+/// The corpus files of `path`: the file itself, or every `*.txt` file of a folder in name order.
+///
+/// # Errors
+/// [`DataError::Io`] if the folder cannot be read.
+pub fn corpus_files(path: &Path) -> Result<Vec<PathBuf>, DataError> {
+    if !path.is_dir() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let mut files: Vec<PathBuf> = std::fs::read_dir(path)
+        .map_err(|error| DataError::Io {
+            path: path.to_path_buf(),
+            error,
+        })?
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "txt"))
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// Streams the documents of corpus files one at a time (a document's sentences, each a line),
+/// holding one document in memory. Blank (or whitespace-only) lines separate documents; a file
+/// end ends a document.
+pub struct DocumentStream {
+    files: std::vec::IntoIter<PathBuf>,
+    current: Option<(PathBuf, std::io::Lines<BufReader<std::fs::File>>)>,
+}
+
+impl DocumentStream {
+    /// A stream over `files`, in order.
+    pub fn new(files: Vec<PathBuf>) -> Self {
+        Self {
+            files: files.into_iter(),
+            current: None,
+        }
+    }
+}
+
+impl Iterator for DocumentStream {
+    /// A document, or the I/O error (naming the file) that stopped the stream.
+    type Item = Result<Vec<String>, DataError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let mut document = Vec::new();
+        loop {
+            if self.current.is_none() {
+                let file = self.files.next()?;
+                match std::fs::File::open(&file) {
+                    Ok(f) => self.current = Some((file, BufReader::new(f).lines())),
+                    Err(error) => return Some(Err(DataError::Io { path: file, error })),
+                }
+            }
+            let (file, lines) = self.current.as_mut().expect("a file is open");
+            match lines.next() {
+                Some(Ok(line)) => {
+                    let line = line.trim();
+                    if !line.is_empty() {
+                        document.push(line.to_string());
+                    } else if !document.is_empty() {
+                        return Some(Ok(document));
+                    }
+                }
+                Some(Err(error)) => {
+                    let path = file.clone();
+                    self.current = None;
+                    self.files = Vec::new().into_iter();
+                    return Some(Err(DataError::Io { path, error }));
+                }
+                None => {
+                    self.current = None;
+                    if !document.is_empty() {
+                        return Some(Ok(document));
+                    }
+                }
+            }
+        }
+    }
+}
 
 /// Reads the documents of a corpus file, or of every `*.txt` file of a folder (in name order),
 /// as lists of sentences. Blank lines separate documents; whitespace-only lines count as blank.
@@ -15,40 +95,7 @@ pub type Document = Vec<Vec<u32>>;
 /// [`DataError::Io`] naming the file that is missing or unreadable (or not UTF-8);
 /// [`DataError::EmptyCorpus`] if there is no sentence at all.
 pub fn read_documents(path: &Path) -> Result<Vec<Vec<String>>, DataError> {
-    let io_error = |path: &Path, error| DataError::Io {
-        path: path.to_path_buf(),
-        error,
-    };
-    let files: Vec<PathBuf> = if path.is_dir() {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(path)
-            .map_err(|e| io_error(path, e))?
-            .filter_map(|entry| entry.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|e| e == "txt"))
-            .collect();
-        files.sort();
-        files
-    } else {
-        vec![path.to_path_buf()]
-    };
-
-    let mut documents = Vec::new();
-    for file in &files {
-        let text = std::fs::read_to_string(file).map_err(|e| io_error(file, e))?;
-        let mut current: Vec<String> = Vec::new();
-        for line in text.lines() {
-            let line = line.trim();
-            if line.is_empty() {
-                if !current.is_empty() {
-                    documents.push(std::mem::take(&mut current));
-                }
-            } else {
-                current.push(line.to_string());
-            }
-        }
-        if !current.is_empty() {
-            documents.push(current);
-        }
-    }
+    let documents = DocumentStream::new(corpus_files(path)?).collect::<Result<Vec<_>, _>>()?;
     if documents.is_empty() {
         return Err(DataError::EmptyCorpus {
             path: path.to_path_buf(),

@@ -13,19 +13,26 @@
 //! # Shapes
 //! B batch, S padded sequence length of the batch, P padded number of predictions of the batch.
 
+pub mod balance;
 pub mod batch;
 pub mod corpus;
+pub mod dataset;
 mod error;
 pub mod instances;
 pub mod loader;
+pub mod prepare;
+pub mod sampler;
 pub mod shard;
+pub mod stratify;
 pub mod tokenizer;
 
 pub use batch::{Batch, HostBatch, collate};
-pub use corpus::{Document, read_documents, split_held_out, tokenize_documents};
+pub use corpus::{Document, DocumentStream, corpus_files, read_documents, split_held_out, tokenize_documents};
 pub use error::DataError;
 pub use instances::{PretrainingConfig, TrainingInstance, create_training_instances};
+pub use dataset::ShardedDataset;
 pub use loader::InstanceLoader;
+pub use sampler::{Padding, RankSampler, SampleRef, SamplerConfig, SamplerKind, SamplerState};
 pub use tokenizer::{SpecialTokens, WordPieceTokenizer};
 
 use std::path::PathBuf;
