@@ -5,9 +5,12 @@
 //!   overrides, on the CPU (Burn's NdArray backend); `--nproc N` trains with N in-process
 //!   data-parallel ranks; under `mpirun` each process is one rank (`mpi` feature).
 //! - `launch`: runs `mpirun -np N` on this binary.
+//! - `prepare-data`: text → MLPerf HDF5 shards; `stratify`: shards → length bins;
+//!   `balance-report`: padding efficiency and rank imbalance of each sampler.
 //! - `bench overlap`: how much of the gradient allreduce the bucketed hooks hide.
 
 mod bench;
+mod data;
 mod launch;
 mod train;
 
@@ -43,6 +46,13 @@ enum Command {
     /// Run this binary under `mpirun -np N` (needs the `mpi` feature):
     /// `launch --nproc 4 -- train --steps 100`.
     Launch(launch::LaunchArgs),
+    /// Text corpus → MLPerf HDF5 shards (create_pretraining_data per part, in parallel).
+    PrepareData(data::PrepareArgs),
+    /// Reshard by real length into one folder per length bin.
+    Stratify(data::StratifyArgs),
+    /// Padding efficiency, rank imbalance and step time of each sampler, simulated on shards;
+    /// writes balance.md and balance.png.
+    BalanceReport(data::BalanceArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -68,6 +78,9 @@ pub fn cli_main() -> ExitCode {
     let result: Result<()> = match Cli::parse().command {
         Command::Train(args) => train::run(args),
         Command::Launch(args) => launch::run(args),
+        Command::PrepareData(args) => data::prepare(args),
+        Command::Stratify(args) => data::stratify_command(args),
+        Command::BalanceReport(args) => data::balance(args),
         Command::Bench(command) => bench::run(command),
     };
     match result {
