@@ -69,13 +69,22 @@ pub fn padded_length(longest: usize, max_seq_length: usize) -> usize {
 /// If `instances` is empty or a sample is longer than `max_seq_length` (instances are created
 /// no longer than that).
 pub fn collate(instances: &[&TrainingInstance], max_seq_length: usize) -> HostBatch {
+    let longest = instances.iter().map(|i| i.len()).max().unwrap_or(0);
+    collate_padded(instances, padded_length(longest, max_seq_length))
+}
+
+/// Pads `instances` into one batch of exactly `seq_len` tokens per sample (P as
+/// [`collate`]): `max_seq_length` for padding to the maximum.
+///
+/// # Panics
+/// If `instances` is empty or a sample is longer than `seq_len`.
+pub fn collate_padded(instances: &[&TrainingInstance], seq_len: usize) -> HostBatch {
     assert!(!instances.is_empty(), "a batch needs at least one instance");
     let longest = instances.iter().map(|i| i.len()).max().unwrap_or(0);
     assert!(
-        longest <= max_seq_length,
-        "instance of {longest} tokens exceeds {max_seq_length}"
+        longest <= seq_len,
+        "instance of {longest} tokens exceeds {seq_len}"
     );
-    let seq_len = padded_length(longest, max_seq_length);
     let num_predictions = instances
         .iter()
         .map(|i| i.masked_lm_positions.len())

@@ -146,7 +146,13 @@ pub fn split_held_out<T>(
             documents: n,
         });
     }
-    let held_out = held_out.min((n / 10).max(1));
-    let eval = documents.split_off(n - held_out);
+    let eval = documents.split_off(n - held_out_count(n, held_out));
     Ok((documents, eval))
+}
+
+/// How many of `n` documents [`split_held_out`] holds out when asked for `requested`:
+/// `requested`, lowered to `n / 10` (at least 1). `prepare-data` leaves the same documents out
+/// of its shards, so that training on shards evaluates on documents it never saw.
+pub fn held_out_count(n: usize, requested: usize) -> usize {
+    requested.min((n / 10).max(1))
 }

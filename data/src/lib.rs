@@ -26,13 +26,16 @@ pub mod shard;
 pub mod stratify;
 pub mod tokenizer;
 
-pub use batch::{Batch, HostBatch, collate};
-pub use corpus::{Document, DocumentStream, corpus_files, read_documents, split_held_out, tokenize_documents};
+pub use batch::{Batch, HostBatch, collate, collate_padded};
+pub use corpus::{
+    Document, DocumentStream, corpus_files, held_out_count, read_documents, split_held_out,
+    tokenize_documents,
+};
 pub use error::DataError;
 pub use instances::{PretrainingConfig, TrainingInstance, create_training_instances};
 pub use dataset::ShardedDataset;
 pub use loader::InstanceLoader;
-pub use sampler::{Padding, RankSampler, SampleRef, SamplerConfig, SamplerKind, SamplerState};
+pub use sampler::{Padding, RankSampler, ShardLoader, SampleRef, SamplerConfig, SamplerKind, SamplerState};
 pub use tokenizer::{SpecialTokens, WordPieceTokenizer};
 
 use std::path::PathBuf;

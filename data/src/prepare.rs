@@ -7,7 +7,8 @@
 //! Documents are streamed: a first pass counts them, a second hands each part to a pool of
 //! workers as soon as it is read. At most `jobs + 1` parts are held in memory at a time, so
 //! memory is bounded by the part size, not the corpus. The output depends only on the corpus,
-//! the settings and the seed, not on `jobs`.
+//! the settings and the seed, not on `jobs`. The last documents can be held out (as the
+//! trainer holds them out for evaluation), so that a run on the shards evaluates on unseen text.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -17,7 +18,7 @@ use crate::corpus::{DocumentStream, corpus_files};
 use crate::shard::{self, Compression};
 use crate::{
     DataError, PretrainingConfig, WordPieceTokenizer, create_training_instances,
-    tokenize_documents,
+    held_out_count, tokenize_documents,
 };
 
 /// Settings of [`prepare_shards`].
@@ -32,6 +33,9 @@ pub struct PrepareOptions {
     pub compression: Compression,
     /// Worker threads (at least 1).
     pub jobs: usize,
+    /// Documents at the end of the corpus left out of the shards (as many as the trainer's
+    /// `data.eval_documents` holds out for evaluation, see [`held_out_count`]); 0 keeps all.
+    pub holdout_documents: usize,
 }
 
 /// What [`prepare_shards`] wrote.
@@ -39,8 +43,10 @@ pub struct PrepareOptions {
 pub struct PrepareSummary {
     /// The shards, in order.
     pub shards: Vec<PathBuf>,
-    /// Documents read.
+    /// Documents in the shards.
     pub documents: usize,
+    /// Documents left out at the end of the corpus.
+    pub held_out: usize,
     /// Samples written.
     pub samples: usize,
     /// Real tokens written (the sum of `input_mask` over all samples).
@@ -87,6 +93,12 @@ pub fn prepare_shards(
             path: corpus.to_path_buf(),
         });
     }
+    let held_out = if options.holdout_documents == 0 {
+        0
+    } else {
+        held_out_count(documents, options.holdout_documents)
+    };
+    let documents = documents - held_out;
     if num_shards > documents {
         return Err(DataError::InvalidSetting {
             field: "num_shards",
@@ -169,7 +181,7 @@ pub fn prepare_shards(
         }
         let mut part = Vec::new();
         let mut k = 0;
-        for (index, document) in DocumentStream::new(files).enumerate() {
+        for (index, document) in DocumentStream::new(files).take(documents).enumerate() {
             part.push(document?);
             if index + 1 == part_end(k) {
                 if failed.load(Ordering::Relaxed)
@@ -194,6 +206,7 @@ pub fn prepare_shards(
             .map(|k| out.join(shard_name(k, num_shards)))
             .collect(),
         documents,
+        held_out,
         samples: samples.into_inner(),
         tokens: tokens.into_inner(),
     })

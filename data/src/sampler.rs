@@ -505,6 +505,100 @@ pub fn micro_batches(
         .collect()
 }
 
+/// Training batches from shards: each step, the rank's sampler draws a local batch of
+/// `micro_batches × batch_size` samples, which is cut into `micro_batches` padded
+/// micro-batches (the trainer accumulates gradients over them).
+#[derive(Debug)]
+pub struct ShardLoader {
+    sampler: RankSampler,
+    samples: Vec<std::sync::Arc<[crate::TrainingInstance]>>,
+    padding: Padding,
+    micro_batches: usize,
+    max_seq_length: usize,
+}
+
+impl ShardLoader {
+    /// The loader of `rank` of `world_size` over `samples[bin]` of `dataset` (as
+    /// [`crate::ShardedDataset::load`] returns them). `config.local_batch` is the whole local
+    /// batch of a step.
+    ///
+    /// # Errors
+    /// Those of [`RankSampler::new`]; [`DataError::InvalidSetting`] if `micro_batches` is 0 or
+    /// a sample is longer than `max_seq_length`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        dataset: &crate::ShardedDataset,
+        samples: Vec<std::sync::Arc<[crate::TrainingInstance]>>,
+        config: &SamplerConfig,
+        padding: Padding,
+        micro_batches: usize,
+        max_seq_length: usize,
+        rank: usize,
+        world_size: usize,
+    ) -> Result<Self, DataError> {
+        if micro_batches == 0 {
+            return Err(DataError::InvalidSetting {
+                field: "grad_accum",
+                reason: "must be at least 1".into(),
+            });
+        }
+        let longest = dataset.lengths.iter().flatten().copied().max().unwrap_or(0) as usize;
+        if longest > max_seq_length {
+            return Err(DataError::InvalidSetting {
+                field: "max_seq_length",
+                reason: format!(
+                    "{}: a sample has {longest} tokens, more than the model's {max_seq_length}",
+                    dataset.root.display()
+                ),
+            });
+        }
+        let sampler = RankSampler::new(
+            config,
+            &dataset.shard_sizes,
+            dataset.lengths.clone(),
+            rank,
+            world_size,
+        )?;
+        Ok(Self {
+            sampler,
+            samples,
+            padding,
+            micro_batches,
+            max_seq_length,
+        })
+    }
+
+    /// The next step's micro-batches.
+    pub fn next_step(&mut self) -> Vec<crate::HostBatch> {
+        let refs = self.sampler.next_batch();
+        let picked: Vec<&crate::TrainingInstance> = refs
+            .iter()
+            .map(|r| &self.samples[r.bin as usize][r.index as usize])
+            .collect();
+        let lengths: Vec<u16> = picked.iter().map(|i| i.len() as u16).collect();
+        micro_batches(&lengths, self.micro_batches, self.padding, self.max_seq_length)
+            .into_iter()
+            .map(|(part, padded)| {
+                let part: Vec<&crate::TrainingInstance> = part.iter().map(|&i| picked[i]).collect();
+                crate::collate_padded(&part, padded)
+            })
+            .collect()
+    }
+
+    /// The sampler (its quota, epoch and state).
+    pub fn sampler(&self) -> &RankSampler {
+        &self.sampler
+    }
+
+    /// Continues from a saved sampler state.
+    ///
+    /// # Errors
+    /// As [`RankSampler::restore`].
+    pub fn restore(&mut self, state: &SamplerState) -> Result<(), DataError> {
+        self.sampler.restore(state)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -32,6 +32,7 @@ fn options(jobs: usize) -> PrepareOptions {
         num_shards: 4,
         compression: Compression::Gzip(1),
         jobs,
+        holdout_documents: 60,
     }
 }
 
@@ -63,8 +64,9 @@ fn prepare_is_deterministic_stratify_loses_nothing_and_presort_balances() {
     };
     let summary = prepare_shards(&corpus, &tokenizer, &one, &options(1), &count).unwrap();
     prepare_shards(&corpus, &tokenizer, &two, &options(2), &|_| {}).unwrap();
-    assert_eq!(summary.documents, 600);
-    assert_eq!(docs.into_inner(), 600, "progress reports every document once");
+    // 60 held out (600 / 10 caps it at 60).
+    assert_eq!((summary.documents, summary.held_out), (540, 60));
+    assert_eq!(docs.into_inner(), 540, "progress reports every document once");
     assert_eq!(summary.shards.len(), 4);
     let samples = read_all(&one, vocab);
     assert_eq!(samples.len(), summary.samples);

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ember_data::PretrainingConfig;
+use ember_data::{Padding, PretrainingConfig, SamplerKind};
 use ember_model::{BertConfig, Preset};
 use serde::{Deserialize, Serialize};
 
@@ -73,6 +73,21 @@ pub struct DataSection {
     pub vocab: Option<PathBuf>,
     /// Documents held out at the end of the corpus for evaluation. Default: 300.
     pub eval_documents: usize,
+    /// Train on MLPerf HDF5 shards (a folder, or a stratified folder of `len_<lo>-<hi>/`
+    /// bins) instead of instances made from the corpus; evaluation still uses the corpus's
+    /// held-out documents (`prepare-data` leaves the same ones out of its shards).
+    pub shards: Option<PathBuf>,
+    /// Sampler over the shards: random, stratified or presort. Default: random.
+    pub sampler: SamplerKind,
+    /// Ranks per presort group (consecutive ranks). Default: 8 (one node).
+    pub presort_group: usize,
+    /// Samples per length bin in each local batch (stratified, presort); unset: proportional.
+    pub bin_quota: Option<Vec<usize>>,
+    /// Padding of shard batches: max, dynamic or grouped (the local batch sorted by length
+    /// before it is cut into `parallel.grad_accum` micro-batches). Default: dynamic.
+    pub padding: Padding,
+    /// Skip unreadable or invalid shards with a warning instead of stopping. Default: false.
+    pub skip_bad_shards: bool,
 }
 
 impl Default for DataSection {
@@ -81,6 +96,12 @@ impl Default for DataSection {
             corpus: None,
             vocab: None,
             eval_documents: 300,
+            shards: None,
+            sampler: SamplerKind::Random,
+            presort_group: 8,
+            bin_quota: None,
+            padding: Padding::Dynamic,
+            skip_bad_shards: false,
         }
     }
 }
@@ -346,6 +367,20 @@ impl TrainConfig {
                     t.steps
                 ),
             );
+        }
+        let d = &self.data;
+        if d.shards.is_none()
+            && (d.sampler != SamplerKind::Random
+                || d.padding != Padding::Dynamic
+                || d.bin_quota.is_some())
+        {
+            return invalid(
+                "data.sampler/padding/bin_quota",
+                "apply to shards: set data.shards (--data) too".into(),
+            );
+        }
+        if d.presort_group == 0 {
+            return invalid("data.presort_group", "must be at least 1".into());
         }
         let p = &self.parallel;
         if !(p.bucket_cap_mb > 0.0 && p.first_bucket_mb > 0.0) {

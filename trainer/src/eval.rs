@@ -91,9 +91,12 @@ pub fn evaluate<B: Backend>(
 /// The masked-LM accuracy of always predicting the most frequent masked token of `train`,
 /// measured on `eval`: what a model that ignores the context scores. Returns (token id,
 /// accuracy).
-pub fn unigram_baseline(train: &[TrainingInstance], eval: &[TrainingInstance]) -> (u32, f64) {
+pub fn unigram_baseline<'a>(
+    train: impl IntoIterator<Item = &'a TrainingInstance>,
+    eval: &[TrainingInstance],
+) -> (u32, f64) {
     let mut counts: HashMap<u32, usize> = HashMap::new();
-    for id in train.iter().flat_map(|i| &i.masked_lm_ids) {
+    for id in train.into_iter().flat_map(|i| &i.masked_lm_ids) {
         *counts.entry(*id).or_default() += 1;
     }
     // Ties go to the smaller id, so the baseline does not depend on hash order.

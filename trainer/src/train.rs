@@ -14,8 +14,9 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 use ember_data::{
-    InstanceLoader, TrainingInstance, WordPieceTokenizer, create_training_instances,
-    read_documents, split_held_out, tokenize_documents,
+    HostBatch, InstanceLoader, SamplerConfig, ShardLoader, ShardedDataset, TrainingInstance,
+    WordPieceTokenizer, create_training_instances, read_documents, split_held_out,
+    tokenize_documents,
 };
 use ember_model::BertForPreTraining;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -78,9 +79,29 @@ pub struct TrainSummary {
 /// Training and held-out instances of a configuration, with the tokenizer that made them.
 pub struct PreparedData {
     pub tokenizer: WordPieceTokenizer,
-    /// Shared, so that in-process ranks read one copy.
+    /// Shared, so that in-process ranks read one copy. Empty when training on shards.
     pub train: Arc<[TrainingInstance]>,
     pub eval: Arc<[TrainingInstance]>,
+    /// The training shards (`data.shards`) and their samples per length bin.
+    pub shards: Option<(ShardedDataset, Vec<Arc<[TrainingInstance]>>)>,
+}
+
+/// Where a rank's training batches come from.
+enum TrainBatches {
+    /// Instances made from the corpus: a shared permutation dealt out to ranks.
+    Instances(InstanceLoader),
+    /// Shards, through a sampler.
+    Shards(ShardLoader),
+}
+
+impl TrainBatches {
+    /// The `k` micro-batches of the next step.
+    fn next_step(&mut self, k: usize) -> Vec<HostBatch> {
+        match self {
+            Self::Instances(loader) => (0..k).map(|_| loader.next_batch()).collect(),
+            Self::Shards(loader) => loader.next_step(),
+        }
+    }
 }
 
 /// Reads the vocabulary and corpus of `config`, holds out the last `eval_documents`
@@ -98,12 +119,30 @@ pub fn prepare_data(config: &TrainConfig) -> Result<PreparedData, TrainError> {
     let (train_docs, eval_docs) =
         split_held_out(documents, config.data.eval_documents, &corpus_path)?;
     let special = tokenizer.special();
-    let train = create_training_instances(
-        &train_docs,
-        &config.instances,
-        special,
-        tokenizer.vocab_size(),
-    )?;
+    let shards = match &config.data.shards {
+        Some(path) => {
+            let (dataset, samples) = ShardedDataset::load(
+                path,
+                tokenizer.vocab_size(),
+                config.data.skip_bad_shards,
+            )?;
+            for skipped in &dataset.skipped {
+                tracing::warn!("skipped a bad shard: {skipped}");
+            }
+            Some((dataset, samples))
+        }
+        None => None,
+    };
+    let train = if shards.is_some() {
+        Vec::new()
+    } else {
+        create_training_instances(
+            &train_docs,
+            &config.instances,
+            special,
+            tokenizer.vocab_size(),
+        )?
+    };
     let eval_config = ember_data::PretrainingConfig {
         dupe_factor: 1,
         seed: config.instances.seed.wrapping_add(1),
@@ -115,6 +154,7 @@ pub fn prepare_data(config: &TrainConfig) -> Result<PreparedData, TrainError> {
         tokenizer,
         train: train.into(),
         eval: eval.into(),
+        shards,
     })
 }
 
@@ -392,21 +432,75 @@ pub fn train_rank<B: GradHookBackend>(
         None => Arc::new(prepare_data(config)?),
     };
     let seq_len = config.instances.max_seq_length;
-    let (unigram_id, unigram_baseline) = unigram_baseline(&data.train, &data.eval);
-    let unigram_token = data.tokenizer.id_to_token(unigram_id).unwrap_or_default();
-    let num_train = data.train.len();
     let batch_size = config.train.batch_size;
     let grad_accum = config.parallel.grad_accum;
     let global_batch_size = batch_size * grad_accum * world_size;
-    let mut loader = InstanceLoader::for_rank(
-        data.train.clone(),
-        batch_size,
-        seq_len,
-        config.train.seed,
-        "training set",
-        rank,
-        world_size,
-    )?;
+    let (unigram_id, unigram_baseline, num_train, mean_len, mut loader) = match &data.shards {
+        None => {
+            let (id, acc) = unigram_baseline(data.train.iter(), &data.eval);
+            let mean_len = data.train.iter().map(|i| i.len()).sum::<usize>() as f64
+                / data.train.len().max(1) as f64;
+            let loader = InstanceLoader::for_rank(
+                data.train.clone(),
+                batch_size,
+                seq_len,
+                config.train.seed,
+                "training set",
+                rank,
+                world_size,
+            )?;
+            let n = data.train.len();
+            (id, acc, n, mean_len, TrainBatches::Instances(loader))
+        }
+        Some((dataset, samples)) => {
+            let all = || samples.iter().flat_map(|bin| bin.iter());
+            let (id, acc) = unigram_baseline(all(), &data.eval);
+            let n = dataset.num_samples();
+            let mean_len = all().map(|i| i.len()).sum::<usize>() as f64 / n.max(1) as f64;
+            let sampler = SamplerConfig {
+                kind: config.data.sampler,
+                local_batch: batch_size * grad_accum,
+                presort_group: config.data.presort_group,
+                bin_quota: config.data.bin_quota.clone(),
+                seed: config.train.seed,
+            };
+            let loader = ShardLoader::new(
+                dataset,
+                samples.clone(),
+                &sampler,
+                config.data.padding,
+                grad_accum,
+                seq_len,
+                rank,
+                world_size,
+            )?;
+            if main {
+                for (b, bin) in dataset.bins.iter().enumerate() {
+                    let quota = loader.sampler().quota();
+                    if quota.len() > 1 && quota[b] == 0 && !dataset.lengths[b].is_empty() {
+                        tracing::warn!(
+                            "length bin {}-{} ({} samples) has quota 0 and is never drawn; \
+                             set data.bin_quota (--bin-quota) to include it",
+                            bin.lo,
+                            bin.hi,
+                            dataset.lengths[b].len()
+                        );
+                    }
+                }
+                info!(
+                    shards = %dataset.root.display(),
+                    samples = n,
+                    bins = dataset.bins.len(),
+                    sampler = %config.data.sampler,
+                    padding = ?config.data.padding,
+                    quota = ?loader.sampler().quota(),
+                    "training on shards"
+                );
+            }
+            (id, acc, n, mean_len, TrainBatches::Shards(loader))
+        }
+    };
+    let unigram_token = data.tokenizer.id_to_token(unigram_id).unwrap_or_default();
     let eval_instances: Vec<TrainingInstance> = data
         .eval
         .iter()
@@ -483,8 +577,6 @@ pub fn train_rank<B: GradHookBackend>(
         clip = %config.parallel.clip,
         "rank ready"
     );
-    let mean_len =
-        loader.instances().iter().map(|i| i.len()).sum::<usize>() as f64 / num_train as f64;
     if main {
         info!(
             preset = %config.model.preset,
@@ -549,8 +641,7 @@ pub fn train_rank<B: GradHookBackend>(
         // backward launches allreduces. Each loss is divided by K, so the step's gradient is
         // the mean over the K micro-batches.
         let mut step_losses = [0f32; 3];
-        for micro in 0..grad_accum {
-            let host = loader.next_batch();
+        for (micro, host) in loader.next_step(grad_accum).into_iter().enumerate() {
             tokens += host.num_tokens();
             let batch = host.to_device::<B>(device);
             reducer.begin_micro_batch(micro == 0, micro + 1 == grad_accum);
@@ -658,6 +749,12 @@ pub fn train_rank<B: GradHookBackend>(
             "mlm_accuracy": eval.mlm_accuracy, "unigram_baseline": unigram_baseline,
             "train_seconds": train_seconds, "checkpoint": checkpoint,
         }))?;
+    }
+    // Each rank's sampler state (shards), to continue the data order where it stopped.
+    if let TrainBatches::Shards(loader) = &loader {
+        let state = serde_json::to_string_pretty(&loader.sampler().state())
+            .expect("a sampler state serialises");
+        write_atomically(&out.join(format!("sampler_state.rank{rank}.json")), &state)?;
     }
     // No rank leaves before rank 0 has written the checkpoint: a rank's exit is how the
     // others learn of failures.

@@ -69,6 +69,10 @@ pub struct PrepareArgs {
     /// Worker threads [default: the number of cores]
     #[arg(long)]
     jobs: Option<usize>,
+    /// Documents at the end of the corpus left out of the shards: train's data.eval_documents
+    /// (300 by default) evaluates on them. 0 keeps every document
+    #[arg(long, default_value_t = 300)]
+    holdout_documents: usize,
 }
 
 /// Peak resident memory of this process (VmHWM), MiB, where Linux reports it.
@@ -100,6 +104,7 @@ pub fn prepare(args: PrepareArgs) -> Result<()> {
         num_shards: args.num_shards,
         compression: args.compression,
         jobs,
+        holdout_documents: args.holdout_documents,
     };
     let start = Instant::now();
     let bar = ProgressBar::new(0);
@@ -117,8 +122,9 @@ pub fn prepare(args: PrepareArgs) -> Result<()> {
     bar.finish_and_clear();
     let seconds = start.elapsed().as_secs_f64();
     println!(
-        "prepare-data: {} documents → {} samples, {} tokens in {} shards under {} (S = {}, P = {})",
+        "prepare-data: {} documents ({} held out) → {} samples, {} tokens in {} shards under {} (S = {}, P = {})",
         summary.documents,
+        summary.held_out,
         summary.samples,
         summary.tokens,
         summary.shards.len(),

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use burn::backend::{Autodiff, NdArray};
 use clap::Args;
+use ember_data::{Padding, SamplerKind};
 use ember_model::Preset;
 use ember_trainer::dist::{ClipMode, LaunchEnv};
 use ember_trainer::{OptimizerKind, RunOptions, TrainConfig};
@@ -83,6 +84,28 @@ pub struct TrainArgs {
     /// feature; several GPUs through mpirun with `cuda,mpi`)
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     device: String,
+    /// Train on MLPerf HDF5 shards (a folder, or a stratified folder from `stratify`) instead
+    /// of the corpus; evaluation uses the corpus's held-out documents (data.shards)
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Sampler over the shards: random, stratified or presort (data.sampler)
+    #[arg(long)]
+    sampler: Option<SamplerKind>,
+    /// Ranks per presort group (data.presort_group)
+    #[arg(long)]
+    presort_group: Option<usize>,
+    /// Samples per length bin in each local batch, e.g. 6,3,2,5; must sum to
+    /// batch-size × grad-accum (data.bin_quota) [default: proportional]
+    #[arg(long, value_delimiter = ',')]
+    bin_quota: Option<Vec<usize>>,
+    /// Padding of shard batches: max, dynamic, or grouped (sorted by length, cut into
+    /// grad-accum micro-batches each padded to its longest) (data.padding)
+    #[arg(long)]
+    padding: Option<Padding>,
+    /// Skip unreadable or invalid shards with a warning instead of stopping
+    /// (data.skip_bad_shards)
+    #[arg(long)]
+    skip_bad_shards: bool,
     /// Do not draw the progress bar
     #[arg(long)]
     no_progress: bool,
@@ -150,6 +173,25 @@ impl TrainArgs {
         }
         if let Some(v) = &self.vocab {
             config.data.vocab = Some(v.clone());
+        }
+        let d = &mut config.data;
+        if let Some(v) = &self.data {
+            d.shards = Some(v.clone());
+        }
+        if let Some(v) = self.sampler {
+            d.sampler = v;
+        }
+        if let Some(v) = self.presort_group {
+            d.presort_group = v;
+        }
+        if let Some(v) = &self.bin_quota {
+            d.bin_quota = Some(v.clone());
+        }
+        if let Some(v) = self.padding {
+            d.padding = v;
+        }
+        if self.skip_bad_shards {
+            d.skip_bad_shards = true;
         }
         let p = &mut config.parallel;
         if let Some(v) = self.clip {
