@@ -96,6 +96,7 @@ fn measure(
         presort_group: settings.presort_group,
         bin_quota: settings.bin_quota.clone(),
         seed: settings.seed,
+        exchange: false,
     };
     let group = if kind == SamplerKind::Presort {
         settings.presort_group.max(1)
@@ -122,9 +123,7 @@ fn measure(
                     .map(|s| dataset.lengths[s.bin as usize][s.index as usize])
                     .collect();
                 let mut compute = 0.0;
-                for (part, padded) in
-                    micro_batches(&lengths, k, padding, settings.max_seq_length)
-                {
+                for (part, padded) in micro_batches(&lengths, k, padding, settings.max_seq_length) {
                     m.computed += (part.len() * padded) as f64;
                     m.real += part.iter().map(|&i| lengths[i] as f64).sum::<f64>();
                     compute += part.len() as f64 * sample_compute(padded, settings.hidden);
@@ -161,7 +160,11 @@ pub fn balance_report(
     modes.extend(grouped_k.iter().map(|&k| (Padding::Grouped, k)));
     let baseline = measure(dataset, settings, SamplerKind::Random, Padding::Max, 1)?.sum_max;
     let mut rows = Vec::new();
-    for kind in [SamplerKind::Random, SamplerKind::Stratified, SamplerKind::Presort] {
+    for kind in [
+        SamplerKind::Random,
+        SamplerKind::Stratified,
+        SamplerKind::Presort,
+    ] {
         for &(padding, k) in &modes {
             let m = measure(dataset, settings, kind, padding, k)?;
             rows.push(BalanceRow {

@@ -58,8 +58,10 @@ impl ShardedDataset {
     /// [`DataError::Io`]/[`DataError::NoShards`] for a missing or empty folder; a shard's
     /// error (naming it) unless `skip_bad_shards`, when it is recorded in `skipped` instead.
     pub fn open(root: &Path, skip_bad_shards: bool) -> Result<Self, DataError> {
-        Self::read(root, skip_bad_shards, |path| shard::read_lengths(path).map(|l| (l, ())))
-            .map(|(dataset, _)| dataset)
+        Self::read(root, skip_bad_shards, |path| {
+            shard::read_lengths(path).map(|l| (l, ()))
+        })
+        .map(|(dataset, _)| dataset)
     }
 
     /// Reads and validates every sample: `samples[bin]` in the order of

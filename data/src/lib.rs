@@ -31,11 +31,14 @@ pub use corpus::{
     Document, DocumentStream, corpus_files, held_out_count, read_documents, split_held_out,
     tokenize_documents,
 };
+pub use dataset::ShardedDataset;
 pub use error::DataError;
 pub use instances::{PretrainingConfig, TrainingInstance, create_training_instances};
-pub use dataset::ShardedDataset;
 pub use loader::InstanceLoader;
-pub use sampler::{Padding, RankSampler, ShardLoader, SampleRef, SamplerConfig, SamplerKind, SamplerState};
+pub use sampler::{
+    Padding, RankSampler, SampleRef, SamplerConfig, SamplerKind, SamplerState, ShardLoader,
+    decode_refs, encode_refs,
+};
 pub use tokenizer::{SpecialTokens, WordPieceTokenizer};
 
 use std::path::PathBuf;

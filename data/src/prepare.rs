@@ -17,8 +17,8 @@ use std::sync::{Mutex, mpsc};
 use crate::corpus::{DocumentStream, corpus_files};
 use crate::shard::{self, Compression};
 use crate::{
-    DataError, PretrainingConfig, WordPieceTokenizer, create_training_instances,
-    held_out_count, tokenize_documents,
+    DataError, PretrainingConfig, WordPieceTokenizer, create_training_instances, held_out_count,
+    tokenize_documents,
 };
 
 /// Settings of [`prepare_shards`].
@@ -173,7 +173,10 @@ pub fn prepare_shards(
                         }
                         Err(e) => {
                             failed.store(true, Ordering::Relaxed);
-                            errors.lock().unwrap_or_else(|e| e.into_inner()).push((k, e));
+                            errors
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .push((k, e));
                         }
                     }
                 }

@@ -16,10 +16,11 @@
 //! - **presort** (local presorting): within a group of G consecutive ranks, the group's G×B
 //!   samples (each member's stratified draw, or random draw on unstratified data) are sorted by
 //!   length descending (ties: rank, then draw order) and dealt in snake order: row r of G
-//!   samples goes to ranks 0..G left to right when r is even, right to left when odd. Every
-//!   rank computes its whole group's draws from the shared seed, which is the same as the
-//!   exchange of an allgather inside the group, without the communication (all ranks hold the
-//!   data).
+//!   samples goes to ranks 0..G left to right when r is even, right to left when odd. The
+//!   group's draws either come from an exchange (each rank draws its own, an allgather carries
+//!   them: [`SamplerConfig::exchange`], what training does) or each rank simulates its whole
+//!   group from the shared seed (what the load-balance simulation does); both give the same
+//!   batches.
 //!
 //! Padding ([`Padding`]): to the maximum sequence length, dynamic (to the longest sample of the
 //! batch rounded up to a multiple of 8), or length-grouped micro-batches: the local batch sorted
@@ -120,7 +121,10 @@ pub fn rank_subset(shard_sizes: &[usize], rank: usize, world_size: usize) -> Vec
         }
         subset
     } else {
-        (rank..total).step_by(world_size).map(|i| i as u32).collect()
+        (rank..total)
+            .step_by(world_size)
+            .map(|i| i as u32)
+            .collect()
     }
 }
 
@@ -157,6 +161,12 @@ pub struct SamplerConfig {
     pub bin_quota: Option<Vec<usize>>,
     /// Seed shared by all ranks.
     pub seed: u64,
+    /// Presort only. `true`: each rank draws only its own batch ([`RankSampler::draw_own`]),
+    /// the draws are exchanged through a collective (an allgather), and
+    /// [`RankSampler::deal_from`] deals the group's; `false`: each rank simulates its whole
+    /// group's draws. Both give every rank the same batch.
+    #[serde(default)]
+    pub exchange: bool,
 }
 
 /// Where one stream of samples stands: the epoch (permutations drawn so far, minus one) and
@@ -263,6 +273,8 @@ pub struct RankSampler {
     members: Vec<BaseSampler>,
     /// This rank's position among `members`.
     me: usize,
+    /// The presort group: its first rank and its size (this rank alone without presort).
+    group: (usize, usize),
     steps: u64,
     /// `lengths[bin][index]`: real length of each sample.
     lengths: std::sync::Arc<Vec<Vec<u16>>>,
@@ -283,9 +295,13 @@ impl RankSampler {
         rank: usize,
         world_size: usize,
     ) -> Result<Self, DataError> {
-        let invalid = |field: &'static str, reason: String| DataError::InvalidSetting { field, reason };
+        let invalid =
+            |field: &'static str, reason: String| DataError::InvalidSetting { field, reason };
         if rank >= world_size {
-            return Err(invalid("rank", format!("{rank} is not below the world size {world_size}")));
+            return Err(invalid(
+                "rank",
+                format!("{rank} is not below the world size {world_size}"),
+            ));
         }
         let b = config.local_batch;
         if b == 0 {
@@ -295,8 +311,8 @@ impl RankSampler {
             return Err(invalid("presort_group", "must be at least 1".into()));
         }
         let bin_sizes: Vec<usize> = shard_sizes.iter().map(|s| s.iter().sum()).collect();
-        let binned = config.kind != SamplerKind::Random
-            && bin_sizes.iter().filter(|&&n| n > 0).count() > 1;
+        let binned =
+            config.kind != SamplerKind::Random && bin_sizes.iter().filter(|&&n| n > 0).count() > 1;
         let quota = if binned {
             match &config.bin_quota {
                 Some(q) => {
@@ -309,11 +325,17 @@ impl RankSampler {
                     if q.iter().sum::<usize>() != b {
                         return Err(invalid(
                             "bin_quota",
-                            format!("{q:?} sums to {}, not the local batch {b}", q.iter().sum::<usize>()),
+                            format!(
+                                "{q:?} sums to {}, not the local batch {b}",
+                                q.iter().sum::<usize>()
+                            ),
                         ));
                     }
                     if let Some(bin) = (0..q.len()).find(|&i| q[i] > 0 && bin_sizes[i] == 0) {
-                        return Err(invalid("bin_quota", format!("bin {bin} is empty but has quota {}", q[bin])));
+                        return Err(invalid(
+                            "bin_quota",
+                            format!("bin {bin} is empty but has quota {}", q[bin]),
+                        ));
                     }
                     q.clone()
                 }
@@ -329,7 +351,12 @@ impl RankSampler {
         } else {
             (rank, 1)
         };
-        let members = (first..first + count)
+        let simulated = if config.exchange {
+            rank..rank + 1
+        } else {
+            first..first + count
+        };
+        let members = simulated
             .map(|r| {
                 let streams: Vec<Stream> = if binned {
                     shard_sizes
@@ -373,7 +400,8 @@ impl RankSampler {
             config: config.clone(),
             rank,
             members,
-            me: rank - first,
+            me: if config.exchange { 0 } else { rank - first },
+            group: (first, count),
             steps: 0,
             lengths,
         })
@@ -385,9 +413,49 @@ impl RankSampler {
     }
 
     /// This rank's next local batch of B sample references.
+    ///
+    /// # Panics
+    /// In exchange mode with a group of more than one rank: use [`RankSampler::draw_own`],
+    /// an allgather, and [`RankSampler::deal_from`].
     pub fn next_batch(&mut self) -> Vec<SampleRef> {
+        if self.config.exchange && self.config.kind == SamplerKind::Presort {
+            assert_eq!(
+                self.group.1, 1,
+                "an exchanging presort sampler needs its group's draws"
+            );
+            let own = self.draw_own();
+            return self.deal_from(&[own]);
+        }
         let me = self.me;
         self.next_group_batches().swap_remove(me)
+    }
+
+    /// Exchange mode: this rank's own draw for the next step (before presorting), to be sent
+    /// to the other ranks.
+    pub fn draw_own(&mut self) -> Vec<SampleRef> {
+        self.steps += 1;
+        self.members[self.me].draw()
+    }
+
+    /// Exchange mode: this rank's batch, given every rank's [`RankSampler::draw_own`] of the
+    /// step in rank order (the world's, as an allgather returns them, or just the group's).
+    pub fn deal_from(&self, draws: &[Vec<SampleRef>]) -> Vec<SampleRef> {
+        let (first, count) = self.group;
+        let group = if draws.len() == count {
+            draws
+        } else {
+            &draws[first..first + count]
+        };
+        let lengths = &self.lengths;
+        deal_snake(group, |s: &SampleRef| {
+            lengths[s.bin as usize][s.index as usize]
+        })
+        .swap_remove(self.rank - first)
+    }
+
+    /// Whether this sampler's batches need the exchange (presort in exchange mode).
+    pub fn exchanges(&self) -> bool {
+        self.config.exchange && self.config.kind == SamplerKind::Presort
     }
 
     /// The next local batches of every rank this sampler simulates: its presort group, in rank
@@ -400,7 +468,9 @@ impl RankSampler {
             return draws;
         }
         let lengths = &self.lengths;
-        deal_snake(&draws, |s: &SampleRef| lengths[s.bin as usize][s.index as usize])
+        deal_snake(&draws, |s: &SampleRef| {
+            lengths[s.bin as usize][s.index as usize]
+        })
     }
 
     /// The state to save with a checkpoint.
@@ -475,6 +545,33 @@ pub fn deal_snake<T: Copy>(draws: &[Vec<T>], len: impl Fn(&T) -> u16) -> Vec<Vec
         }
     }
     out
+}
+
+/// Sample references as bytes for a collective: (bin, index) as little-endian u32 pairs.
+pub fn encode_refs(refs: &[SampleRef]) -> Vec<u8> {
+    refs.iter()
+        .flat_map(|r| r.bin.to_le_bytes().into_iter().chain(r.index.to_le_bytes()))
+        .collect()
+}
+
+/// The inverse of [`encode_refs`].
+///
+/// # Errors
+/// [`DataError::InvalidSetting`] if the length is not a multiple of 8 (a corrupt exchange).
+pub fn decode_refs(bytes: &[u8]) -> Result<Vec<SampleRef>, DataError> {
+    if bytes.len() % 8 != 0 {
+        return Err(DataError::InvalidSetting {
+            field: "presort exchange",
+            reason: format!("{} bytes is not a list of (bin, index) pairs", bytes.len()),
+        });
+    }
+    Ok(bytes
+        .chunks_exact(8)
+        .map(|c| SampleRef {
+            bin: u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+            index: u32::from_le_bytes([c[4], c[5], c[6], c[7]]),
+        })
+        .collect())
 }
 
 /// Cuts a local batch (given by its samples' real lengths) into `k` micro-batches as `padding`
@@ -569,20 +666,49 @@ impl ShardLoader {
     }
 
     /// The next step's micro-batches.
+    ///
+    /// # Panics
+    /// As [`RankSampler::next_batch`]: an exchanging presort loader of a group larger than one
+    /// rank needs [`ShardLoader::draw_own`] and [`ShardLoader::batches_from`].
     pub fn next_step(&mut self) -> Vec<crate::HostBatch> {
         let refs = self.sampler.next_batch();
+        self.micro_batches_of(&refs)
+    }
+
+    /// Whether the batches need the presort exchange.
+    pub fn exchanges(&self) -> bool {
+        self.sampler.exchanges()
+    }
+
+    /// Exchange mode: this rank's own draw of the next step, to allgather.
+    pub fn draw_own(&mut self) -> Vec<SampleRef> {
+        self.sampler.draw_own()
+    }
+
+    /// Exchange mode: the step's micro-batches from every rank's draw, in rank order.
+    pub fn batches_from(&mut self, draws: &[Vec<SampleRef>]) -> Vec<crate::HostBatch> {
+        let refs = self.sampler.deal_from(draws);
+        self.micro_batches_of(&refs)
+    }
+
+    fn micro_batches_of(&self, refs: &[SampleRef]) -> Vec<crate::HostBatch> {
         let picked: Vec<&crate::TrainingInstance> = refs
             .iter()
             .map(|r| &self.samples[r.bin as usize][r.index as usize])
             .collect();
         let lengths: Vec<u16> = picked.iter().map(|i| i.len() as u16).collect();
-        micro_batches(&lengths, self.micro_batches, self.padding, self.max_seq_length)
-            .into_iter()
-            .map(|(part, padded)| {
-                let part: Vec<&crate::TrainingInstance> = part.iter().map(|&i| picked[i]).collect();
-                crate::collate_padded(&part, padded)
-            })
-            .collect()
+        micro_batches(
+            &lengths,
+            self.micro_batches,
+            self.padding,
+            self.max_seq_length,
+        )
+        .into_iter()
+        .map(|(part, padded)| {
+            let part: Vec<&crate::TrainingInstance> = part.iter().map(|&i| picked[i]).collect();
+            crate::collate_padded(&part, padded)
+        })
+        .collect()
     }
 
     /// The sampler (its quota, epoch and state).
@@ -634,7 +760,10 @@ mod tests {
                     seen[i as usize] += 1;
                 }
             }
-            assert!(seen.iter().all(|&c| c == 1), "{sizes:?} over {world}: {seen:?}");
+            assert!(
+                seen.iter().all(|&c| c == 1),
+                "{sizes:?} over {world}: {seen:?}"
+            );
         }
         // Whole shards: rank 1 of 2 owns shards 1 and 3 (samples 5..12 and 15..19).
         let mine = rank_subset(&[5, 7, 3, 4], 1, 2);
@@ -643,7 +772,10 @@ mod tests {
 
     #[test]
     fn proportional_quota_sums_to_the_batch() {
-        assert_eq!(proportional_quota(&[600, 300, 100, 0], 16), vec![10, 5, 1, 0]);
+        assert_eq!(
+            proportional_quota(&[600, 300, 100, 0], 16),
+            vec![10, 5, 1, 0]
+        );
         assert_eq!(proportional_quota(&[1, 1, 1], 4), vec![2, 1, 1]);
         assert_eq!(proportional_quota(&[0, 0], 4), vec![0, 0]);
     }
@@ -666,13 +798,18 @@ mod tests {
             presort_group: 2,
             bin_quota: None,
             seed: 7,
+            exchange: false,
         }
     }
 
     #[test]
     fn samplers_are_deterministic_and_resume_from_their_state() {
         let (sizes, lengths) = toy();
-        for kind in [SamplerKind::Random, SamplerKind::Stratified, SamplerKind::Presort] {
+        for kind in [
+            SamplerKind::Random,
+            SamplerKind::Stratified,
+            SamplerKind::Presort,
+        ] {
             let c = config(kind);
             let mut a = RankSampler::new(&c, &sizes, lengths.clone(), 1, 2).unwrap();
             let mut b = RankSampler::new(&c, &sizes, lengths.clone(), 1, 2).unwrap();
@@ -694,7 +831,10 @@ mod tests {
             assert_eq!(rest, first[3..], "{kind}");
             // Another seed, another sequence.
             let mut other = RankSampler::new(
-                &SamplerConfig { seed: 8, ..c.clone() },
+                &SamplerConfig {
+                    seed: 8,
+                    ..c.clone()
+                },
                 &sizes,
                 lengths.clone(),
                 1,
@@ -727,13 +867,20 @@ mod tests {
     #[test]
     fn stratified_batches_take_the_quota_of_every_bin() {
         let (sizes, lengths) = toy();
-        let mut s = RankSampler::new(&config(SamplerKind::Stratified), &sizes, lengths.clone(), 0, 2)
-            .unwrap();
+        let mut s = RankSampler::new(
+            &config(SamplerKind::Stratified),
+            &sizes,
+            lengths.clone(),
+            0,
+            2,
+        )
+        .unwrap();
         assert_eq!(s.quota(), &[3, 2, 1]); // 40:30:20 of 6
         for _ in 0..10 {
             let batch = s.next_batch();
-            let per_bin: Vec<usize> =
-                (0..3).map(|b| batch.iter().filter(|r| r.bin == b).count()).collect();
+            let per_bin: Vec<usize> = (0..3)
+                .map(|b| batch.iter().filter(|r| r.bin == b).count())
+                .collect();
             assert_eq!(per_bin, vec![3, 2, 1]);
         }
         let given = SamplerConfig {
@@ -747,7 +894,10 @@ mod tests {
             ..config(SamplerKind::Stratified)
         };
         let err = RankSampler::new(&wrong, &sizes, lengths, 0, 2).unwrap_err();
-        assert!(err.to_string().contains("2 quotas for 3 length bins"), "{err}");
+        assert!(
+            err.to_string().contains("2 quotas for 3 length bins"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -771,6 +921,36 @@ mod tests {
                 assert!(row.contains(&len(x)) && row.contains(&len(y)));
             }
         }
+    }
+
+    #[test]
+    fn exchanging_presort_equals_the_group_simulation() {
+        let (sizes, lengths) = toy();
+        let simulate = config(SamplerKind::Presort);
+        let exchange = SamplerConfig {
+            exchange: true,
+            ..simulate.clone()
+        };
+        let build = |c: &SamplerConfig| -> Vec<RankSampler> {
+            (0..4)
+                .map(|r| RankSampler::new(c, &sizes, lengths.clone(), r, 4).unwrap())
+                .collect()
+        };
+        let (mut simulated, mut exchanging) = (build(&simulate), build(&exchange));
+        for _ in 0..6 {
+            // What an allgather hands every rank: the world's own draws, in rank order,
+            // through the byte encoding a collective carries.
+            let draws: Vec<Vec<SampleRef>> = exchanging
+                .iter_mut()
+                .map(|s| decode_refs(&encode_refs(&s.draw_own())).unwrap())
+                .collect();
+            for (rank, (sim, ex)) in simulated.iter_mut().zip(&exchanging).enumerate() {
+                assert_eq!(ex.deal_from(&draws), sim.next_batch(), "rank {rank}");
+            }
+        }
+        // Only its own streams are in an exchanging sampler's state.
+        assert_eq!(exchanging[1].state().streams.len(), 1);
+        assert!(decode_refs(&[0u8; 7]).is_err());
     }
 
     #[test]

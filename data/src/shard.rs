@@ -207,9 +207,11 @@ fn read_field(
                 (IntSize::U1, false) => read_fixed::<u8>(&ds),
                 (IntSize::U2, false) => read_fixed::<u16>(&ds),
                 (IntSize::U4, false) => read_fixed::<u32>(&ds),
-                (IntSize::U8, false) => ds
-                    .read_raw::<u64>()
-                    .map(|v| v.into_iter().map(|x| x.min(i64::MAX as u64) as i64).collect()),
+                (IntSize::U8, false) => ds.read_raw::<u64>().map(|v| {
+                    v.into_iter()
+                        .map(|x| x.min(i64::MAX as u64) as i64)
+                        .collect()
+                }),
             }
             .map_err(io)?;
             Ok(Values::Fixed {
@@ -359,11 +361,7 @@ pub fn read_shard(path: &Path, vocab_size: usize) -> Result<Vec<TrainingInstance
                 let mask = mask.row(i);
                 let len = mask.iter().take_while(|&&m| m == 1).count();
                 if mask[len..].iter().any(|&m| m != 0) {
-                    return Err(content(
-                        "input_mask",
-                        i,
-                        "is not 1s followed by 0s".into(),
-                    ));
+                    return Err(content("input_mask", i, "is not 1s followed by 0s".into()));
                 }
                 len
             }
@@ -447,7 +445,13 @@ pub fn read_lengths(path: &Path) -> Result<Vec<u16>, DataError> {
     let to_len = |l: usize| u16::try_from(l).unwrap_or(u16::MAX);
     match info.layout {
         Layout::Fixed => {
-            let mask = read_field(&file, path, "input_mask", info.num_samples, Some(info.seq_len))?;
+            let mask = read_field(
+                &file,
+                path,
+                "input_mask",
+                info.num_samples,
+                Some(info.seq_len),
+            )?;
             Ok((0..info.num_samples)
                 .map(|i| to_len(mask.row(i).iter().filter(|&&m| m != 0).count()))
                 .collect())
@@ -534,7 +538,8 @@ pub fn write_shard(
             path: dir.to_path_buf(),
             error,
         })?;
-    let write_error = |field: &str, e: hdf5::Error| shard_error(path, field, first_line(&e.to_string()));
+    let write_error =
+        |field: &str, e: hdf5::Error| shard_error(path, field, first_line(&e.to_string()));
     {
         let file = File::create(tmp.path()).map_err(|e| write_error("(file)", e))?;
         let chunk_rows = n.min(1024);
@@ -561,8 +566,15 @@ pub fn write_shard(
             .map_err(|e| write_error("input_mask", e))?;
         put(&file, "segment_ids", &segment_ids, &[n, s], chunk_rows, c)
             .map_err(|e| write_error("segment_ids", e))?;
-        put(&file, "masked_lm_positions", &positions, &[n, p], chunk_rows, c)
-            .map_err(|e| write_error("masked_lm_positions", e))?;
+        put(
+            &file,
+            "masked_lm_positions",
+            &positions,
+            &[n, p],
+            chunk_rows,
+            c,
+        )
+        .map_err(|e| write_error("masked_lm_positions", e))?;
         put(&file, "masked_lm_ids", &masked_ids, &[n, p], chunk_rows, c)
             .map_err(|e| write_error("masked_lm_ids", e))?;
         put(&file, "next_sentence_labels", &labels, &[n], chunk_rows, c)
@@ -592,8 +604,7 @@ pub fn list_shards(path: &Path) -> Result<Vec<PathBuf>, DataError> {
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
             p.is_file()
-                && p.extension()
-                    .is_some_and(|e| e == "hdf5" || e == "h5")
+                && p.extension().is_some_and(|e| e == "hdf5" || e == "h5")
                 && !p
                     .file_name()
                     .is_some_and(|n| n.to_string_lossy().starts_with('.'))

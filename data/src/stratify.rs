@@ -128,7 +128,9 @@ pub fn stratify(
         .iter()
         .map(|&count| {
             let n = shards_per_bin.min(count);
-            (0..n).map(|j| (j + 1) * count / n - j * count / n).collect()
+            (0..n)
+                .map(|j| (j + 1) * count / n - j * count / n)
+                .collect()
         })
         .collect();
     let mut written: Vec<Vec<PathBuf>> = vec![Vec::new(); bins.len()];

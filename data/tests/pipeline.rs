@@ -46,7 +46,11 @@ fn read_all(dir: &Path, vocab: usize) -> Vec<TrainingInstance> {
 
 /// A checksum of a sample's ids that does not depend on where the sample is.
 fn key(s: &TrainingInstance) -> (Vec<u32>, Vec<u32>, u8) {
-    (s.input_ids.clone(), s.masked_lm_positions.clone(), s.next_sentence_label)
+    (
+        s.input_ids.clone(),
+        s.masked_lm_positions.clone(),
+        s.next_sentence_label,
+    )
 }
 
 #[test]
@@ -66,17 +70,36 @@ fn prepare_is_deterministic_stratify_loses_nothing_and_presort_balances() {
     prepare_shards(&corpus, &tokenizer, &two, &options(2), &|_| {}).unwrap();
     // 60 held out (600 / 10 caps it at 60).
     assert_eq!((summary.documents, summary.held_out), (540, 60));
-    assert_eq!(docs.into_inner(), 540, "progress reports every document once");
+    assert_eq!(
+        docs.into_inner(),
+        540,
+        "progress reports every document once"
+    );
     assert_eq!(summary.shards.len(), 4);
     let samples = read_all(&one, vocab);
     assert_eq!(samples.len(), summary.samples);
-    assert_eq!(samples.iter().map(|s| s.len()).sum::<usize>(), summary.tokens);
+    assert_eq!(
+        samples.iter().map(|s| s.len()).sum::<usize>(),
+        summary.tokens
+    );
     assert_eq!(samples, read_all(&two, vocab));
-    assert!(samples.iter().all(|s| s.len() <= 128 && s.masked_lm_positions.len() <= 20));
+    assert!(
+        samples
+            .iter()
+            .all(|s| s.len() <= 128 && s.masked_lm_positions.len() <= 20)
+    );
 
     // Stratify into 4 bins of at most 2 shards: every sample in exactly one bin, in range.
     let strat = dir.path().join("strat");
-    let result = stratify(&one, &strat, &[32, 64, 96, 128], 2, Compression::None, vocab).unwrap();
+    let result = stratify(
+        &one,
+        &strat,
+        &[32, 64, 96, 128],
+        2,
+        Compression::None,
+        vocab,
+    )
+    .unwrap();
     let mut before: HashMap<_, usize> = HashMap::new();
     for s in &samples {
         *before.entry(key(s)).or_default() += 1;
@@ -87,7 +110,11 @@ fn prepare_is_deterministic_stratify_loses_nothing_and_presort_balances() {
         let mut n = 0;
         for file in files {
             for s in shard::read_shard(file, vocab).unwrap() {
-                assert!((bin.lo..=bin.hi).contains(&s.len()), "{} in {bin:?}", s.len());
+                assert!(
+                    (bin.lo..=bin.hi).contains(&s.len()),
+                    "{} in {bin:?}",
+                    s.len()
+                );
                 *after.entry(key(&s)).or_default() += 1;
                 n += 1;
             }
@@ -125,7 +152,10 @@ fn prepare_is_deterministic_stratify_loses_nothing_and_presort_balances() {
             .unwrap()
     };
     let random_max = row(SamplerKind::Random, Padding::Max, 1);
-    assert_eq!((random_max.imbalance, random_max.step_time_ratio), (1.0, 1.0));
+    assert_eq!(
+        (random_max.imbalance, random_max.step_time_ratio),
+        (1.0, 1.0)
+    );
     // Dynamic padding of B = 16 at S = 128 pads nearly every batch to 128: balanced but
     // wasteful. Length-grouped micro-batches cut the padding, and then random's ranks differ;
     // presort evens them out again.
@@ -149,9 +179,16 @@ fn a_bad_shard_stops_the_run_unless_skipped() {
     let dir = tempfile::tempdir().unwrap();
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     std::fs::copy(fixtures.join("fixed.hdf5"), dir.path().join("a.hdf5")).unwrap();
-    std::fs::copy(fixtures.join("bad_truncated.hdf5"), dir.path().join("b.hdf5")).unwrap();
+    std::fs::copy(
+        fixtures.join("bad_truncated.hdf5"),
+        dir.path().join("b.hdf5"),
+    )
+    .unwrap();
     let err = ShardedDataset::load(dir.path(), 30522, false).unwrap_err();
-    assert!(matches!(err, DataError::NotHdf5 { ref path, .. } if path.ends_with("b.hdf5")), "{err}");
+    assert!(
+        matches!(err, DataError::NotHdf5 { ref path, .. } if path.ends_with("b.hdf5")),
+        "{err}"
+    );
     let (dataset, samples) = ShardedDataset::load(dir.path(), 30522, true).unwrap();
     assert_eq!(samples[0].len(), 5);
     assert_eq!(dataset.skipped.len(), 1);

@@ -30,7 +30,10 @@ fn from_json(value: &serde_json::Value) -> Vec<TrainingInstance> {
         .iter()
         .map(|s| TrainingInstance {
             input_ids: ints(&s["input_ids"]),
-            segment_ids: ints(&s["segment_ids"]).into_iter().map(|x| x as u8).collect(),
+            segment_ids: ints(&s["segment_ids"])
+                .into_iter()
+                .map(|x| x as u8)
+                .collect(),
             masked_lm_positions: ints(&s["masked_lm_positions"]),
             masked_lm_ids: ints(&s["masked_lm_ids"]),
             next_sentence_label: s["next_sentence_label"].as_u64().unwrap() as u8,
@@ -48,9 +51,14 @@ fn h5py_fixtures_load_in_every_layout() {
     let want = expected();
     assert_eq!(want.len(), 5);
     assert_eq!(want[4].len(), 13);
-    for name in ["fixed.hdf5", "fixed_gzip.hdf5", "nvidia_i2.hdf5", "varlen.hdf5"] {
-        let got = shard::read_shard(&fixture(name), VOCAB)
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
+    for name in [
+        "fixed.hdf5",
+        "fixed_gzip.hdf5",
+        "nvidia_i2.hdf5",
+        "varlen.hdf5",
+    ] {
+        let got =
+            shard::read_shard(&fixture(name), VOCAB).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(got, want, "{name}");
         let lengths = shard::read_lengths(&fixture(name)).unwrap();
         assert_eq!(lengths, vec![5, 7, 9, 11, 13], "{name}");
@@ -58,14 +66,20 @@ fn h5py_fixtures_load_in_every_layout() {
     let info = shard::shard_info(&fixture("varlen.hdf5")).unwrap();
     assert_eq!((info.layout, info.num_samples), (Layout::VarLen, 5));
     let info = shard::shard_info(&fixture("fixed_gzip.hdf5")).unwrap();
-    assert_eq!((info.layout, info.num_samples, info.seq_len), (Layout::Fixed, 5, 16));
+    assert_eq!(
+        (info.layout, info.num_samples, info.seq_len),
+        (Layout::Fixed, 5, 16)
+    );
 }
 
 #[test]
 fn write_then_read_gives_identical_samples() {
     let dir = tempfile::tempdir().unwrap();
     let want = expected();
-    for (name, compression) in [("plain.hdf5", Compression::None), ("gz.hdf5", Compression::Gzip(6))] {
+    for (name, compression) in [
+        ("plain.hdf5", Compression::None),
+        ("gz.hdf5", Compression::Gzip(6)),
+    ] {
         let path = dir.path().join(name);
         shard::write_shard(&path, &want, 16, 4, compression).unwrap();
         assert_eq!(shard::read_shard(&path, VOCAB).unwrap(), want, "{name}");
@@ -147,14 +161,25 @@ fn malformed_shards_give_their_own_errors() {
         e => panic!("shape: {e}"),
     }
     match err("bad_vocab.hdf5") {
-        DataError::IdOutOfRange { field, sample, id, .. } => {
+        DataError::IdOutOfRange {
+            field, sample, id, ..
+        } => {
             assert_eq!((field.as_str(), sample, id), ("input_ids", 2, 30622))
         }
         e => panic!("vocab: {e}"),
     }
-    assert!(matches!(err("bad_empty.hdf5"), DataError::EmptyShard { .. }));
-    assert!(matches!(err("bad_truncated.hdf5"), DataError::NotHdf5 { .. }));
-    assert!(matches!(err("bad_not_hdf5.hdf5"), DataError::NotHdf5 { .. }));
+    assert!(matches!(
+        err("bad_empty.hdf5"),
+        DataError::EmptyShard { .. }
+    ));
+    assert!(matches!(
+        err("bad_truncated.hdf5"),
+        DataError::NotHdf5 { .. }
+    ));
+    assert!(matches!(
+        err("bad_not_hdf5.hdf5"),
+        DataError::NotHdf5 { .. }
+    ));
     assert!(matches!(err("no_such_shard.hdf5"), DataError::Io { .. }));
     // Every message names the file.
     for name in ["bad_float_ids.hdf5", "bad_truncated.hdf5", "bad_vocab.hdf5"] {

@@ -9,8 +9,8 @@ use ember_data::prepare::{PrepareOptions, prepare_shards};
 use ember_data::shard::Compression;
 use ember_data::stratify::stratify;
 use ember_data::{
-    Padding, PretrainingConfig, SamplerKind, SamplerState, WordPieceTokenizer,
-    default_corpus_path, default_vocab_path,
+    Padding, PretrainingConfig, SamplerKind, SamplerState, WordPieceTokenizer, default_corpus_path,
+    default_vocab_path,
 };
 use ember_trainer::{RunOptions, TrainConfig, TrainError, train, train_in_process};
 
@@ -21,7 +21,14 @@ type B = Autodiff<NdArray>;
 fn shards(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
     let text = std::fs::read_to_string(default_corpus_path()).unwrap();
     let corpus = dir.join("corpus.txt");
-    std::fs::write(&corpus, text.split("\n\n").take(400).collect::<Vec<_>>().join("\n\n")).unwrap();
+    std::fs::write(
+        &corpus,
+        text.split("\n\n")
+            .take(400)
+            .collect::<Vec<_>>()
+            .join("\n\n"),
+    )
+    .unwrap();
     let tokenizer = WordPieceTokenizer::from_vocab_file(&default_vocab_path()).unwrap();
     let options = PrepareOptions {
         instances: PretrainingConfig {
@@ -38,7 +45,15 @@ fn shards(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
     let plain = dir.join("shards");
     prepare_shards(&corpus, &tokenizer, &plain, &options, &|_| {}).unwrap();
     let strat = dir.join("strat");
-    stratify(&plain, &strat, &[32, 48, 64], 2, Compression::None, tokenizer.vocab_size()).unwrap();
+    stratify(
+        &plain,
+        &strat,
+        &[32, 48, 64],
+        2,
+        Compression::None,
+        tokenizer.vocab_size(),
+    )
+    .unwrap();
     (corpus, strat)
 }
 
@@ -80,12 +95,13 @@ fn two_ranks_train_on_stratified_shards_with_presort_and_save_the_sampler_state(
         let state: SamplerState =
             serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         assert_eq!(state.steps, 4);
-        // Presort: each rank simulates its group of 2, with one stream per bin.
-        assert_eq!(state.streams.len(), 2);
+        // Presort across ranks exchanges the draws: each rank's state holds only its own
+        // streams, one per bin.
+        assert_eq!(state.streams.len(), 1);
         assert_eq!(state.streams[0].len(), 3);
-        // 4 steps of a local batch of 8 were drawn across the bins.
-        let drawn: usize = state.streams[rank].iter().map(|s| s.position).sum();
-        assert_eq!(drawn, 4 * 8);
+        // 4 steps of a local batch of 8 were drawn across the bins (within the first epoch).
+        let drawn: usize = state.streams[0].iter().map(|s| s.position).sum();
+        assert_eq!(drawn, 4 * 8, "rank {rank}");
     }
 }
 
@@ -114,4 +130,66 @@ fn shard_settings_are_checked_before_training() {
     c.data.shards = Some(dir.path().join("no-such-shards"));
     assert!(text(run(&c)).contains("no-such-shards"));
     assert!(!out.join("metrics.jsonl").exists());
+}
+
+#[test]
+fn presort_exchange_through_in_process_collectives_equals_the_group_simulation() {
+    use ember_data::{RankSampler, SamplerConfig, decode_refs, encode_refs};
+    use ember_trainer::dist::{Collective, InProcess};
+    use std::sync::Arc;
+    // Two bins of 64 and 48 samples in 4 shards each, lengths varying inside each bin.
+    let sizes = vec![vec![16; 4], vec![12; 4]];
+    let lengths: Arc<Vec<Vec<u16>>> = Arc::new(vec![
+        (0..64).map(|i| 20 + (i * 37 % 100) as u16).collect(),
+        (0..48).map(|i| 130 + (i * 11 % 120) as u16).collect(),
+    ]);
+    let simulate = SamplerConfig {
+        kind: SamplerKind::Presort,
+        local_batch: 4,
+        presort_group: 2,
+        bin_quota: None,
+        seed: 3,
+        exchange: false,
+    };
+    let exchange = SamplerConfig {
+        exchange: true,
+        ..simulate.clone()
+    };
+    let world = 4;
+    let batches: Vec<Vec<Vec<ember_data::SampleRef>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = InProcess::group(world, std::time::Duration::from_secs(30))
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut comm)| {
+                let (sizes, lengths, exchange) = (&sizes, lengths.clone(), &exchange);
+                scope.spawn(move || {
+                    let mut sampler =
+                        RankSampler::new(exchange, sizes, lengths, rank, world).unwrap();
+                    (0..5)
+                        .map(|_| {
+                            let own = encode_refs(&sampler.draw_own());
+                            let all = comm.allgather(&own).unwrap();
+                            let draws: Vec<_> =
+                                all.iter().map(|b| decode_refs(b).unwrap()).collect();
+                            sampler.deal_from(&draws)
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, exchanged) in batches.iter().enumerate() {
+        let mut sim = RankSampler::new(&simulate, &sizes, lengths.clone(), rank, world).unwrap();
+        for (step, batch) in exchanged.iter().enumerate() {
+            assert_eq!(batch, &sim.next_batch(), "rank {rank}, step {step}");
+        }
+    }
+    // The group {0, 1} shares its 8 samples per step, disjointly.
+    for step in 0..5 {
+        let mut group: Vec<_> = batches[0][step].iter().chain(&batches[1][step]).collect();
+        group.sort();
+        group.dedup();
+        assert_eq!(group.len(), 8);
+    }
 }

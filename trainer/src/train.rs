@@ -15,8 +15,8 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 use ember_data::{
     HostBatch, InstanceLoader, SamplerConfig, ShardLoader, ShardedDataset, TrainingInstance,
-    WordPieceTokenizer, create_training_instances, read_documents, split_held_out,
-    tokenize_documents,
+    WordPieceTokenizer, create_training_instances, decode_refs, encode_refs, read_documents,
+    split_held_out, tokenize_documents,
 };
 use ember_model::BertForPreTraining;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -95,12 +95,22 @@ enum TrainBatches {
 }
 
 impl TrainBatches {
-    /// The `k` micro-batches of the next step.
-    fn next_step(&mut self, k: usize) -> Vec<HostBatch> {
-        match self {
+    /// The `k` micro-batches of the next step. Presort exchanges the ranks' own draws through
+    /// an allgather (sample references, 8 bytes each; every rank holds the samples).
+    fn next_step(&mut self, k: usize, comm: &CommThread) -> Result<Vec<HostBatch>, TrainError> {
+        Ok(match self {
             Self::Instances(loader) => (0..k).map(|_| loader.next_batch()).collect(),
+            Self::Shards(loader) if loader.exchanges() => {
+                let own = encode_refs(&loader.draw_own());
+                let world = comm.call(move |c| c.allgather(&own))?;
+                let draws = world
+                    .iter()
+                    .map(|bytes| decode_refs(bytes))
+                    .collect::<Result<Vec<_>, _>>()?;
+                loader.batches_from(&draws)
+            }
             Self::Shards(loader) => loader.next_step(),
-        }
+        })
     }
 }
 
@@ -121,11 +131,8 @@ pub fn prepare_data(config: &TrainConfig) -> Result<PreparedData, TrainError> {
     let special = tokenizer.special();
     let shards = match &config.data.shards {
         Some(path) => {
-            let (dataset, samples) = ShardedDataset::load(
-                path,
-                tokenizer.vocab_size(),
-                config.data.skip_bad_shards,
-            )?;
+            let (dataset, samples) =
+                ShardedDataset::load(path, tokenizer.vocab_size(), config.data.skip_bad_shards)?;
             for skipped in &dataset.skipped {
                 tracing::warn!("skipped a bad shard: {skipped}");
             }
@@ -463,6 +470,7 @@ pub fn train_rank<B: GradHookBackend>(
                 presort_group: config.data.presort_group,
                 bin_quota: config.data.bin_quota.clone(),
                 seed: config.train.seed,
+                exchange: world_size > 1,
             };
             let loader = ShardLoader::new(
                 dataset,
@@ -641,7 +649,7 @@ pub fn train_rank<B: GradHookBackend>(
         // backward launches allreduces. Each loss is divided by K, so the step's gradient is
         // the mean over the K micro-batches.
         let mut step_losses = [0f32; 3];
-        for (micro, host) in loader.next_step(grad_accum).into_iter().enumerate() {
+        for (micro, host) in loader.next_step(grad_accum, &comm)?.into_iter().enumerate() {
             tokens += host.num_tokens();
             let batch = host.to_device::<B>(device);
             reducer.begin_micro_batch(micro == 0, micro + 1 == grad_accum);

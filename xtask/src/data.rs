@@ -12,8 +12,7 @@ use ember_data::prepare::{PrepareOptions, prepare_shards};
 use ember_data::shard::{self, Compression, Layout};
 use ember_data::stratify::stratify;
 use ember_data::{
-    PretrainingConfig, ShardedDataset, WordPieceTokenizer, default_corpus_path,
-    default_vocab_path,
+    PretrainingConfig, ShardedDataset, WordPieceTokenizer, default_corpus_path, default_vocab_path,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -25,7 +24,9 @@ fn parse_compression(s: &str) -> Result<Compression, String> {
             Ok(l @ 1..=9) => Ok(Compression::Gzip(l)),
             _ => Err(format!("gzip level `{level}` is not 1..9")),
         },
-        _ => Err(format!("unknown compression `{s}` (none, gzip or gzip:LEVEL)")),
+        _ => Err(format!(
+            "unknown compression `{s}` (none, gzip or gzip:LEVEL)"
+        )),
     }
 }
 
@@ -389,7 +390,9 @@ fn plot(path: &Path, dataset: &ShardedDataset, tables: &[(usize, Vec<BalanceRow>
                     },
                 ))?
                 .label(format!("{}–{}", dataset.bins[b].lo, dataset.bins[b].hi))
-                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled()));
+                .legend(move |(x, y)| {
+                    Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled())
+                });
         }
         chart
             .configure_series_labels()
@@ -416,7 +419,10 @@ fn plot(path: &Path, dataset: &ShardedDataset, tables: &[(usize, Vec<BalanceRow>
             .margin(12)
             .x_label_area_size(150)
             .y_label_area_size(60)
-            .build_cartesian_2d(0f64..rows as f64, 1.0f64..(1.0 + (worst - 1.0) * 1.1).max(1.01))?;
+            .build_cartesian_2d(
+                0f64..rows as f64,
+                1.0f64..(1.0 + (worst - 1.0) * 1.1).max(1.01),
+            )?;
         chart
             .configure_mesh()
             .disable_x_mesh()
@@ -430,7 +436,11 @@ fn plot(path: &Path, dataset: &ShardedDataset, tables: &[(usize, Vec<BalanceRow>
             .transform(FontTransform::Rotate90);
         for (i, label) in labels.iter().enumerate() {
             let (px, py) = chart.backend_coord(&(i as f64 + 0.5, 1.0));
-            root.draw(&Text::new(label.clone(), (px + 6, py + 8), label_style.clone()))?;
+            root.draw(&Text::new(
+                label.clone(),
+                (px + 6, py + 8),
+                label_style.clone(),
+            ))?;
         }
         let n = tables.len().max(1) as f64;
         for (t, (w, table)) in tables.iter().enumerate() {
@@ -441,7 +451,9 @@ fn plot(path: &Path, dataset: &ShardedDataset, tables: &[(usize, Vec<BalanceRow>
                     Rectangle::new([(x0, 1.0), (x0 + 0.8 / n, r.imbalance)], color.filled())
                 }))?
                 .label(format!("W = {w}"))
-                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled()));
+                .legend(move |(x, y)| {
+                    Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled())
+                });
         }
         chart
             .configure_series_labels()
