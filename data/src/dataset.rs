@@ -41,7 +41,19 @@ fn layout(root: &Path) -> Result<Vec<(Option<LengthBin>, Vec<PathBuf>)>, DataErr
             })
             .collect();
         if !bins.is_empty() {
-            bins.sort_by_key(|(b, _)| b.lo);
+            bins.sort_by_key(|(b, _)| (b.lo, b.hi));
+            // Bin folders of two stratify runs (other edges) would make a sample count twice.
+            if let Some(w) = bins.windows(2).find(|w| w[1].0.lo <= w[0].0.hi) {
+                return Err(DataError::InvalidSetting {
+                    field: "shards",
+                    reason: format!(
+                        "{}: the length bins {} and {} overlap (folders of two stratify runs?)",
+                        root.display(),
+                        w[0].0.dir_name(),
+                        w[1].0.dir_name()
+                    ),
+                });
+            }
             return bins
                 .into_iter()
                 .map(|(bin, dir)| Ok((Some(bin), list_shards(&dir)?)))

@@ -5,7 +5,8 @@
 //! chunk (`results4/part-00XXX-of-00500`).
 //!
 //! Documents are streamed: a first pass counts them, a second hands each part to a pool of
-//! workers as soon as it is read. At most `jobs + 1` parts are held in memory at a time, so
+//! workers as soon as it is read. At most `jobs + 2` parts are held in memory at a time (one per worker, one queued, one being
+//! read), so
 //! memory is bounded by the part size, not the corpus. The output depends only on the corpus,
 //! the settings and the seed, not on `jobs`. The last documents can be held out (as the
 //! trainer holds them out for evaluation), so that a run on the shards evaluates on unseen text.
@@ -59,7 +60,8 @@ pub fn shard_name(index: usize, count: usize) -> String {
 }
 
 /// Writes the shards of the corpus at `corpus` (a file, or a folder of `*.txt` files) into
-/// `out` (created if needed). `progress` is called with the number of documents each finished
+/// `out` (created if needed; it must hold no shards yet). `progress` is called with the number
+/// of documents each finished shard held and the number of documents all shards hold
 /// shard held.
 ///
 /// # Errors
@@ -72,7 +74,7 @@ pub fn prepare_shards(
     tokenizer: &WordPieceTokenizer,
     out: &Path,
     options: &PrepareOptions,
-    progress: &(dyn Fn(usize) + Sync),
+    progress: &(dyn Fn(usize, usize) + Sync),
 ) -> Result<PrepareSummary, DataError> {
     options.instances.validate()?;
     let num_shards = options.num_shards;
@@ -108,6 +110,7 @@ pub fn prepare_shards(
             ),
         });
     }
+    shard::ensure_no_shards(out)?;
     std::fs::create_dir_all(out).map_err(|error| DataError::Io {
         path: out.to_path_buf(),
         error,
@@ -117,7 +120,8 @@ pub fn prepare_shards(
     let part_end = |k: usize| (k + 1) * documents / num_shards;
     let jobs = options.jobs.max(1);
     let (sender, receiver) = mpsc::sync_channel::<(usize, Vec<Vec<String>>)>(1);
-    let receiver = Mutex::new(receiver);
+    // Owned by the workers only: if they all stop, `send` fails instead of blocking.
+    let receiver = std::sync::Arc::new(Mutex::new(receiver));
     let failed = AtomicBool::new(false);
     let errors = Mutex::new(Vec::<(usize, DataError)>::new());
     let (samples, tokens) = (AtomicUsize::new(0), AtomicUsize::new(0));
@@ -153,13 +157,16 @@ pub fn prepare_shards(
             config.max_predictions_per_seq,
             options.compression,
         )?;
-        progress(n_docs);
+        progress(n_docs, documents);
         Ok((instances.len(), instances.iter().map(|i| i.len()).sum()))
     };
 
     let read_result = std::thread::scope(|scope| {
         for _ in 0..jobs {
-            scope.spawn(|| {
+            let receiver = receiver.clone();
+            let (work, failed, errors, samples, tokens) =
+                (&work, &failed, &errors, &samples, &tokens);
+            scope.spawn(move || {
                 loop {
                     let next = receiver.lock().unwrap_or_else(|e| e.into_inner()).recv();
                     let Ok((k, part)) = next else { break };
@@ -182,6 +189,7 @@ pub fn prepare_shards(
                 }
             });
         }
+        drop(receiver);
         let mut part = Vec::new();
         let mut k = 0;
         for (index, document) in DocumentStream::new(files).take(documents).enumerate() {

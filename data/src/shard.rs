@@ -258,6 +258,12 @@ impl Values {
     }
 }
 
+/// The real length of a mask row: the number of leading 1s, if only 0s follow.
+fn mask_length(mask: &[i64]) -> Option<usize> {
+    let len = mask.iter().take_while(|&&m| m == 1).count();
+    mask[len..].iter().all(|&m| m == 0).then_some(len)
+}
+
 /// Reads a shard's metadata: layout, N and S, checking `input_ids` is there and is integer.
 ///
 /// # Errors
@@ -274,7 +280,7 @@ fn info_of(file: &File, path: &Path) -> Result<ShardInfo, DataError> {
     let ty = int_type(&ds, path, "input_ids")?;
     let shape = ds.shape();
     let (layout, num_samples, seq_len) = match (ty, shape.as_slice()) {
-        (IntType::Int(..), [n, s]) => (Layout::Fixed, *n, *s),
+        (IntType::Int(..), [n, s]) if *s > 0 => (Layout::Fixed, *n, *s),
         (IntType::VarLen(..), [n]) => (Layout::VarLen, *n, 0),
         _ => {
             return Err(DataError::ShapeMismatch {
@@ -327,10 +333,17 @@ pub fn read_shard(path: &Path, vocab_size: usize) -> Result<Vec<TrainingInstance
         None
     } else {
         let ds = dataset(&file, path, "masked_lm_positions")?;
-        Some(match ds.shape().as_slice() {
-            [_, p] => *p,
-            _ => 0,
-        })
+        match ds.shape().as_slice() {
+            [_, p] if *p > 0 => Some(*p),
+            shape => {
+                return Err(DataError::ShapeMismatch {
+                    path: path.to_path_buf(),
+                    field: "masked_lm_positions".into(),
+                    shape: shape.to_vec(),
+                    expected: format!("[{n}, P] with P ≥ 1"),
+                });
+            }
+        }
     };
     let positions = read_field(&file, path, "masked_lm_positions", n, predictions)?;
     let masked_ids = read_field(&file, path, "masked_lm_ids", n, predictions)?;
@@ -357,14 +370,8 @@ pub fn read_shard(path: &Path, vocab_size: usize) -> Result<Vec<TrainingInstance
     for i in 0..n {
         let ids_row = input_ids.row(i);
         let len = match &input_mask {
-            Some(mask) => {
-                let mask = mask.row(i);
-                let len = mask.iter().take_while(|&&m| m == 1).count();
-                if mask[len..].iter().any(|&m| m != 0) {
-                    return Err(content("input_mask", i, "is not 1s followed by 0s".into()));
-                }
-                len
-            }
+            Some(mask) => mask_length(mask.row(i))
+                .ok_or_else(|| content("input_mask", i, "is not 1s followed by 0s".into()))?,
             None => ids_row.len(),
         };
         if len == 0 {
@@ -452,9 +459,17 @@ pub fn read_lengths(path: &Path) -> Result<Vec<u16>, DataError> {
                 info.num_samples,
                 Some(info.seq_len),
             )?;
-            Ok((0..info.num_samples)
-                .map(|i| to_len(mask.row(i).iter().filter(|&&m| m != 0).count()))
-                .collect())
+            (0..info.num_samples)
+                .map(|i| {
+                    mask_length(mask.row(i)).map(to_len).ok_or_else(|| {
+                        shard_error(
+                            path,
+                            "input_mask",
+                            format!("sample {i}: is not 1s followed by 0s"),
+                        )
+                    })
+                })
+                .collect()
         }
         Layout::VarLen => {
             let ids = read_field(&file, path, "input_ids", info.num_samples, None)?;
@@ -530,14 +545,18 @@ pub fn write_shard(
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
-    let tmp = tempfile::Builder::new()
-        .prefix(".ember-shard-")
-        .suffix(".tmp")
-        .tempfile_in(dir)
-        .map_err(|error| DataError::Io {
-            path: dir.to_path_buf(),
-            error,
-        })?;
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(".ember-shard-").suffix(".tmp");
+    // Readable by all, as a plain file would be (tempfile's default is owner-only).
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        builder.permissions(std::fs::Permissions::from_mode(0o644));
+    }
+    let tmp = builder.tempfile_in(dir).map_err(|error| DataError::Io {
+        path: dir.to_path_buf(),
+        error,
+    })?;
     let write_error =
         |field: &str, e: hdf5::Error| shard_error(path, field, first_line(&e.to_string()));
     {
@@ -617,4 +636,30 @@ pub fn list_shards(path: &Path) -> Result<Vec<PathBuf>, DataError> {
         });
     }
     Ok(files)
+}
+
+/// Refuses an output folder that already holds shards (or length-bin folders): new shards
+/// beside old ones would be read as one dataset.
+///
+/// # Errors
+/// [`DataError::InvalidSetting`] naming the folder.
+pub fn ensure_no_shards(out: &Path) -> Result<(), DataError> {
+    let Ok(entries) = std::fs::read_dir(out) else {
+        return Ok(());
+    };
+    let taken = entries.filter_map(|e| e.ok()).find(|e| {
+        let name = e.file_name().to_string_lossy().into_owned();
+        name.ends_with(".hdf5") || name.ends_with(".h5") || name.starts_with("len_")
+    });
+    match taken {
+        Some(entry) => Err(DataError::InvalidSetting {
+            field: "out",
+            reason: format!(
+                "{} already holds {} (shards of an earlier run would be read together with the new ones); choose an empty folder or remove them",
+                out.display(),
+                entry.file_name().to_string_lossy()
+            ),
+        }),
+        None => Ok(()),
+    }
 }

@@ -2,10 +2,12 @@
 //! folder per length bin, so that a sampler can take a fixed quota from each bin.
 //!
 //! Bin b holds lengths `(edges[b-1], edges[b]]` (the first starts at 1) and lives in
-//! `out/len_<lo>-<hi>/` as `part-XXXXX-of-YYYYY.hdf5` shards of the same fields and dtypes as
-//! the input (S and P of the input). Samples keep their input order inside a bin; shards of a bin
-//! differ in size by at most one sample. Two passes over the input (lengths, then samples)
-//! keep at most one shard per bin in memory.
+//! `out/len_<lo>-<hi>/` as `part-XXXXX-of-YYYYY.hdf5` shards with the MLPerf fields in the
+//! fixed layout (i4 ids and positions, i1 masks and labels, whatever the input's variant), S the
+//! input's S (or its longest sample, for vlen input) and P the most predictions of any sample.
+//! Samples keep their input order inside a bin; shards of a bin differ in size by at most one
+//! sample. Two passes over the input (the first reads and validates every sample and counts
+//! the bins, the second distributes them) keep at most one shard per bin in memory.
 
 use std::path::{Path, PathBuf};
 
@@ -71,8 +73,8 @@ pub struct StratifySummary {
     pub bins: Vec<(LengthBin, usize, Vec<PathBuf>)>,
 }
 
-/// Reshards the shards of `input` (a folder or one file) into length bins under `out`, at
-/// most `shards_per_bin` shards per bin.
+/// Reshards the shards of `input` (a folder or one file) into length bins under `out` (which
+/// must hold no shards yet), at most `shards_per_bin` shards per bin.
 ///
 /// # Errors
 /// [`DataError::InvalidSetting`] for bad edges, `shards_per_bin` 0, or a sample longer than the
@@ -94,6 +96,7 @@ pub fn stratify(
         });
     }
     let inputs = shard::list_shards(input)?;
+    shard::ensure_no_shards(out)?;
     let bin_of = |len: usize| bins.iter().position(|b| len <= b.hi);
 
     // Pass 1: counts per bin, S and P.

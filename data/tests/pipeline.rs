@@ -63,11 +63,12 @@ fn prepare_is_deterministic_stratify_loses_nothing_and_presort_balances() {
     // Prepare with 1 and 2 workers: the same shards.
     let (one, two) = (dir.path().join("one"), dir.path().join("two"));
     let docs = std::sync::atomic::AtomicUsize::new(0);
-    let count = |n: usize| {
+    let count = |n: usize, total: usize| {
+        assert_eq!(total, 540);
         docs.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
     };
     let summary = prepare_shards(&corpus, &tokenizer, &one, &options(1), &count).unwrap();
-    prepare_shards(&corpus, &tokenizer, &two, &options(2), &|_| {}).unwrap();
+    prepare_shards(&corpus, &tokenizer, &two, &options(2), &|_, _| {}).unwrap();
     // 60 held out (600 / 10 caps it at 60).
     assert_eq!((summary.documents, summary.held_out), (540, 60));
     assert_eq!(
@@ -83,6 +84,10 @@ fn prepare_is_deterministic_stratify_loses_nothing_and_presort_balances() {
         summary.tokens
     );
     assert_eq!(samples, read_all(&two, vocab));
+    // A folder that already holds shards is refused, and nothing in it changes.
+    let err = prepare_shards(&corpus, &tokenizer, &one, &options(1), &|_, _| {}).unwrap_err();
+    assert!(err.to_string().contains("already holds part-"), "{err}");
+    assert_eq!(read_all(&one, vocab), samples);
     assert!(
         samples
             .iter()
@@ -132,6 +137,15 @@ fn prepare_is_deterministic_stratify_loses_nothing_and_presort_balances() {
     assert_eq!(loaded.iter().map(|b| b.len()).sum::<usize>(), samples.len());
     let lengths = ShardedDataset::open(&strat, false).unwrap().lengths;
     assert_eq!(lengths, dataset.lengths);
+    // Stratify refuses a folder with bins in it; overlapping bin folders (two stratify runs
+    // with other edges) are refused when read.
+    let again = stratify(&one, &strat, &[64, 128], 2, Compression::None, vocab).unwrap_err();
+    assert!(again.to_string().contains("already holds"), "{again}");
+    let mixed = dir.path().join("mixed");
+    stratify(&one, &mixed, &[64, 128], 1, Compression::None, vocab).unwrap();
+    std::fs::rename(strat.join("len_33-64"), mixed.join("len_33-64")).unwrap();
+    let err = ShardedDataset::open(&mixed, false).unwrap_err();
+    assert!(err.to_string().contains("overlap"), "{err}");
 
     // On real lengths, presort balances ranks better than random, with the same padding.
     let settings = BalanceSettings {

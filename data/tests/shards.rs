@@ -93,6 +93,16 @@ fn write_then_read_gives_identical_samples() {
         .collect();
     names.sort();
     assert_eq!(names, ["gz.hdf5", "plain.hdf5"]);
+    // Readable by others, as any file written without a temporary name would be.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir.path().join("gz.hdf5"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o644);
+    }
     assert_eq!(shard::list_shards(dir.path()).unwrap().len(), 2);
     // A sample longer than the shard's S is refused before anything is written.
     let err = shard::write_shard(&dir.path().join("x.hdf5"), &want, 12, 4, Compression::None)
@@ -172,6 +182,22 @@ fn malformed_shards_give_their_own_errors() {
         err("bad_empty.hdf5"),
         DataError::EmptyShard { .. }
     ));
+    match err("bad_zero_width.hdf5") {
+        DataError::ShapeMismatch { field, shape, .. } => {
+            assert_eq!((field.as_str(), shape), ("input_ids", vec![5, 0]))
+        }
+        e => panic!("zero width: {e}"),
+    }
+    for e in [
+        err("bad_mask.hdf5"),
+        shard::read_lengths(&fixture("bad_mask.hdf5")).unwrap_err(),
+    ] {
+        let text = e.to_string();
+        assert!(
+            text.contains("input_mask") && text.contains("sample 1") && text.contains("bad_mask"),
+            "{text}"
+        );
+    }
     assert!(matches!(
         err("bad_truncated.hdf5"),
         DataError::NotHdf5 { .. }

@@ -43,7 +43,7 @@ fn shards(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
         holdout_documents: 40,
     };
     let plain = dir.join("shards");
-    prepare_shards(&corpus, &tokenizer, &plain, &options, &|_| {}).unwrap();
+    prepare_shards(&corpus, &tokenizer, &plain, &options, &|_, _| {}).unwrap();
     let strat = dir.join("strat");
     stratify(
         &plain,

@@ -125,9 +125,14 @@ pub fn prepare_data(config: &TrainConfig) -> Result<PreparedData, TrainError> {
     let vocab_path = config.vocab_path();
     let corpus_path = config.corpus_path();
     let tokenizer = WordPieceTokenizer::from_vocab_file(&vocab_path)?;
-    let documents = tokenize_documents(&tokenizer, &read_documents(&corpus_path)?)?;
-    let (train_docs, eval_docs) =
-        split_held_out(documents, config.data.eval_documents, &corpus_path)?;
+    // Held out before tokenising, by raw document count, as `prepare-data` holds them out of
+    // its shards.
+    let (train_docs, eval_docs) = split_held_out(
+        read_documents(&corpus_path)?,
+        config.data.eval_documents,
+        &corpus_path,
+    )?;
+    let eval_docs = tokenize_documents(&tokenizer, &eval_docs)?;
     let special = tokenizer.special();
     let shards = match &config.data.shards {
         Some(path) => {
@@ -144,7 +149,7 @@ pub fn prepare_data(config: &TrainConfig) -> Result<PreparedData, TrainError> {
         Vec::new()
     } else {
         create_training_instances(
-            &train_docs,
+            &tokenize_documents(&tokenizer, &train_docs)?,
             &config.instances,
             special,
             tokenizer.vocab_size(),
@@ -505,6 +510,21 @@ pub fn train_rank<B: GradHookBackend>(
                     "training on shards"
                 );
             }
+            // Every rank must read the same shards (a shard skipped on one node only would
+            // shift the others' sample indices).
+            let listing: Vec<String> = dataset
+                .bins
+                .iter()
+                .zip(&dataset.shards)
+                .zip(&dataset.shard_sizes)
+                .flat_map(|((bin, files), sizes)| {
+                    files.iter().zip(sizes).map(move |(f, n)| {
+                        let name = f.file_name().unwrap_or_default().to_string_lossy();
+                        format!("{} {name} {n}", bin.dir_name())
+                    })
+                })
+                .collect();
+            check_agreement(&comm, "training shards", listing.join("\n"))?;
             (id, acc, n, mean_len, TrainBatches::Shards(loader))
         }
     };
@@ -758,8 +778,13 @@ pub fn train_rank<B: GradHookBackend>(
             "train_seconds": train_seconds, "checkpoint": checkpoint,
         }))?;
     }
-    // Each rank's sampler state (shards), to continue the data order where it stopped.
+    // Each rank's sampler state (shards): where its data order stopped, for
+    // `RankSampler::restore` (the trainer does not resume runs yet).
     if let TrainBatches::Shards(loader) = &loader {
+        std::fs::create_dir_all(out).map_err(|e| TrainError::Output {
+            path: out.clone(),
+            reason: e.to_string(),
+        })?;
         let state = serde_json::to_string_pretty(&loader.sampler().state())
             .expect("a sampler state serialises");
         write_atomically(&out.join(format!("sampler_state.rank{rank}.json")), &state)?;

@@ -114,10 +114,10 @@ pub fn prepare(args: PrepareArgs) -> Result<()> {
             .expect("valid template"),
     );
     bar.set_message("prepare-data");
-    // The document count is known after the counting pass; until then the bar has length 0.
-    let total = ember_data::DocumentStream::new(ember_data::corpus_files(&corpus)?).count();
-    bar.set_length(total as u64);
-    let summary = prepare_shards(&corpus, &tokenizer, &args.out, &options, &|n| {
+    // prepare_shards counts the documents first; the bar learns the total with the first
+    // finished shard.
+    let summary = prepare_shards(&corpus, &tokenizer, &args.out, &options, &|n, total| {
+        bar.set_length(total as u64);
         bar.inc(n as u64)
     })?;
     bar.finish_and_clear();
@@ -243,6 +243,13 @@ pub fn balance(args: BalanceArgs) -> Result<()> {
             }
         }
     };
+    let longest = dataset.lengths.iter().flatten().copied().max().unwrap_or(0) as usize;
+    if longest > seq_len {
+        bail!(
+            "{}: a sample has {longest} tokens, more than --seq-len {seq_len}",
+            args.data.display()
+        );
+    }
     let mut tables = Vec::new();
     for &world_size in &args.world_size {
         let settings = BalanceSettings {
