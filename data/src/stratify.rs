@@ -144,11 +144,19 @@ pub fn stratify(
             std::fs::create_dir_all(&dir).map_err(|error| DataError::Io { path: dir, error })?;
         }
     }
+    let changed = |path: &Path| DataError::Shard {
+        path: path.to_path_buf(),
+        field: "(file)".into(),
+        problem: "changed while it was being stratified".into(),
+    };
     for path in &inputs {
         for sample in shard::read_shard(path, vocab_size)? {
-            let b = bin_of(sample.len()).expect("checked in pass 1");
-            buffers[b].push(sample);
+            let b = bin_of(sample.len()).ok_or_else(|| changed(path))?;
             let j = written[b].len();
+            if j == plan[b].len() {
+                return Err(changed(path));
+            }
+            buffers[b].push(sample);
             if buffers[b].len() == plan[b][j] {
                 let file = out
                     .join(bins[b].dir_name())
@@ -158,6 +166,9 @@ pub fn stratify(
                 written[b].push(file);
             }
         }
+    }
+    if buffers.iter().any(|b| !b.is_empty()) {
+        return Err(changed(&inputs[inputs.len() - 1]));
     }
     Ok(StratifySummary {
         bins: bins

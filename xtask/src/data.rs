@@ -352,6 +352,36 @@ fn register_font() -> Result<()> {
     .map_err(|_| anyhow::anyhow!("{}: not a usable TrueType font", path.display()))
 }
 
+type Chart<'a, 'b> = plotters::chart::ChartContext<
+    'a,
+    plotters::prelude::BitMapBackend<'b>,
+    plotters::coord::cartesian::Cartesian2d<
+        plotters::coord::types::RangedCoordf64,
+        plotters::coord::types::RangedCoordf64,
+    >,
+>;
+
+/// The legend box of a chart, top right.
+fn legend<'a, 'b: 'a>(
+    chart: &mut Chart<'a, 'b>,
+) -> std::result::Result<(), Box<dyn std::error::Error>> {
+    use plotters::prelude::*;
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+    Ok(())
+}
+
+/// A legend entry's colour swatch.
+fn swatch(
+    color: plotters::style::RGBColor,
+) -> impl Fn((i32, i32)) -> plotters::element::Rectangle<(i32, i32)> {
+    use plotters::style::Color;
+    move |(x, y)| plotters::element::Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled())
+}
+
 /// Left: the histogram of real lengths, coloured by bin. Right: rank imbalance per sampler and
 /// padding mode for each simulated world size.
 fn plot(path: &Path, dataset: &ShardedDataset, tables: &[(usize, Vec<BalanceRow>)]) -> Result<()> {
@@ -397,15 +427,9 @@ fn plot(path: &Path, dataset: &ShardedDataset, tables: &[(usize, Vec<BalanceRow>
                     },
                 ))?
                 .label(format!("{}–{}", dataset.bins[b].lo, dataset.bins[b].hi))
-                .legend(move |(x, y)| {
-                    Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled())
-                });
+                .legend(swatch(color));
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()?;
+        legend(&mut chart)?;
 
         // Imbalance bars: one group per sampler × padding, one bar per world size.
         let rows = tables.first().map(|(_, r)| r.len()).unwrap_or(0);
@@ -458,15 +482,9 @@ fn plot(path: &Path, dataset: &ShardedDataset, tables: &[(usize, Vec<BalanceRow>
                     Rectangle::new([(x0, 1.0), (x0 + 0.8 / n, r.imbalance)], color.filled())
                 }))?
                 .label(format!("W = {w}"))
-                .legend(move |(x, y)| {
-                    Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled())
-                });
+                .legend(swatch(color));
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()?;
+        legend(&mut chart)?;
         root.present()?;
         Ok(())
     };
