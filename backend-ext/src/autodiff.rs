@@ -1,0 +1,235 @@
+//! [`FusedOps`] for `Autodiff<B>`: each op runs the inner backend's forward op and registers a
+//! custom backward that calls the inner backend's backward op (the backward kernels on CubeCL
+//! backends), instead of letting autodiff differentiate the composition.
+
+use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::tensor::Tensor;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ops::FloatTensor;
+
+use crate::{DropoutSpec, FusedOps, LayerNormForward, float, prim};
+
+/// Sum over rows: `[R, N]` → `[N]`, the gradient of a bias broadcast over rows.
+fn sum_rows<B: FusedOps>(x: FloatTensor<B>) -> FloatTensor<B> {
+    let t: Tensor<B, 2> = float(x);
+    let [_, n] = t.dims();
+    prim(t.sum_dim(0).reshape([n]))
+}
+
+#[derive(Debug)]
+struct BiasGeluBackward;
+
+impl<B: FusedOps> Backward<B, 2> for BiasGeluBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_bias] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x, bias) = ops.state;
+        let grad_z = B::bias_gelu_backward(x, bias, grad);
+        if let Some(node) = node_bias {
+            grads.register::<B>(node.id, sum_rows::<B>(grad_z.clone()));
+        }
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, grad_z);
+        }
+    }
+}
+
+/// What the LayerNorm backward needs: pre-norm sum, mean, rstd, gamma, dropout.
+type LayerNormState<B> = (
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    DropoutSpec,
+);
+
+#[derive(Debug)]
+struct LayerNormBackwardOp;
+
+impl<B: FusedOps> Backward<B, 5> for LayerNormBackwardOp {
+    type State = LayerNormState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 5>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_bias, node_residual, node_gamma, node_beta] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (pre_norm, mean, rstd, gamma, dropout) = ops.state;
+        let back = B::bias_dropout_add_layer_norm_backward(
+            grad.clone(),
+            pre_norm,
+            mean,
+            rstd,
+            gamma,
+            dropout,
+        );
+        if let Some(node) = node_beta {
+            grads.register::<B>(node.id, sum_rows::<B>(grad));
+        }
+        if let Some(node) = node_gamma {
+            grads.register::<B>(node.id, sum_rows::<B>(back.grad_x_hat));
+        }
+        if let Some(node) = node_bias {
+            grads.register::<B>(node.id, sum_rows::<B>(back.grad_x.clone()));
+        }
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, back.grad_x);
+        }
+        if let Some(node) = node_residual {
+            grads.register::<B>(node.id, back.grad_pre_norm);
+        }
+    }
+}
+
+/// What the attention backward needs: q, k, v, softmax probs, dropped probs, scale, dropout.
+type AttentionState<B> = (
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    f64,
+    DropoutSpec,
+);
+
+#[derive(Debug)]
+struct AttentionBackward;
+
+impl<B: FusedOps> Backward<B, 3> for AttentionBackward {
+    type State = AttentionState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_q, node_k, node_v] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node); // [B, nh, S, hd]
+        let (q, k, v, probs, dropped, scale, dropout) = ops.state;
+        if let Some(node) = node_v {
+            // context = dropped · V  ⇒  dV = droppedᵀ · grad
+            let grad_v = B::float_matmul(B::float_swap_dims(dropped, 2, 3), grad.clone());
+            grads.register::<B>(node.id, grad_v);
+        }
+        if node_q.is_none() && node_k.is_none() {
+            return;
+        }
+        let grad_dropped = B::float_matmul(grad, B::float_swap_dims(v, 2, 3));
+        let grad_scores = B::masked_softmax_dropout_backward(grad_dropped, probs, scale, dropout);
+        if let Some(node) = node_q {
+            // scores = Q · Kᵀ  ⇒  dQ = dS · K, dK = dSᵀ · Q
+            grads.register::<B>(node.id, B::float_matmul(grad_scores.clone(), k));
+        }
+        if let Some(node) = node_k {
+            let grad_k = B::float_matmul(B::float_swap_dims(grad_scores, 2, 3), q);
+            grads.register::<B>(node.id, grad_k);
+        }
+    }
+}
+
+/// An autodiff tensor that does not take part in the graph (statistics returned by an op).
+fn untracked<B: FusedOps, C: CheckpointStrategy>(x: FloatTensor<B>) -> FloatTensor<Autodiff<B, C>> {
+    <Autodiff<B, C> as AutodiffBackend>::from_inner(x)
+}
+
+impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
+    const HAS_KERNELS: bool = B::HAS_KERNELS;
+
+    fn bias_gelu(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
+        match BiasGeluBackward
+            .prepare::<C>([x.node.clone(), bias.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let output = B::bias_gelu(x.primitive.clone(), bias.primitive.clone());
+                prep.finish((x.primitive, bias.primitive), output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::bias_gelu(x.primitive, bias.primitive)),
+        }
+    }
+
+    fn bias_dropout_add_layer_norm(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        dropout: DropoutSpec,
+        eps: f64,
+    ) -> LayerNormForward<Self> {
+        let prepared = LayerNormBackwardOp
+            .prepare::<C>([
+                x.node.clone(),
+                bias.node.clone(),
+                residual.node.clone(),
+                gamma.node.clone(),
+                beta.node.clone(),
+            ])
+            .compute_bound()
+            .stateful();
+        let forward = B::bias_dropout_add_layer_norm(
+            x.primitive,
+            bias.primitive,
+            residual.primitive,
+            gamma.primitive.clone(),
+            beta.primitive,
+            dropout,
+            eps,
+        );
+        let output = match prepared {
+            OpsKind::Tracked(prep) => {
+                let state = (
+                    forward.pre_norm.clone(),
+                    forward.mean.clone(),
+                    forward.rstd.clone(),
+                    gamma.primitive,
+                    dropout,
+                );
+                prep.finish(state, forward.output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(forward.output),
+        };
+        LayerNormForward {
+            output,
+            pre_norm: untracked::<B, C>(forward.pre_norm),
+            mean: untracked::<B, C>(forward.mean),
+            rstd: untracked::<B, C>(forward.rstd),
+        }
+    }
+
+    fn attention_core(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask_bias: FloatTensor<Self>,
+        scale: f64,
+        dropout: DropoutSpec,
+    ) -> FloatTensor<Self> {
+        let prepared = AttentionBackward
+            .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
+            .compute_bound()
+            .stateful();
+        let scores = B::float_matmul(
+            q.primitive.clone(),
+            B::float_swap_dims(k.primitive.clone(), 2, 3),
+        );
+        let softmax = B::masked_softmax_dropout(scores, mask_bias.primitive, scale, dropout);
+        let output = B::float_matmul(softmax.dropped.clone(), v.primitive.clone());
+        match prepared {
+            OpsKind::Tracked(prep) => {
+                let state = (
+                    q.primitive,
+                    k.primitive,
+                    v.primitive,
+                    softmax.probs,
+                    softmax.dropped,
+                    scale,
+                    dropout,
+                );
+                prep.finish(state, output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        }
+    }
+}

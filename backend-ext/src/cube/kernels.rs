@@ -1,0 +1,364 @@
+//! The CubeCL kernels. Element types are defined at launch (`#[define(F)]`: f32, f16 or bf16);
+//! arithmetic and reductions run in f32.
+//!
+//! Row kernels (LayerNorm, softmax) give one cube to a row: its units stride over the row and
+//! reduce through shared memory (a tree over `CUBE_DIM_X`, a power of two). Rows are numbered
+//! `CUBE_POS_X + CUBE_POS_Y · CUBE_COUNT_X`, so more rows than one grid dimension holds still fit.
+
+use cubecl::prelude::*;
+
+/// PCG's RXS-M-XS output permutation; the host's `dropout::pcg_hash`.
+#[cube]
+fn pcg_hash(v: u32) -> u32 {
+    let state = v * 747796405u32 + 2891336453u32;
+    let word = ((state >> ((state >> 28u32) + 4u32)) ^ state) * 277803737u32;
+    (word >> 22u32) ^ word
+}
+
+/// The dropout scale of element `index`: `keep_scale` if kept, 0 if dropped (the host's
+/// `dropout::keeps`).
+#[cube]
+fn dropout_scale(index: usize, key: u32, threshold: u32, keep_scale: f32) -> f32 {
+    let bits = pcg_hash(pcg_hash((index as u32) ^ key) + key);
+    let mut scale = f32::new(0.0);
+    if (bits >> 8u32) >= threshold {
+        scale = keep_scale;
+    }
+    scale
+}
+
+#[cube]
+fn row_index() -> usize {
+    (CUBE_POS_X + CUBE_POS_Y * CUBE_COUNT_X) as usize
+}
+
+/// Sum of `value` over the units of the cube; every unit gets the total.
+#[cube]
+fn cube_sum(shared: &mut SharedMemory<f32>, value: f32) -> f32 {
+    let unit = UNIT_POS_X as usize;
+    shared[unit] = value;
+    sync_cube();
+    let mut stride = CUBE_DIM_X as usize / 2;
+    while stride > 0 {
+        if unit < stride {
+            shared[unit] = shared[unit] + shared[unit + stride];
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    let total = shared[0];
+    sync_cube();
+    total
+}
+
+/// Maximum of `value` over the units of the cube; every unit gets it.
+#[cube]
+fn cube_max(shared: &mut SharedMemory<f32>, value: f32) -> f32 {
+    let unit = UNIT_POS_X as usize;
+    shared[unit] = value;
+    sync_cube();
+    let mut stride = CUBE_DIM_X as usize / 2;
+    while stride > 0 {
+        if unit < stride {
+            let other = shared[unit + stride];
+            if other > shared[unit] {
+                shared[unit] = other;
+            }
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    let total = shared[0];
+    sync_cube();
+    total
+}
+
+/// `Φ(z) = ½ (1 + erf(z/√2))`.
+#[cube]
+fn normal_cdf(z: f32) -> f32 {
+    f32::new(0.5) * (f32::new(1.0) + Erf::erf(z * f32::new(std::f32::consts::FRAC_1_SQRT_2)))
+}
+
+#[cube(launch)]
+pub fn bias_gelu_kernel<F: Float>(
+    x: &Tensor<F>,
+    bias: &Tensor<F>,
+    output: &mut Tensor<F>,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= output.len() {
+        terminate!();
+    }
+    let z = f32::cast_from(x[i]) + f32::cast_from(bias[i % bias.len()]);
+    output[i] = F::cast_from(z * normal_cdf(z));
+}
+
+#[cube(launch)]
+pub fn bias_gelu_backward_kernel<F: Float>(
+    x: &Tensor<F>,
+    bias: &Tensor<F>,
+    grad: &Tensor<F>,
+    output: &mut Tensor<F>,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= output.len() {
+        terminate!();
+    }
+    let z = f32::cast_from(x[i]) + f32::cast_from(bias[i % bias.len()]);
+    // φ(z) = exp(−z²/2) / √(2π)
+    let pdf = (f32::new(-0.5) * z * z).exp() * f32::new(0.398_942_3);
+    output[i] = F::cast_from(f32::cast_from(grad[i]) * (normal_cdf(z) + z * pdf));
+}
+
+/// One cube per row: `y = residual + dropout(x + bias)`, then LayerNorm of y (two-pass
+/// variance over the stored y).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
+    x: &Tensor<F>,
+    bias: &Tensor<F>,
+    residual: &Tensor<F>,
+    gamma: &Tensor<F>,
+    beta: &Tensor<F>,
+    pre_norm: &mut Tensor<F>,
+    output: &mut Tensor<F>,
+    mean_out: &mut Tensor<F>,
+    rstd_out: &mut Tensor<F>,
+    rows: u32,
+    key: u32,
+    threshold: u32,
+    keep_scale: f32,
+    eps: f32,
+    #[comptime] block: u32,
+    #[comptime] dropout: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let row = row_index();
+    if row >= rows as usize {
+        terminate!();
+    }
+    let n = gamma.len();
+    let base = row * n;
+    let unit = UNIT_POS_X as usize;
+    let mut shared = SharedMemory::<f32>::new(block as usize);
+
+    let mut sum = f32::new(0.0);
+    let mut j = unit;
+    while j < n {
+        let idx = base + j;
+        let mut z = f32::cast_from(x[idx]) + f32::cast_from(bias[j]);
+        if dropout {
+            z *= dropout_scale(idx, key, threshold, keep_scale);
+        }
+        let y = z + f32::cast_from(residual[idx]);
+        pre_norm[idx] = F::cast_from(y);
+        sum += y;
+        j += block as usize;
+    }
+    let mean = cube_sum(&mut shared, sum) / f32::cast_from(n as u32);
+
+    let mut squares = f32::new(0.0);
+    let mut j = unit;
+    while j < n {
+        let centered = f32::cast_from(pre_norm[base + j]) - mean;
+        squares += centered * centered;
+        j += block as usize;
+    }
+    let var = cube_sum(&mut shared, squares) / f32::cast_from(n as u32);
+    let rstd = f32::new(1.0) / (var + eps).sqrt();
+
+    let mut j = unit;
+    while j < n {
+        let idx = base + j;
+        let x_hat = (f32::cast_from(pre_norm[idx]) - mean) * rstd;
+        output[idx] = F::cast_from(x_hat * f32::cast_from(gamma[j]) + f32::cast_from(beta[j]));
+        j += block as usize;
+    }
+    if unit == 0 {
+        mean_out[row] = F::cast_from(mean);
+        rstd_out[row] = F::cast_from(rstd);
+    }
+}
+
+/// One cube per row: `dy = rstd · (g − mean(g) − x̂ · mean(g·x̂))`, `g = grad · gamma`; writes
+/// dy, dy through the dropout mask, and `grad · x̂`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_backward_kernel<F: Float>(
+    grad: &Tensor<F>,
+    pre_norm: &Tensor<F>,
+    mean: &Tensor<F>,
+    rstd: &Tensor<F>,
+    gamma: &Tensor<F>,
+    grad_pre_norm: &mut Tensor<F>,
+    grad_x: &mut Tensor<F>,
+    grad_x_hat: &mut Tensor<F>,
+    rows: u32,
+    key: u32,
+    threshold: u32,
+    keep_scale: f32,
+    #[comptime] block: u32,
+    #[comptime] dropout: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let row = row_index();
+    if row >= rows as usize {
+        terminate!();
+    }
+    let n = gamma.len();
+    let base = row * n;
+    let unit = UNIT_POS_X as usize;
+    let mut shared = SharedMemory::<f32>::new(block as usize);
+    let mu = f32::cast_from(mean[row]);
+    let rs = f32::cast_from(rstd[row]);
+
+    let mut sum_g = f32::new(0.0);
+    let mut sum_gx = f32::new(0.0);
+    let mut j = unit;
+    while j < n {
+        let idx = base + j;
+        let dy = f32::cast_from(grad[idx]);
+        let x_hat = (f32::cast_from(pre_norm[idx]) - mu) * rs;
+        let g = dy * f32::cast_from(gamma[j]);
+        sum_g += g;
+        sum_gx += g * x_hat;
+        grad_x_hat[idx] = F::cast_from(dy * x_hat);
+        j += block as usize;
+    }
+    let inv_n = f32::new(1.0) / f32::cast_from(n as u32);
+    let mean_g = cube_sum(&mut shared, sum_g) * inv_n;
+    let mean_gx = cube_sum(&mut shared, sum_gx) * inv_n;
+
+    let mut j = unit;
+    while j < n {
+        let idx = base + j;
+        let x_hat = (f32::cast_from(pre_norm[idx]) - mu) * rs;
+        let g = f32::cast_from(grad[idx]) * f32::cast_from(gamma[j]);
+        let d = (g - mean_g - x_hat * mean_gx) * rs;
+        grad_pre_norm[idx] = F::cast_from(d);
+        if dropout {
+            grad_x[idx] = F::cast_from(d * dropout_scale(idx, key, threshold, keep_scale));
+        } else {
+            grad_x[idx] = F::cast_from(d);
+        }
+        j += block as usize;
+    }
+}
+
+/// One cube per row of `[B·nh·S, S]` scores: `softmax(s · scale + mask_bias[b])`, then dropout.
+/// Pass 1 takes the row max, pass 2 writes `exp(s − max)` and sums it, pass 3 normalises.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn masked_softmax_dropout_kernel<F: Float>(
+    scores: &Tensor<F>,
+    mask_bias: &Tensor<F>,
+    probs: &mut Tensor<F>,
+    dropped: &mut Tensor<F>,
+    rows: u32,
+    rows_per_batch: u32,
+    scale: f32,
+    key: u32,
+    threshold: u32,
+    keep_scale: f32,
+    #[comptime] block: u32,
+    #[comptime] dropout: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let row = row_index();
+    if row >= rows as usize {
+        terminate!();
+    }
+    let n = mask_bias.shape(1);
+    let base = row * n;
+    let mask_base = (row / rows_per_batch as usize) * n;
+    let unit = UNIT_POS_X as usize;
+    let mut shared = SharedMemory::<f32>::new(block as usize);
+
+    let mut local_max = f32::new(-3.0e38);
+    let mut j = unit;
+    while j < n {
+        let s = f32::cast_from(scores[base + j]) * scale + f32::cast_from(mask_bias[mask_base + j]);
+        if s > local_max {
+            local_max = s;
+        }
+        j += block as usize;
+    }
+    let row_max = cube_max(&mut shared, local_max);
+
+    let mut sum = f32::new(0.0);
+    let mut j = unit;
+    while j < n {
+        let s = f32::cast_from(scores[base + j]) * scale + f32::cast_from(mask_bias[mask_base + j]);
+        let e = (s - row_max).exp();
+        probs[base + j] = F::cast_from(e);
+        sum += e;
+        j += block as usize;
+    }
+    let inv_sum = f32::new(1.0) / cube_sum(&mut shared, sum);
+
+    let mut j = unit;
+    while j < n {
+        let idx = base + j;
+        let p = f32::cast_from(probs[idx]) * inv_sum;
+        probs[idx] = F::cast_from(p);
+        if dropout {
+            dropped[idx] = F::cast_from(p * dropout_scale(idx, key, threshold, keep_scale));
+        } else {
+            dropped[idx] = F::cast_from(p);
+        }
+        j += block as usize;
+    }
+}
+
+/// One cube per row: `dS = scale · P · (dP − Σ dP·P)`, `dP = grad through the dropout mask`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn masked_softmax_dropout_backward_kernel<F: Float>(
+    grad_dropped: &Tensor<F>,
+    probs: &Tensor<F>,
+    grad_scores: &mut Tensor<F>,
+    rows: u32,
+    scale: f32,
+    key: u32,
+    threshold: u32,
+    keep_scale: f32,
+    #[comptime] block: u32,
+    #[comptime] dropout: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let row = row_index();
+    if row >= rows as usize {
+        terminate!();
+    }
+    let n = probs.shape(probs.rank() - 1);
+    let base = row * n;
+    let unit = UNIT_POS_X as usize;
+    let mut shared = SharedMemory::<f32>::new(block as usize);
+
+    let mut dot = f32::new(0.0);
+    let mut j = unit;
+    while j < n {
+        let idx = base + j;
+        let mut dp = f32::cast_from(grad_dropped[idx]);
+        if dropout {
+            dp *= dropout_scale(idx, key, threshold, keep_scale);
+        }
+        dot += dp * f32::cast_from(probs[idx]);
+        j += block as usize;
+    }
+    let dot = cube_sum(&mut shared, dot);
+
+    let mut j = unit;
+    while j < n {
+        let idx = base + j;
+        let mut dp = f32::cast_from(grad_dropped[idx]);
+        if dropout {
+            dp *= dropout_scale(idx, key, threshold, keep_scale);
+        }
+        let p = f32::cast_from(probs[idx]);
+        grad_scores[idx] = F::cast_from(scale * p * (dp - dot));
+        j += block as usize;
+    }
+}

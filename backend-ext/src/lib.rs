@@ -1,0 +1,344 @@
+//! Fused BERT ops as a Burn backend extension (Burn 0.21's `custom-cubecl-kernel` pattern).
+//!
+//! [`FusedOps`] adds to a Burn [`Backend`] the ops BERT spends its time in, each as one kernel
+//! where NVIDIA's MLPerf BERT uses apex or hand-written CUDA:
+//!
+//! | op | what it computes | apex / NVIDIA counterpart |
+//! |---|---|---|
+//! | [`bias_gelu`] | `GELU_erf(x + bias)` | `bias_gelu` in `modeling.py` (fused by nvFuser) |
+//! | [`bias_dropout_add_layer_norm`] | `LayerNorm(residual + dropout(x + bias))` | `FastLayerNorm` + `bias_dropout_add` |
+//! | [`attention`] | `dropout(softmax(Q·Kᵀ·scale + mask)) · V` | `FastUnpadBertSelfAttention`, fmha |
+//!
+//! Every op has three implementations:
+//! - the **reference composition** (module [`reference`]): Burn tensor ops, the default body of
+//!   each trait method, used by NdArray and every backend without kernels, and the oracle of the
+//!   tests;
+//! - **CubeCL kernels** for `CubeBackend<R, F, I, BT>` (feature `cube`; one source for
+//!   `CudaRuntime` and `WgpuRuntime`);
+//! - an **`Autodiff<B>`** implementation whose backward calls the backend's backward op
+//!   ([`FusedOps::bias_gelu_backward`], ...), i.e. the backward kernels on CubeCL backends,
+//!   instead of differentiating the composition.
+//!
+//! Dropout masks are a pure function of `(seed, element index)` (see [`DropoutSpec`]), so the
+//! kernels, the reference composition and the backward pass agree on the mask without storing
+//! it.
+//!
+//! The tensor-level functions ([`bias_gelu`], ...) flatten leading dimensions into rows, the
+//! trait methods work on rows: the letters in `# Shapes` are R rows, N the row length (hidden or
+//! intermediate size), B batch, nh heads, S sequence, hd head dim.
+
+mod autodiff;
+#[cfg(feature = "cube")]
+mod cube;
+mod dropout;
+pub mod reference;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+pub use dropout::{DropoutSpec, keep_mask, reseed_dropout};
+
+/// Which implementation of the fused ops a model uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kernels {
+    /// [`Kernels::Fused`] where the backend has kernels ([`FusedOps::HAS_KERNELS`]), else
+    /// [`Kernels::Reference`].
+    #[default]
+    Auto,
+    /// The [`FusedOps`] ops (kernels and their custom backward passes).
+    Fused,
+    /// The composition of Burn ops, differentiated by Burn's autodiff.
+    Reference,
+}
+
+impl Kernels {
+    /// Whether backend `B` runs the fused ops under this choice.
+    pub fn fused<B: FusedOps>(self) -> bool {
+        match self {
+            Kernels::Auto => B::HAS_KERNELS,
+            Kernels::Fused => true,
+            Kernels::Reference => false,
+        }
+    }
+}
+
+impl std::str::FromStr for Kernels {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Kernels::Auto),
+            "fused" => Ok(Kernels::Fused),
+            "reference" => Ok(Kernels::Reference),
+            other => Err(format!(
+                "unknown kernels `{other}` (expected auto, fused or reference)"
+            )),
+        }
+    }
+}
+
+/// What [`FusedOps::bias_dropout_add_layer_norm`] returns: the output and what backward needs.
+#[derive(Debug, Clone)]
+pub struct LayerNormForward<B: Backend> {
+    /// `LayerNorm(residual + dropout(x + bias))`, `[R, N]`.
+    pub output: FloatTensor<B>,
+    /// `residual + dropout(x + bias)`, the LayerNorm input, `[R, N]`.
+    pub pre_norm: FloatTensor<B>,
+    /// Mean of each row of `pre_norm`, `[R]`.
+    pub mean: FloatTensor<B>,
+    /// `1 / sqrt(var + eps)` of each row (biased variance), `[R]`.
+    pub rstd: FloatTensor<B>,
+}
+
+/// What [`FusedOps::bias_dropout_add_layer_norm_backward`] returns.
+#[derive(Debug, Clone)]
+pub struct LayerNormBackward<B: Backend> {
+    /// Gradient of the LayerNorm input (= of `residual`), `[R, N]`.
+    pub grad_pre_norm: FloatTensor<B>,
+    /// Gradient of `x` (and, summed over rows, of `bias`): `grad_pre_norm` through the dropout
+    /// mask, `[R, N]`.
+    pub grad_x: FloatTensor<B>,
+    /// `grad · x̂` per element; summed over rows it is the gradient of `gamma`, `[R, N]`.
+    pub grad_x_hat: FloatTensor<B>,
+}
+
+/// What [`FusedOps::masked_softmax_dropout`] returns.
+#[derive(Debug, Clone)]
+pub struct SoftmaxForward<B: Backend> {
+    /// `softmax(scores · scale + mask_bias)` over the last dim, `[B, nh, S, S]`.
+    pub probs: FloatTensor<B>,
+    /// `probs` after dropout (kept values scaled by `1 / (1 − p)`), `[B, nh, S, S]`.
+    pub dropped: FloatTensor<B>,
+}
+
+fn float<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(x))
+}
+
+fn prim<B: Backend, const D: usize>(x: Tensor<B, D>) -> FloatTensor<B> {
+    x.into_primitive().tensor()
+}
+
+/// The fused ops of BERT, added to a Burn backend. Every method has a default body, the
+/// [`reference`] composition; backends with kernels override them.
+///
+/// Inputs may have any strides; outputs are contiguous. Float inputs are f32 or bf16
+/// (kernels accumulate in f32).
+pub trait FusedOps: Backend {
+    /// Whether this backend implements the ops with its own kernels (what [`Kernels::Auto`]
+    /// picks).
+    const HAS_KERNELS: bool = false;
+
+    /// `GELU(x + bias)` with the exact erf GELU (Hendrycks & Gimpel 2016; BERT's `"gelu"`).
+    ///
+    /// # Shapes
+    /// `x` `[R, N]`, `bias` `[N]` → `[R, N]`
+    fn bias_gelu(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
+        prim(reference::bias_gelu::<Self, 2>(float(x), float(bias)))
+    }
+
+    /// Gradient of [`FusedOps::bias_gelu`] with respect to `x` (and, summed over rows, `bias`):
+    /// `grad · (Φ(z) + z·φ(z))`, `z = x + bias` (the exact derivative, not Burn 0.21's tanh
+    /// approximation).
+    ///
+    /// # Shapes
+    /// `x`, `grad` `[R, N]`, `bias` `[N]` → `[R, N]`
+    fn bias_gelu_backward(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        prim(reference::bias_gelu_backward::<Self, 2>(
+            float(x),
+            float(bias),
+            float(grad),
+        ))
+    }
+
+    /// `LayerNorm(residual + dropout(x + bias)) · gamma + beta` over the last dim, as BERT's
+    /// `BertSelfOutput` / `BertOutput` (dense bias, dropout, residual add, post-LN).
+    ///
+    /// # Shapes
+    /// `x`, `residual` `[R, N]`; `bias`, `gamma`, `beta` `[N]` → [`LayerNormForward`]
+    #[allow(clippy::too_many_arguments)]
+    fn bias_dropout_add_layer_norm(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        dropout: DropoutSpec,
+        eps: f64,
+    ) -> LayerNormForward<Self> {
+        reference::bias_dropout_add_layer_norm_forward::<Self>(
+            float(x),
+            float(bias),
+            float(residual),
+            float(gamma),
+            float(beta),
+            dropout,
+            eps,
+        )
+    }
+
+    /// Backward of [`FusedOps::bias_dropout_add_layer_norm`] from what its forward saved:
+    /// `dy = rstd · (g − mean(g) − x̂ · mean(g·x̂))` with `g = grad · gamma`, `x̂ = (y − mean) ·
+    /// rstd` (Ba et al. 2016; apex's `cuComputeGradInput`).
+    ///
+    /// # Shapes
+    /// `grad`, `pre_norm` `[R, N]`; `mean`, `rstd` `[R]`; `gamma` `[N]` → [`LayerNormBackward`]
+    fn bias_dropout_add_layer_norm_backward(
+        grad: FloatTensor<Self>,
+        pre_norm: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        dropout: DropoutSpec,
+    ) -> LayerNormBackward<Self> {
+        reference::bias_dropout_add_layer_norm_backward::<Self>(
+            float(grad),
+            float(pre_norm),
+            float(mean),
+            float(rstd),
+            float(gamma),
+            dropout,
+        )
+    }
+
+    /// Masked softmax with dropout: `softmax(scores · scale + mask_bias)` over the last dim,
+    /// then dropout. `mask_bias` is additive (0 for real keys, −10000 for padded ones, Google's
+    /// `modeling.py`), so a fully padded row comes out uniform, not NaN.
+    ///
+    /// # Shapes
+    /// `scores` `[B, nh, S, S]`, `mask_bias` `[B, S]` → [`SoftmaxForward`]
+    fn masked_softmax_dropout(
+        scores: FloatTensor<Self>,
+        mask_bias: FloatTensor<Self>,
+        scale: f64,
+        dropout: DropoutSpec,
+    ) -> SoftmaxForward<Self> {
+        reference::masked_softmax_dropout_forward::<Self>(
+            float(scores),
+            float(mask_bias),
+            scale,
+            dropout,
+        )
+    }
+
+    /// Gradient of the raw `scores` of [`FusedOps::masked_softmax_dropout`] from the gradient
+    /// of its dropped output: `scale · P · (dP − Σ dP·P)`, `dP = dropout_backward(grad)`.
+    ///
+    /// # Shapes
+    /// `grad_dropped`, `probs` `[B, nh, S, S]` → `[B, nh, S, S]`
+    fn masked_softmax_dropout_backward(
+        grad_dropped: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        scale: f64,
+        dropout: DropoutSpec,
+    ) -> FloatTensor<Self> {
+        prim(reference::masked_softmax_dropout_backward::<Self>(
+            float(grad_dropped),
+            float(probs),
+            scale,
+            dropout,
+        ))
+    }
+
+    /// The attention core, `dropout(softmax(Q·Kᵀ·scale + mask_bias)) · V`: two batched
+    /// matmuls around [`FusedOps::masked_softmax_dropout`] (Vaswani et al. 2017, eq. 1; BERT's
+    /// `BertSelfAttention`).
+    ///
+    /// # Shapes
+    /// `q`, `k`, `v` `[B, nh, S, hd]`, `mask_bias` `[B, S]` → `[B, nh, S, hd]`
+    fn attention_core(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask_bias: FloatTensor<Self>,
+        scale: f64,
+        dropout: DropoutSpec,
+    ) -> FloatTensor<Self> {
+        let scores = Self::float_matmul(q, Self::float_swap_dims(k, 2, 3));
+        let softmax = Self::masked_softmax_dropout(scores, mask_bias, scale, dropout);
+        Self::float_matmul(softmax.dropped, v)
+    }
+}
+
+impl<E, I, Q> FusedOps for burn_ndarray::NdArray<E, I, Q>
+where
+    E: burn_ndarray::FloatNdArrayElement,
+    I: burn_ndarray::IntNdArrayElement,
+    Q: burn_ndarray::QuantElement,
+    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<E>>,
+    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<I>>,
+{
+}
+
+fn rows<B: Backend, const D: usize>(x: Tensor<B, D>) -> (Tensor<B, 2>, [usize; D]) {
+    let dims = x.dims();
+    let n = dims[D - 1];
+    (
+        x.reshape([dims.iter().product::<usize>() / n.max(1), n]),
+        dims,
+    )
+}
+
+/// `GELU_erf(x + bias)` through [`FusedOps::bias_gelu`] (and its backward under autodiff).
+///
+/// # Shapes
+/// `x` `[.., N]`, `bias` `[N]` → the shape of `x`
+pub fn bias_gelu<B: FusedOps, const D: usize>(x: Tensor<B, D>, bias: Tensor<B, 1>) -> Tensor<B, D> {
+    let (x, dims) = rows(x);
+    float::<B, 2>(B::bias_gelu(prim(x), prim(bias))).reshape(dims)
+}
+
+/// `LayerNorm(residual + dropout(x + bias))` through [`FusedOps::bias_dropout_add_layer_norm`].
+///
+/// # Shapes
+/// `x`, `residual` `[.., N]`; `bias`, `gamma`, `beta` `[N]` → the shape of `x`
+#[allow(clippy::too_many_arguments)]
+pub fn bias_dropout_add_layer_norm<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    bias: Tensor<B, 1>,
+    residual: Tensor<B, D>,
+    gamma: Tensor<B, 1>,
+    beta: Tensor<B, 1>,
+    dropout: DropoutSpec,
+    eps: f64,
+) -> Tensor<B, D> {
+    let (x, dims) = rows(x);
+    let (residual, _) = rows(residual);
+    let forward = B::bias_dropout_add_layer_norm(
+        prim(x),
+        prim(bias),
+        prim(residual),
+        prim(gamma),
+        prim(beta),
+        dropout,
+        eps,
+    );
+    float::<B, 2>(forward.output).reshape(dims)
+}
+
+/// The attention core through [`FusedOps::attention_core`].
+///
+/// # Shapes
+/// `q`, `k`, `v` `[B, nh, S, hd]`, `mask_bias` `[B, S]` → `[B, nh, S, hd]`
+pub fn attention<B: FusedOps>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask_bias: Tensor<B, 2>,
+    scale: f64,
+    dropout: DropoutSpec,
+) -> Tensor<B, 4> {
+    float(B::attention_core(
+        prim(q),
+        prim(k),
+        prim(v),
+        prim(mask_bias),
+        scale,
+        dropout,
+    ))
+}

@@ -1,0 +1,209 @@
+//! The reference composition of every fused op, in Burn tensor ops: the default bodies of
+//! [`FusedOps`](crate::FusedOps), what NdArray runs, and the oracle of the kernel tests. Under
+//! an autodiff backend the tensor-level functions here ([`bias_gelu`],
+//! [`bias_dropout_add_layer_norm`], [`attention`]) are differentiated by Burn's autodiff.
+//!
+//! Dropout masks come from [`keep_mask`](crate::keep_mask), the same counter-based masks the
+//! kernels compute.
+
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+
+use crate::{DropoutSpec, LayerNormForward, SoftmaxForward, keep_mask, prim};
+
+const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
+
+/// `GELU_erf(x + bias)`: `z · Φ(z)`, `Φ(z) = ½ (1 + erf(z/√2))`.
+///
+/// # Shapes
+/// `x` `[.., N]`, `bias` `[N]` → the shape of `x`
+pub fn bias_gelu<B: Backend, const D: usize>(x: Tensor<B, D>, bias: Tensor<B, 1>) -> Tensor<B, D> {
+    let z = x + bias.unsqueeze::<D>();
+    let cdf = (z.clone() * std::f64::consts::FRAC_1_SQRT_2)
+        .erf()
+        .add_scalar(1.0)
+        * 0.5;
+    z * cdf
+}
+
+/// `grad · (Φ(z) + z·φ(z))`, `z = x + bias`, `φ(z) = exp(−z²/2) / √(2π)`.
+///
+/// # Shapes
+/// `x`, `grad` `[.., N]`, `bias` `[N]` → the shape of `x`
+pub fn bias_gelu_backward<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    bias: Tensor<B, 1>,
+    grad: Tensor<B, D>,
+) -> Tensor<B, D> {
+    let z = x + bias.unsqueeze::<D>();
+    let cdf = (z.clone() * std::f64::consts::FRAC_1_SQRT_2)
+        .erf()
+        .add_scalar(1.0)
+        * 0.5;
+    let pdf = (z.clone().powi_scalar(2) * -0.5).exp() * FRAC_1_SQRT_2PI;
+    grad * (cdf + z * pdf)
+}
+
+/// The tensors of the LayerNorm forward: output, pre-norm sum, mean `[R, 1]`, rstd `[R, 1]`.
+type LayerNormParts<B> = (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>);
+
+fn layer_norm_parts<B: Backend>(
+    x: Tensor<B, 2>,
+    bias: Tensor<B, 1>,
+    residual: Tensor<B, 2>,
+    gamma: Tensor<B, 1>,
+    beta: Tensor<B, 1>,
+    dropout: DropoutSpec,
+    eps: f64,
+) -> LayerNormParts<B> {
+    let mut z = x + bias.unsqueeze::<2>();
+    if dropout.enabled() {
+        z = z.clone() * keep_mask::<B, 2>(dropout, z.dims(), &z.device());
+    }
+    let pre_norm = z + residual;
+    let mean = pre_norm.clone().mean_dim(1); // [R, 1]
+    let centered = pre_norm.clone() - mean.clone();
+    let var = centered.clone().powi_scalar(2).mean_dim(1);
+    let rstd = var.add_scalar(eps).sqrt().recip();
+    let output = centered * rstd.clone() * gamma.unsqueeze::<2>() + beta.unsqueeze::<2>();
+    (output, pre_norm, mean, rstd)
+}
+
+/// `LayerNorm(residual + dropout(x + bias))`, differentiable by composition.
+///
+/// # Shapes
+/// `x`, `residual` `[.., N]`; `bias`, `gamma`, `beta` `[N]` → the shape of `x`
+#[allow(clippy::too_many_arguments)]
+pub fn bias_dropout_add_layer_norm<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    bias: Tensor<B, 1>,
+    residual: Tensor<B, D>,
+    gamma: Tensor<B, 1>,
+    beta: Tensor<B, 1>,
+    dropout: DropoutSpec,
+    eps: f64,
+) -> Tensor<B, D> {
+    let dims = x.dims();
+    let n = dims[D - 1];
+    let r = dims.iter().product::<usize>() / n.max(1);
+    let (output, ..) = layer_norm_parts(
+        x.reshape([r, n]),
+        bias,
+        residual.reshape([r, n]),
+        gamma,
+        beta,
+        dropout,
+        eps,
+    );
+    output.reshape(dims)
+}
+
+/// The default body of [`FusedOps::bias_dropout_add_layer_norm`](crate::FusedOps).
+pub fn bias_dropout_add_layer_norm_forward<B: Backend>(
+    x: Tensor<B, 2>,
+    bias: Tensor<B, 1>,
+    residual: Tensor<B, 2>,
+    gamma: Tensor<B, 1>,
+    beta: Tensor<B, 1>,
+    dropout: DropoutSpec,
+    eps: f64,
+) -> LayerNormForward<B> {
+    let [r, _] = x.dims();
+    let (output, pre_norm, mean, rstd) =
+        layer_norm_parts(x, bias, residual, gamma, beta, dropout, eps);
+    LayerNormForward {
+        output: prim(output),
+        pre_norm: prim(pre_norm),
+        mean: prim(mean.reshape([r])),
+        rstd: prim(rstd.reshape([r])),
+    }
+}
+
+/// The default body of
+/// [`FusedOps::bias_dropout_add_layer_norm_backward`](crate::FusedOps).
+pub fn bias_dropout_add_layer_norm_backward<B: Backend>(
+    grad: Tensor<B, 2>,
+    pre_norm: Tensor<B, 2>,
+    mean: Tensor<B, 1>,
+    rstd: Tensor<B, 1>,
+    gamma: Tensor<B, 1>,
+    dropout: DropoutSpec,
+) -> crate::LayerNormBackward<B> {
+    let [r, n] = grad.dims();
+    let rstd = rstd.reshape([r, 1]);
+    let x_hat = (pre_norm - mean.reshape([r, 1])) * rstd.clone();
+    let g = grad.clone() * gamma.unsqueeze::<2>();
+    let mean_g = g.clone().mean_dim(1);
+    let mean_gx = (g.clone() * x_hat.clone()).mean_dim(1);
+    let grad_pre_norm = (g - mean_g - x_hat.clone() * mean_gx) * rstd;
+    let grad_x = if dropout.enabled() {
+        grad_pre_norm.clone() * keep_mask::<B, 2>(dropout, [r, n], &grad.device())
+    } else {
+        grad_pre_norm.clone()
+    };
+    crate::LayerNormBackward {
+        grad_pre_norm: prim(grad_pre_norm),
+        grad_x: prim(grad_x),
+        grad_x_hat: prim(grad * x_hat),
+    }
+}
+
+fn masked_softmax<B: Backend>(
+    scores: Tensor<B, 4>,
+    mask_bias: Tensor<B, 2>,
+    scale: f64,
+) -> Tensor<B, 4> {
+    let [batch, seq] = mask_bias.dims();
+    burn::tensor::activation::softmax(scores * scale + mask_bias.reshape([batch, 1, 1, seq]), 3)
+}
+
+fn drop<B: Backend, const D: usize>(x: Tensor<B, D>, dropout: DropoutSpec) -> Tensor<B, D> {
+    if dropout.enabled() {
+        let mask = keep_mask::<B, D>(dropout, x.dims(), &x.device());
+        x * mask
+    } else {
+        x
+    }
+}
+
+/// The default body of [`FusedOps::masked_softmax_dropout`](crate::FusedOps).
+pub fn masked_softmax_dropout_forward<B: Backend>(
+    scores: Tensor<B, 4>,
+    mask_bias: Tensor<B, 2>,
+    scale: f64,
+    dropout: DropoutSpec,
+) -> SoftmaxForward<B> {
+    let probs = masked_softmax(scores, mask_bias, scale);
+    SoftmaxForward {
+        dropped: prim(drop(probs.clone(), dropout)),
+        probs: prim(probs),
+    }
+}
+
+/// The default body of [`FusedOps::masked_softmax_dropout_backward`](crate::FusedOps).
+pub fn masked_softmax_dropout_backward<B: Backend>(
+    grad_dropped: Tensor<B, 4>,
+    probs: Tensor<B, 4>,
+    scale: f64,
+    dropout: DropoutSpec,
+) -> Tensor<B, 4> {
+    let grad_probs = drop(grad_dropped, dropout);
+    let dot = (grad_probs.clone() * probs.clone()).sum_dim(3);
+    probs * (grad_probs - dot) * scale
+}
+
+/// `dropout(softmax(Q·Kᵀ·scale + mask_bias)) · V`, differentiable by composition.
+///
+/// # Shapes
+/// `q`, `k`, `v` `[B, nh, S, hd]`, `mask_bias` `[B, S]` → `[B, nh, S, hd]`
+pub fn attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask_bias: Tensor<B, 2>,
+    scale: f64,
+    dropout: DropoutSpec,
+) -> Tensor<B, 4> {
+    let probs = masked_softmax(q.matmul(k.swap_dims(2, 3)), mask_bias, scale);
+    drop(probs, dropout).matmul(v)
+}

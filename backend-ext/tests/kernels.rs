@@ -1,0 +1,414 @@
+//! Every fused op, forward and backward, against the reference composition on the same
+//! backend (differentiated by Burn's autodiff), on odd shapes and BERT shapes; dropout masks
+//! against the host's counter-based mask.
+//!
+//! Backends: `ndarray` (the trait's reference bodies under the custom autodiff ops), `wgpu`
+//! (the CubeCL kernels; Mesa's lavapipe in CI) and, built with `--features cuda`, `cuda`.
+//!
+//! Tolerances (f32): forward ≤ 2e-5 absolute + 2e-5 relative (reductions in a different order,
+//! the GPU's erf/exp), backward ≤ 1e-4 + 1e-4 relative.
+
+use burn::backend::Autodiff;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Distribution, Tensor, TensorData};
+use ember_backend_ext::{DropoutSpec, FusedOps, keep_mask, reference};
+
+const FWD: (f32, f32) = (2e-5, 2e-5);
+const BWD: (f32, f32) = (1e-4, 1e-4);
+
+fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().to_vec::<f32>().unwrap()
+}
+
+/// Asserts `|a − b| ≤ atol + rtol·|b|` elementwise, naming the worst element.
+fn assert_close<B: Backend, const D: usize>(
+    what: &str,
+    actual: Tensor<B, D>,
+    expected: Tensor<B, D>,
+    (atol, rtol): (f32, f32),
+) {
+    assert_eq!(actual.dims(), expected.dims(), "{what}: shapes differ");
+    let (a, e) = (values(actual), values(expected));
+    let mut worst = (0usize, 0f32);
+    for (i, (x, y)) in a.iter().zip(&e).enumerate() {
+        assert!(x.is_finite(), "{what}: element {i} is {x}");
+        let excess = (x - y).abs() - (atol + rtol * y.abs());
+        if excess > worst.1 {
+            worst = (i, excess);
+        }
+    }
+    let i = worst.0;
+    assert!(
+        worst.1 <= 0.0,
+        "{what}: element {i} is {} but the reference gives {} (atol {atol}, rtol {rtol})",
+        a[i],
+        e[i]
+    );
+}
+
+fn random<B: Backend, const D: usize>(shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
+    Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
+}
+
+/// A fixed random cotangent: the loss is `sum(output · weight)`.
+fn weighted_sum<B: Backend, const D: usize>(
+    out: Tensor<B, D>,
+    weight: &Tensor<B, D>,
+) -> Tensor<B, 1> {
+    (out * weight.clone()).sum()
+}
+
+pub fn check_bias_gelu<B: AutodiffBackend + FusedOps>(shape: [usize; 3], device: &B::Device)
+where
+    B::InnerBackend: FusedOps,
+{
+    let [.., n] = shape;
+    let x = random::<B, 3>(shape, device) * 3.0;
+    let bias = random::<B, 1>([n], device);
+    let weight = random::<B, 3>(shape, device);
+
+    let (xf, bf) = (x.clone().require_grad(), bias.clone().require_grad());
+    let fused = ember_backend_ext::bias_gelu(xf.clone(), bf.clone());
+    let mut grads = weighted_sum(fused.clone(), &weight).backward();
+
+    let (xr, br) = (x.require_grad(), bias.require_grad());
+    let expected = reference::bias_gelu(xr.clone(), br.clone());
+    let mut grads_ref = weighted_sum(expected.clone(), &weight).backward();
+
+    assert_close(&format!("bias_gelu {shape:?}"), fused, expected, FWD);
+    assert_close(
+        &format!("bias_gelu dx {shape:?}"),
+        xf.grad_remove(&mut grads).unwrap(),
+        xr.grad_remove(&mut grads_ref).unwrap(),
+        BWD,
+    );
+    assert_close(
+        &format!("bias_gelu dbias {shape:?}"),
+        bf.grad_remove(&mut grads).unwrap(),
+        br.grad_remove(&mut grads_ref).unwrap(),
+        (1e-3, 1e-4),
+    );
+}
+
+pub fn check_layer_norm<B: AutodiffBackend + FusedOps>(
+    shape: [usize; 3],
+    prob: f64,
+    device: &B::Device,
+) where
+    B::InnerBackend: FusedOps,
+{
+    let [.., n] = shape;
+    let dropout = DropoutSpec { prob, seed: 42 };
+    let x = random::<B, 3>(shape, device);
+    let residual = random::<B, 3>(shape, device) * 2.0;
+    let bias = random::<B, 1>([n], device);
+    let gamma = random::<B, 1>([n], device).add_scalar(1.0);
+    let beta = random::<B, 1>([n], device);
+    let weight = random::<B, 3>(shape, device);
+    let eps = 1e-12;
+
+    let leaves = || [x.clone().require_grad(), residual.clone().require_grad()];
+    let params = || {
+        [
+            bias.clone().require_grad(),
+            gamma.clone().require_grad(),
+            beta.clone().require_grad(),
+        ]
+    };
+    let ([xf, rf], [bf, gf, tf]) = (leaves(), params());
+    let fused = ember_backend_ext::bias_dropout_add_layer_norm(
+        xf.clone(),
+        bf.clone(),
+        rf.clone(),
+        gf.clone(),
+        tf.clone(),
+        dropout,
+        eps,
+    );
+    let mut grads = weighted_sum(fused.clone(), &weight).backward();
+    let ([xr, rr], [br, gr, tr]) = (leaves(), params());
+    let expected = reference::bias_dropout_add_layer_norm(
+        xr.clone(),
+        br.clone(),
+        rr.clone(),
+        gr.clone(),
+        tr.clone(),
+        dropout,
+        eps,
+    );
+    let mut grads_ref = weighted_sum(expected.clone(), &weight).backward();
+
+    let what = format!("layer_norm {shape:?} p={prob}");
+    assert_close(&what, fused, expected, FWD);
+    for (name, f, r) in [("dx", xf, xr), ("dresidual", rf, rr)] {
+        assert_close(
+            &format!("{what} {name}"),
+            f.grad_remove(&mut grads).unwrap(),
+            r.grad_remove(&mut grads_ref).unwrap(),
+            BWD,
+        );
+    }
+    // Parameter gradients sum over all rows: absolute error grows with the row count.
+    let rows = (shape[0] * shape[1]) as f32;
+    for (name, f, r) in [("dbias", bf, br), ("dgamma", gf, gr), ("dbeta", tf, tr)] {
+        assert_close(
+            &format!("{what} {name}"),
+            f.grad_remove(&mut grads).unwrap(),
+            r.grad_remove(&mut grads_ref).unwrap(),
+            (1e-4 * rows.sqrt(), 1e-4),
+        );
+    }
+}
+
+/// `mask` `[B, S]`: 1 for real keys, 0 for padding → additive bias (0 / −10000).
+fn mask_bias<B: Backend>(mask: &[Vec<f32>], device: &B::Device) -> Tensor<B, 2> {
+    let (b, s) = (mask.len(), mask[0].len());
+    let flat: Vec<f32> = mask
+        .iter()
+        .flatten()
+        .map(|m| (1.0 - m) * -10000.0)
+        .collect();
+    Tensor::from_data(TensorData::new(flat, [b, s]), device)
+}
+
+pub fn check_attention<B: AutodiffBackend + FusedOps>(
+    shape: [usize; 4],
+    mask: &[Vec<f32>],
+    prob: f64,
+    device: &B::Device,
+) where
+    B::InnerBackend: FusedOps,
+{
+    let dropout = DropoutSpec { prob, seed: 7 };
+    let [.., hd] = shape;
+    let scale = 1.0 / (hd as f64).sqrt();
+    let q = random::<B, 4>(shape, device);
+    let k = random::<B, 4>(shape, device);
+    let v = random::<B, 4>(shape, device);
+    let weight = random::<B, 4>(shape, device);
+    let bias = mask_bias::<B>(mask, device);
+
+    let qkv = || {
+        [
+            q.clone().require_grad(),
+            k.clone().require_grad(),
+            v.clone().require_grad(),
+        ]
+    };
+    let [qf, kf, vf] = qkv();
+    let fused = ember_backend_ext::attention(
+        qf.clone(),
+        kf.clone(),
+        vf.clone(),
+        bias.clone(),
+        scale,
+        dropout,
+    );
+    let mut grads = weighted_sum(fused.clone(), &weight).backward();
+    let [qr, kr, vr] = qkv();
+    let expected = reference::attention(qr.clone(), kr.clone(), vr.clone(), bias, scale, dropout);
+    let mut grads_ref = weighted_sum(expected.clone(), &weight).backward();
+
+    let what = format!("attention {shape:?} p={prob}");
+    assert_close(&what, fused, expected, FWD);
+    for (name, f, r) in [("dq", qf, qr), ("dk", kf, kr), ("dv", vf, vr)] {
+        assert_close(
+            &format!("{what} {name}"),
+            f.grad_remove(&mut grads).unwrap(),
+            r.grad_remove(&mut grads_ref).unwrap(),
+            BWD,
+        );
+    }
+}
+
+/// The kernel's dropout mask is the host's [`keep_mask`], the same seed gives the same mask,
+/// another seed another one, and the keep rate is within 6σ of 1 − p.
+pub fn check_dropout_mask<B: FusedOps>(device: &B::Device) {
+    let (batch, heads, seq) = (4, 4, 256); // 1,048,576 elements
+    let shape = [batch, heads, seq, seq];
+    let scores = random::<B, 4>(shape, device);
+    let bias = Tensor::<B, 2>::zeros([batch, seq], device);
+    let run = |seed: u64| {
+        let spec = DropoutSpec { prob: 0.1, seed };
+        let out = B::masked_softmax_dropout(
+            scores.clone().into_primitive().tensor(),
+            bias.clone().into_primitive().tensor(),
+            1.0,
+            spec,
+        );
+        let probs = Tensor::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(out.probs));
+        let dropped =
+            Tensor::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(out.dropped));
+        (probs, dropped)
+    };
+    let (probs, dropped) = run(1234);
+    let host = keep_mask::<B, 4>(
+        DropoutSpec {
+            prob: 0.1,
+            seed: 1234,
+        },
+        shape,
+        device,
+    );
+    assert_close(
+        "dropout mask = host mask",
+        dropped.clone(),
+        probs.clone() * host,
+        FWD,
+    );
+
+    let (_, again) = run(1234);
+    assert_eq!(
+        values(again),
+        values(dropped.clone()),
+        "same seed, different mask"
+    );
+    let (_, other) = run(1235);
+    let kept = |t: Tensor<B, 4>| values(t).iter().filter(|v| **v != 0.0).count();
+    let (k1, k2) = (kept(dropped.clone()), kept(other.clone()));
+    let n = (batch * heads * seq * seq) as f64;
+    let sigma = (n * 0.1 * 0.9).sqrt();
+    for k in [k1, k2] {
+        assert!(
+            (k as f64 - 0.9 * n).abs() < 6.0 * sigma,
+            "kept {k} of {n}: keep rate {} is not within 6σ of 0.9",
+            k as f64 / n
+        );
+    }
+    let same = values(dropped)
+        .iter()
+        .zip(values(other))
+        .filter(|(a, b)| (**a == 0.0) == (*b == 0.0))
+        .count() as f64;
+    // Independent masks agree on 0.9² + 0.1² = 82% of elements.
+    assert!(
+        (same / n - 0.82).abs() < 0.01,
+        "masks of two seeds agree on {}",
+        same / n
+    );
+}
+
+/// The backward pass uses the forward's mask: the gradient of x is exactly 0 where x was
+/// dropped, and nowhere else.
+pub fn check_dropout_backward_mask<B: AutodiffBackend + FusedOps>(device: &B::Device)
+where
+    B::InnerBackend: FusedOps,
+{
+    let (rows, n) = (64, 96);
+    let spec = DropoutSpec {
+        prob: 0.25,
+        seed: 99,
+    };
+    let x = random::<B, 2>([rows, n], device).require_grad();
+    let out = ember_backend_ext::bias_dropout_add_layer_norm(
+        x.clone(),
+        Tensor::zeros([n], device),
+        random::<B, 2>([rows, n], device),
+        Tensor::ones([n], device),
+        Tensor::zeros([n], device),
+        spec,
+        1e-12,
+    );
+    let weight = random::<B, 2>([rows, n], device);
+    let mut grads = weighted_sum(out, &weight).backward();
+    let grad = values(x.grad_remove(&mut grads).unwrap());
+    let mask = values(keep_mask::<B, 2>(spec, [rows, n], device));
+    for (i, (g, m)) in grad.iter().zip(&mask).enumerate() {
+        assert_eq!(*g == 0.0, *m == 0.0, "element {i}: grad {g}, mask {m}");
+    }
+}
+
+/// Odd shapes: seq 1, rows shorter and longer than a cube, non-powers of two.
+const GELU_SHAPES: [[usize; 3]; 4] = [[1, 1, 1], [3, 7, 37], [2, 5, 1030], [4, 128, 3072]];
+const LN_SHAPES: [[usize; 3]; 4] = [[1, 1, 1], [3, 7, 33], [2, 3, 300], [4, 128, 768]];
+
+fn attention_cases() -> Vec<([usize; 4], Vec<Vec<f32>>)> {
+    let padded = |real: usize, s: usize| (0..s).map(|j| (j < real) as u8 as f32).collect();
+    vec![
+        // seq 1
+        ([2, 3, 1, 8], vec![vec![1.0], vec![1.0]]),
+        // odd length, one sample padded, one fully padded row
+        (
+            [3, 2, 13, 16],
+            vec![padded(13, 13), padded(5, 13), padded(0, 13)],
+        ),
+        // longer than a cube of units
+        ([1, 2, 300, 8], vec![padded(257, 300)]),
+        // BERT-base heads at S = 128
+        ([2, 12, 128, 64], vec![padded(128, 128), padded(77, 128)]),
+    ]
+}
+
+macro_rules! kernel_tests {
+    ($backend:ty, $device:expr) => {
+        use super::*;
+
+        type B = Autodiff<$backend>;
+
+        #[test]
+        fn bias_gelu_matches_reference() {
+            let device = $device;
+            for shape in GELU_SHAPES {
+                check_bias_gelu::<B>(shape, &device);
+            }
+        }
+
+        #[test]
+        fn layer_norm_matches_reference() {
+            let device = $device;
+            for shape in LN_SHAPES {
+                for prob in [0.0, 0.1] {
+                    check_layer_norm::<B>(shape, prob, &device);
+                }
+            }
+        }
+
+        #[test]
+        fn attention_matches_reference() {
+            let device = $device;
+            for (shape, mask) in attention_cases() {
+                for prob in [0.0, 0.1] {
+                    check_attention::<B>(shape, &mask, prob, &device);
+                }
+            }
+        }
+
+        #[test]
+        fn dropout_masks_are_the_host_masks() {
+            check_dropout_mask::<$backend>(&$device);
+        }
+
+        #[test]
+        fn dropout_backward_uses_the_forward_mask() {
+            check_dropout_backward_mask::<B>(&$device);
+        }
+    };
+}
+
+mod ndarray {
+    kernel_tests!(
+        burn::backend::NdArray,
+        burn::backend::ndarray::NdArrayDevice::Cpu
+    );
+}
+
+/// The CubeCL kernels on wgpu's WGSL path. In CI this is Mesa's lavapipe; a machine without
+/// any adapter fails here, loudly (`.ci/run` installs `mesa-vulkan-drivers`).
+mod wgpu {
+    kernel_tests!(
+        burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>,
+        wgpu_device()
+    );
+
+    fn wgpu_device() -> burn::backend::wgpu::WgpuDevice {
+        burn::backend::wgpu::WgpuDevice::DefaultDevice
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    kernel_tests!(
+        burn::backend::cuda::CubeBackend<burn::backend::cuda::CudaRuntime, f32, i32, u8>,
+        burn::backend::cuda::CudaDevice::new(0)
+    );
+}
