@@ -9,6 +9,7 @@ use burn::nn::{
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
+use ember_backend_ext::{DropoutSpec, FusedOps, Kernels};
 
 use crate::hook::{ForwardHook, NoHook};
 
@@ -169,9 +170,9 @@ impl<B: Backend> BertSelfAttention<B> {
     ///
     /// # Shapes
     /// - `hidden_states`: `[B, S, H]`
-    /// - `mask_bias`: `[B, 1, 1, S]`, 0 for real keys, a large negative number for padded ones
+    /// - `mask_bias`: `[B, S]`, 0 for real keys, a large negative number for padded ones
     /// - output: `[B, S, H]`
-    pub fn forward(&self, hidden_states: Tensor<B, 3>, mask_bias: Tensor<B, 4>) -> Tensor<B, 3> {
+    pub fn forward(&self, hidden_states: Tensor<B, 3>, mask_bias: Tensor<B, 2>) -> Tensor<B, 3> {
         let [batch, seq_len, hidden] = hidden_states.dims();
         let heads = self.num_attention_heads;
         let head_dim = hidden / heads;
@@ -183,6 +184,7 @@ impl<B: Backend> BertSelfAttention<B> {
         let v = split_heads(self.value.forward(hidden_states));
 
         let scores = q.matmul(k.swap_dims(2, 3)) / (head_dim as f64).sqrt(); // [B, nh, S, S]
+        let mask_bias = mask_bias.reshape([batch, 1, 1, seq_len]);
         let probs = self.dropout.forward(softmax(scores + mask_bias, 3));
         probs
             .matmul(v) // [B, nh, S, hd]
@@ -253,6 +255,12 @@ pub struct BertLayer<B: Backend> {
     pub attention: BertAttention<B>,
     pub intermediate: BertIntermediate<B>,
     pub output: BertOutput<B>,
+    /// Which implementation [`BertLayer::forward`] runs (see [`BertEncoder::set_kernels`]).
+    #[module(skip)]
+    pub kernels: Kernels,
+    /// ε of the two LayerNorms (Burn's `LayerNorm` keeps its own private), for the fused ops.
+    #[module(skip)]
+    pub layer_norm_eps: f64,
 }
 
 impl<B: Backend> BertLayer<B> {
@@ -275,14 +283,113 @@ impl<B: Backend> BertLayer<B> {
                 layer_norm: layer_norm(config, device),
                 dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
             },
+            kernels: Kernels::default(),
+            layer_norm_eps: config.layer_norm_eps,
+        }
+    }
+}
+
+/// The input, without bias, of a dense layer whose bias goes into a fused op.
+fn dense_no_bias<B: Backend>(x: Tensor<B, 3>, linear: &Linear<B>) -> Tensor<B, 3> {
+    burn::tensor::module::linear(x, linear.weight.val(), None)
+}
+
+fn bias_of<B: Backend>(linear: &Linear<B>) -> Tensor<B, 1> {
+    let bias = linear.bias.as_ref().map(|b| b.val());
+    bias.unwrap_or_else(|| Tensor::zeros([linear.weight.dims()[1]], &linear.weight.device()))
+}
+
+fn gamma_beta<B: Backend>(norm: &LayerNorm<B>) -> (Tensor<B, 1>, Tensor<B, 1>) {
+    let gamma = norm.gamma.val();
+    let beta = norm.beta.as_ref().map(|b| b.val());
+    let beta = beta.unwrap_or_else(|| gamma.zeros_like());
+    (gamma, beta)
+}
+
+impl<B: FusedOps> BertLayer<B> {
+    /// The layer through the fused ops of `ember-backend-ext` when [`Kernels::fused`] says so
+    /// for this backend, else through the module-by-module composition.
+    ///
+    /// # Shapes
+    /// - `hidden_states`: `[B, S, H]`
+    /// - `mask_bias`: `[B, S]`, 0 for real keys, −10000 for padded ones
+    /// - output: `[B, S, H]`
+    pub fn forward(&self, hidden_states: Tensor<B, 3>, mask_bias: Tensor<B, 2>) -> Tensor<B, 3> {
+        if self.kernels.fused::<B>() {
+            self.forward_fused(hidden_states, mask_bias)
+        } else {
+            self.forward_reference(hidden_states, mask_bias)
         }
     }
 
-    /// # Shapes
-    /// - `hidden_states`: `[B, S, H]`
-    /// - `mask_bias`: `[B, 1, 1, S]`
-    /// - output: `[B, S, H]`
-    pub fn forward(&self, hidden_states: Tensor<B, 3>, mask_bias: Tensor<B, 4>) -> Tensor<B, 3> {
+    /// The fused path: attention core, dense bias + dropout + residual + LayerNorm (twice) and
+    /// dense bias + GELU each as one op; the GEMMs are Burn's. Dropout is applied when autodiff
+    /// is on, as Burn's `Dropout` does.
+    fn forward_fused(&self, hidden_states: Tensor<B, 3>, mask_bias: Tensor<B, 2>) -> Tensor<B, 3> {
+        let [batch, seq_len, hidden] = hidden_states.dims();
+        let training = B::ad_enabled(&hidden_states.device());
+        let dropout = |p: f64| {
+            if training {
+                DropoutSpec::draw(p)
+            } else {
+                DropoutSpec::NONE
+            }
+        };
+        let self_attention = &self.attention.self_attention;
+        let heads = self_attention.num_attention_heads;
+        let head_dim = hidden / heads;
+        let split_heads = |x: Tensor<B, 3>| {
+            x.reshape([batch, seq_len, heads, head_dim]).swap_dims(1, 2) // [B, nh, S, hd]
+        };
+        let q = split_heads(self_attention.query.forward(hidden_states.clone()));
+        let k = split_heads(self_attention.key.forward(hidden_states.clone()));
+        let v = split_heads(self_attention.value.forward(hidden_states.clone()));
+        let context = ember_backend_ext::attention(
+            q,
+            k,
+            v,
+            mask_bias,
+            1.0 / (head_dim as f64).sqrt(),
+            dropout(self_attention.dropout.prob),
+        )
+        .swap_dims(1, 2)
+        .reshape([batch, seq_len, hidden]);
+
+        let output = &self.attention.output;
+        let (gamma, beta) = gamma_beta(&output.layer_norm);
+        let attention_output = ember_backend_ext::bias_dropout_add_layer_norm(
+            dense_no_bias(context, &output.dense),
+            bias_of(&output.dense),
+            hidden_states,
+            gamma,
+            beta,
+            dropout(output.dropout.prob),
+            self.layer_norm_eps,
+        );
+
+        let dense = &self.intermediate.dense;
+        let intermediate = ember_backend_ext::bias_gelu(
+            dense_no_bias(attention_output.clone(), dense),
+            bias_of(dense),
+        ); // [B, S, I]
+        let (gamma, beta) = gamma_beta(&self.output.layer_norm);
+        ember_backend_ext::bias_dropout_add_layer_norm(
+            dense_no_bias(intermediate, &self.output.dense),
+            bias_of(&self.output.dense),
+            attention_output,
+            gamma,
+            beta,
+            dropout(self.output.dropout.prob),
+            self.layer_norm_eps,
+        )
+    }
+
+    /// The module-by-module composition, Hugging Face's `BertLayer.forward`.
+    fn forward_reference(
+        &self,
+        hidden_states: Tensor<B, 3>,
+        mask_bias: Tensor<B, 2>,
+    ) -> Tensor<B, 3> {
         let attention = &self.attention;
         let context = attention
             .self_attention
@@ -306,6 +413,24 @@ pub struct BertEncoder<B: Backend> {
 }
 
 impl<B: Backend> BertEncoder<B> {
+    /// Chooses the implementation every layer runs: [`Kernels::Fused`] (the fused ops of
+    /// `ember-backend-ext`, kernels on CubeCL backends), [`Kernels::Reference`] (Burn ops
+    /// composed module by module) or [`Kernels::Auto`] (fused where the backend has kernels; the
+    /// default).
+    pub fn set_kernels(&mut self, kernels: Kernels) {
+        for layer in &mut self.layer {
+            layer.kernels = kernels;
+        }
+    }
+
+    /// The implementation the layers run (that of the first layer; all agree after
+    /// [`BertEncoder::set_kernels`]).
+    pub fn kernels(&self) -> Kernels {
+        self.layer.first().map(|l| l.kernels).unwrap_or_default()
+    }
+}
+
+impl<B: FusedOps> BertEncoder<B> {
     /// # Shapes
     /// - `hidden_states`: `[B, S, H]`
     /// - `input_mask`: `[B, S]`, 1 for real tokens, 0 for padding
@@ -340,11 +465,10 @@ impl<B: Backend> BertEncoder<B> {
 ///
 /// # Shapes
 /// - `input_mask`: `[B, S]`
-/// - output: `[B, 1, 1, S]`
-fn attention_mask_bias<B: Backend>(input_mask: Tensor<B, 2, Int>) -> Tensor<B, 4> {
-    let [batch, seq_len] = input_mask.dims();
+/// - output: `[B, S]`
+fn attention_mask_bias<B: Backend>(input_mask: Tensor<B, 2, Int>) -> Tensor<B, 2> {
     let padding = input_mask.float().neg().add_scalar(1.0); // 1 where padded
-    (padding * MASKED_SCORE).reshape([batch, 1, 1, seq_len])
+    padding * MASKED_SCORE
 }
 
 /// Dense + tanh on the first token (`[CLS]`). Mirrors Hugging Face `BertPooler`.
@@ -416,6 +540,13 @@ impl BertConfig {
 }
 
 impl<B: Backend> BertModel<B> {
+    /// Chooses the implementation of the encoder layers (see [`BertEncoder::set_kernels`]).
+    pub fn set_kernels(&mut self, kernels: Kernels) {
+        self.encoder.set_kernels(kernels);
+    }
+}
+
+impl<B: FusedOps> BertModel<B> {
     /// Encodes a batch of (possibly padded) token sequences.
     ///
     /// # Shapes

@@ -42,6 +42,7 @@ pub use bert::{
     BertModelOutput, BertOutput, BertPooler, BertSelfAttention, BertSelfOutput, gelu, mean_pool,
 };
 pub use config::{BertConfig, Preset};
+pub use ember_backend_ext::Kernels;
 pub use error::ModelError;
 pub use hook::{ForwardHook, NoHook};
 pub use pretraining::{

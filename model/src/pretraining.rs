@@ -7,6 +7,7 @@ use burn::module::{Module, Param};
 use burn::nn::{LayerNorm, Linear};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
+use ember_backend_ext::{FusedOps, Kernels};
 
 use crate::BertConfig;
 use crate::bert::{BertModel, dense, gelu, layer_norm};
@@ -89,6 +90,21 @@ impl BertConfig {
 }
 
 impl<B: Backend> BertForPreTraining<B> {
+    /// Chooses the implementation of the encoder layers (see [`BertEncoder::set_kernels`]).
+    ///
+    /// [`BertEncoder::set_kernels`]: crate::BertEncoder::set_kernels
+    pub fn set_kernels(&mut self, kernels: Kernels) {
+        self.bert.encoder.set_kernels(kernels);
+    }
+
+    /// Builder form of [`BertForPreTraining::set_kernels`].
+    pub fn with_kernels(mut self, kernels: Kernels) -> Self {
+        self.set_kernels(kernels);
+        self
+    }
+}
+
+impl<B: FusedOps> BertForPreTraining<B> {
     /// Runs the encoder and both heads; the MLM head only at the masked positions.
     ///
     /// The masked positions come packed, as MLPerf's `dense_seq_output`: only the N real

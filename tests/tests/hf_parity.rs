@@ -14,7 +14,7 @@ use burn::backend::{Autodiff, NdArray};
 use burn::optim::GradientsParams;
 use burn::tensor::{Int, Tensor, TensorData};
 use ember_model::checkpoint::ember_path_to_hf;
-use ember_model::{BertConfig, BertForPreTraining};
+use ember_model::{BertConfig, BertForPreTraining, Kernels};
 use ember_tests::{Golden, fixture, max_abs, max_abs_diff, read_goldens};
 
 type B = Autodiff<NdArray>;
@@ -34,6 +34,17 @@ fn values(t: TensorData) -> Vec<f64> {
 
 #[test]
 fn outputs_losses_and_gradients_match_hugging_face() {
+    check_against_hugging_face(Kernels::Reference);
+}
+
+/// The fused path (`ember-backend-ext`'s ops: on NdArray their reference bodies, with the
+/// custom backward passes) against the same goldens.
+#[test]
+fn fused_path_matches_hugging_face() {
+    check_against_hugging_face(Kernels::Fused);
+}
+
+fn check_against_hugging_face(kernels: Kernels) {
     let device = Default::default();
     let dir = fixture("hf_tiny_bert");
     let config = BertConfig::load_json(&dir.join("config.json")).unwrap();
@@ -48,7 +59,8 @@ fn outputs_losses_and_gradients_match_hugging_face() {
     let model: BertForPreTraining<B> = config
         .init_for_pretraining(&device)
         .load_hf_safetensors(&dir.join("model.safetensors"))
-        .unwrap();
+        .unwrap()
+        .with_kernels(kernels);
     let golden = read_goldens(&fixture("hf_tiny_bert_golden.safetensors"));
     let g = |name: &str| {
         golden

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use ember_data::{Padding, PretrainingConfig, SamplerKind};
-use ember_model::{BertConfig, Preset};
+use ember_model::{BertConfig, Kernels, Preset};
 use serde::{Deserialize, Serialize};
 
 use crate::TrainError;
@@ -50,6 +50,9 @@ pub struct ModelSection {
     pub hidden_dropout_prob: Option<f64>,
     /// Overrides the preset's `attention_probs_dropout_prob` (0.1) when set.
     pub attention_probs_dropout_prob: Option<f64>,
+    /// Encoder implementation: `auto` (fused where the backend has kernels), `fused` or
+    /// `reference` (see `ember_model::Kernels`). Default: auto.
+    pub kernels: Kernels,
 }
 
 impl Default for ModelSection {
@@ -58,6 +61,7 @@ impl Default for ModelSection {
             preset: Preset::Tiny,
             hidden_dropout_prob: None,
             attention_probs_dropout_prob: None,
+            kernels: Kernels::Auto,
         }
     }
 }

@@ -1,10 +1,10 @@
 //! Evaluation on held-out instances: masked-LM and next-sentence accuracy and loss, and the
 //! unigram baseline that masked-LM accuracy has to beat.
 
+use ember_backend_ext::FusedOps;
 use std::collections::HashMap;
 
 use burn::tensor::ElementConversion;
-use burn::tensor::backend::Backend;
 use ember_data::{Batch, HostBatch, TrainingInstance};
 use ember_model::{BertForPreTraining, ForwardHook, NoHook, PreTrainingLoss, PreTrainingOutput};
 use serde::Serialize;
@@ -27,7 +27,7 @@ pub struct EvalResult {
 }
 
 /// Runs the model on a batch and computes its pre-training loss.
-pub fn forward_loss<B: Backend>(
+pub fn forward_loss<B: FusedOps>(
     model: &BertForPreTraining<B>,
     batch: Batch<B>,
 ) -> (PreTrainingOutput<B>, PreTrainingLoss<B>) {
@@ -35,7 +35,7 @@ pub fn forward_loss<B: Backend>(
 }
 
 /// [`forward_loss`] with `hook` at the model's layer boundaries (see [`ForwardHook`]).
-pub fn forward_loss_hooked<B: Backend>(
+pub fn forward_loss_hooked<B: FusedOps>(
     model: &BertForPreTraining<B>,
     batch: Batch<B>,
     hook: &dyn ForwardHook<B>,
@@ -52,7 +52,7 @@ pub fn forward_loss_hooked<B: Backend>(
 }
 
 /// Evaluates `model` (use `model.valid()`: the inner backend has no dropout) on `batches`.
-pub fn evaluate<B: Backend>(
+pub fn evaluate<B: FusedOps>(
     model: &BertForPreTraining<B>,
     batches: impl IntoIterator<Item = HostBatch>,
     device: &B::Device,

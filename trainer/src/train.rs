@@ -551,7 +551,10 @@ pub fn train_rank<B: GradHookBackend>(
     let model: BertForPreTraining<B> = {
         let _guard = INIT_LOCK.lock().unwrap_or_else(|e| e.into_inner());
         B::seed(device, config.train.seed);
-        let model = bert_config.init_for_pretraining(device);
+        ember_backend_ext::reseed_dropout(config.train.seed);
+        let model = bert_config
+            .init_for_pretraining(device)
+            .with_kernels(config.model.kernels);
         // Burn initialises parameters lazily, at their first use: draw them all now, in
         // module order, while this rank holds the generator.
         struct Materialize;

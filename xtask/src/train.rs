@@ -40,6 +40,11 @@ pub struct TrainArgs {
     /// Model size: tiny, mini, small, base or large (model.preset)
     #[arg(long)]
     preset: Option<Preset>,
+    /// Encoder implementation: fused (ember-backend-ext's ops: CubeCL kernels on cuda/wgpu),
+    /// reference (Burn ops composed module by module) or auto (fused where the backend has
+    /// kernels: cuda and wgpu, not cpu) (model.kernels)
+    #[arg(long)]
+    kernels: Option<ember_model::Kernels>,
     /// Corpus file or folder of .txt files: one sentence per line, blank line between
     /// documents (data.corpus) [default: the embedded Wikipedia corpus]
     #[arg(long)]
@@ -167,6 +172,9 @@ impl TrainArgs {
         }
         if let Some(v) = self.preset {
             config.model.preset = v;
+        }
+        if let Some(v) = self.kernels {
+            config.model.kernels = v;
         }
         if let Some(v) = &self.corpus {
             config.data.corpus = Some(v.clone());

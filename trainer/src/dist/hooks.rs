@@ -16,6 +16,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive};
+use ember_backend_ext::FusedOps;
 use ember_data::Batch;
 use ember_model::{BertForPreTraining, ForwardHook};
 
@@ -33,8 +34,9 @@ impl std::fmt::Debug for GradCallback {
     }
 }
 
-/// An autodiff backend on which a gradient hook can be placed.
-pub trait GradHookBackend: AutodiffBackend {
+/// An autodiff backend on which a gradient hook can be placed, and that (like its inner
+/// backend) has the fused ops of `ember-backend-ext`.
+pub trait GradHookBackend: AutodiffBackend<InnerBackend: FusedOps> + FusedOps {
     /// Returns `x` unchanged. In backward, passes the gradient through to `x` and then calls
     /// `callback(group, grads)` with the current gradient of each of `params` (those that
     /// have one).
@@ -109,7 +111,7 @@ impl<B: Backend, C: CheckpointStrategy> Backward<B, 1> for HookBackward<C> {
     }
 }
 
-impl<B: Backend, C: CheckpointStrategy> GradHookBackend for Autodiff<B, C> {
+impl<B: FusedOps, C: CheckpointStrategy> GradHookBackend for Autodiff<B, C> {
     fn grad_hook(
         x: FloatTensor<Self>,
         group: usize,
