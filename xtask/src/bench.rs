@@ -37,6 +37,8 @@ type B = Autodiff<NdArray>;
 pub enum BenchCommand {
     /// Communication hidden behind backward by bucketed gradient hooks (2 ranks).
     Overlap(OverlapArgs),
+    /// The fused ops of ember-backend-ext against the reference composition, at BERT shapes.
+    Kernels(crate::bench_kernels::KernelArgs),
 }
 
 /// Flags of `bench overlap`.
@@ -74,6 +76,7 @@ pub struct OverlapArgs {
 pub fn run(command: BenchCommand) -> Result<()> {
     match command {
         BenchCommand::Overlap(args) => overlap(args),
+        BenchCommand::Kernels(args) => crate::bench_kernels::run(args),
     }
 }
 

@@ -10,6 +10,7 @@
 //! - `bench overlap`: how much of the gradient allreduce the bucketed hooks hide.
 
 mod bench;
+mod bench_kernels;
 mod data;
 mod launch;
 mod train;

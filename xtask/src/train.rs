@@ -85,9 +85,10 @@ pub struct TrainArgs {
     /// (parallel.timeout_s)
     #[arg(long)]
     collective_timeout: Option<f64>,
-    /// Where to train: cpu (Burn's NdArray) or cuda (NVIDIA GPU `LOCAL_RANK`, needs the `cuda`
-    /// feature; several GPUs through mpirun with `cuda,mpi`)
-    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    /// Where to train: cpu (Burn's NdArray), cuda (NVIDIA GPU `LOCAL_RANK`, needs the `cuda`
+    /// feature; several GPUs through mpirun with `cuda,mpi`) or wgpu (any Vulkan/Metal/DX12
+    /// GPU, or Mesa's lavapipe on the CPU; needs the `wgpu` feature; one process)
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda", "wgpu"])]
     device: String,
     /// Train on MLPerf HDF5 shards (a folder, or a stratified folder from `stratify`) instead
     /// of the corpus; evaluation uses the corpus's held-out documents (data.shards)
@@ -230,6 +231,8 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let launch = LaunchEnv::from_env(None)?;
     let summary = if args.device == "cuda" {
         train_cuda(&config, options, &launch, args.nproc)?
+    } else if args.device == "wgpu" {
+        train_wgpu(&config, options, &launch, args.nproc)?
     } else if launch.world_size > 1 {
         if args.nproc > 1 {
             bail!(
@@ -291,6 +294,34 @@ fn train_cuda(
     let device = burn::backend::cuda::CudaDevice::new(launch.local_rank);
     ember_trainer::train::<Autodiff<burn::backend::Cuda>>(config, &device, options)
         .context("training failed")
+}
+
+/// Training on one wgpu adapter (the default one: a GPU, else Mesa's lavapipe).
+#[cfg(feature = "wgpu")]
+fn train_wgpu(
+    config: &TrainConfig,
+    options: RunOptions,
+    launch: &LaunchEnv,
+    nproc: usize,
+) -> Result<ember_trainer::TrainSummary> {
+    if nproc > 1 || launch.world_size > 1 {
+        bail!("--device wgpu trains in one process on one adapter");
+    }
+    type Wgpu = burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+    let device = burn::backend::wgpu::WgpuDevice::DefaultDevice;
+    ember_trainer::train::<Autodiff<Wgpu>>(config, &device, options).context("training failed")
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn train_wgpu(
+    _config: &TrainConfig,
+    _options: RunOptions,
+    _launch: &LaunchEnv,
+    _nproc: usize,
+) -> Result<ember_trainer::TrainSummary> {
+    bail!(
+        "--device wgpu needs a build with the `wgpu` feature: cargo run --release -p xtask --features wgpu -- train --device wgpu"
+    )
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -1,0 +1,462 @@
+//! `cargo xtask bench kernels`: each fused op of `ember-backend-ext` against the reference
+//! composition (the Burn ops the model's `--kernels reference` path runs), on the same backend
+//! and device, at BERT shapes.
+//!
+//! Per op and shape: forward time (the op on the plain backend, dropout on) and forward +
+//! backward time (under autodiff, gradient of all inputs), fused and reference, their ratio,
+//! and the fused forward's achieved memory bandwidth (the bytes it must move at least: each
+//! input read once, each output written once) as a fraction of the device's measured copy
+//! bandwidth (an elementwise `x + 0.5` over 256 MiB by default, read + write).
+
+use std::time::Instant;
+
+use anyhow::{Result, bail};
+use burn::backend::Autodiff;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, Tensor};
+use clap::Args;
+use ember_backend_ext::{DropoutSpec, FusedOps, reference};
+
+/// Flags of `bench kernels`.
+#[derive(Args, Debug)]
+pub struct KernelArgs {
+    /// Backend: cpu (NdArray: the fused ops are the reference bodies), wgpu or cuda (need the
+    /// features of the same name)
+    #[arg(long, default_value = "cuda", value_parser = ["cpu", "wgpu", "cuda"])]
+    device: String,
+    /// Float type on cuda: f32 or bf16
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+    dtype: String,
+    /// Samples per batch
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    /// Shapes: comma-separated <preset>-<seq>, preset base (H 768, 12 heads) or large
+    /// (H 1024, 16 heads)
+    #[arg(long, default_value = "base-128,base-512,large-128,large-512")]
+    shapes: String,
+    /// Timed iterations per measurement (after one warm-up)
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    /// Dropout probability of the ops that have dropout
+    #[arg(long, default_value_t = 0.1)]
+    dropout: f64,
+    /// Size of the copy that measures the device's bandwidth, MiB (lavapipe allocates at most
+    /// 128 MiB in one buffer)
+    #[arg(long, default_value_t = 256)]
+    copy_mib: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    name: &'static str,
+    hidden: usize,
+    heads: usize,
+    seq: usize,
+}
+
+fn parse_shapes(spec: &str) -> Result<Vec<Shape>> {
+    spec.split(',')
+        .map(|s| {
+            let (preset, seq) = s
+                .trim()
+                .split_once('-')
+                .ok_or_else(|| anyhow::anyhow!("shape `{s}`: expected <preset>-<seq>"))?;
+            let seq: usize = seq
+                .parse()
+                .map_err(|_| anyhow::anyhow!("shape `{s}`: `{seq}` is not a length"))?;
+            let (name, hidden, heads) = match preset {
+                "base" => ("base", 768, 12),
+                "large" => ("large", 1024, 16),
+                other => bail!("shape `{s}`: unknown preset `{other}` (base or large)"),
+            };
+            Ok(Shape {
+                name,
+                hidden,
+                heads,
+                seq,
+            })
+        })
+        .collect()
+}
+
+pub fn run(args: KernelArgs) -> Result<()> {
+    let shapes = parse_shapes(&args.shapes)?;
+    match (args.device.as_str(), args.dtype.as_str()) {
+        ("cpu", _) => bench::<burn::backend::NdArray>(&Default::default(), &args, &shapes),
+        ("wgpu", _) => bench_wgpu(&args, &shapes),
+        ("cuda", dtype) => bench_cuda(&args, &shapes, dtype == "bf16"),
+        (other, _) => bail!("unknown device {other}"),
+    }
+}
+
+#[cfg(feature = "wgpu")]
+fn bench_wgpu(args: &KernelArgs, shapes: &[Shape]) -> Result<()> {
+    type Wgpu = burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+    bench::<Wgpu>(
+        &burn::backend::wgpu::WgpuDevice::DefaultDevice,
+        args,
+        shapes,
+    )
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn bench_wgpu(_: &KernelArgs, _: &[Shape]) -> Result<()> {
+    bail!("--device wgpu needs a build with the `wgpu` feature (cargo xtask --features wgpu ...)")
+}
+
+#[cfg(feature = "cuda")]
+fn bench_cuda(args: &KernelArgs, shapes: &[Shape], bf16: bool) -> Result<()> {
+    use burn::backend::cuda::{CubeBackend, CudaDevice, CudaRuntime};
+    let device = CudaDevice::new(0);
+    if bf16 {
+        bench::<CubeBackend<CudaRuntime, burn::tensor::bf16, i32, u8>>(&device, args, shapes)
+    } else {
+        bench::<CubeBackend<CudaRuntime, f32, i32, u8>>(&device, args, shapes)
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn bench_cuda(_: &KernelArgs, _: &[Shape], _: bool) -> Result<()> {
+    bail!("--device cuda needs a build with the `cuda` feature (cargo xtask --features cuda ...)")
+}
+
+/// Mean seconds of `f` over `iters` runs after one warm-up, the device synchronised before
+/// the clock stops.
+fn time<B: Backend>(device: &B::Device, iters: usize, mut f: impl FnMut()) -> Result<f64> {
+    f();
+    B::sync(device).map_err(|e| anyhow::anyhow!("device sync failed: {e:?}"))?;
+    let start = Instant::now();
+    for _ in 0..iters {
+        f();
+    }
+    B::sync(device).map_err(|e| anyhow::anyhow!("device sync failed: {e:?}"))?;
+    Ok(start.elapsed().as_secs_f64() / iters as f64)
+}
+
+/// Burn's `Dropout` as it runs in training: a Bernoulli mask drawn on the device.
+fn burn_dropout<B: Backend, const D: usize>(x: Tensor<B, D>, p: f64) -> Tensor<B, D> {
+    if p == 0.0 {
+        return x;
+    }
+    let keep = x.random_like(Distribution::Bernoulli(1.0 - p));
+    x * keep * (1.0 / (1.0 - p))
+}
+
+fn normal<B: Backend, const D: usize>(shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
+    Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
+}
+
+/// The model's reference path of a residual block's tail: dense bias add, Burn's dropout,
+/// residual add, Burn's LayerNorm op (`B::layer_norm`, what `burn::nn::LayerNorm` calls).
+fn reference_layer_norm<B: Backend>(
+    x: Tensor<B, 2>,
+    bias: Tensor<B, 1>,
+    residual: Tensor<B, 2>,
+    gamma: Tensor<B, 1>,
+    beta: Tensor<B, 1>,
+    p: f64,
+    eps: f64,
+) -> Tensor<B, 2> {
+    let y = burn_dropout(x + bias.unsqueeze(), p) + residual;
+    Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(B::layer_norm(
+        y.into_primitive().tensor(),
+        gamma.into_primitive().tensor(),
+        Some(beta.into_primitive().tensor()),
+        eps,
+    )))
+}
+
+struct Row {
+    op: &'static str,
+    shape: String,
+    fused_fwd: f64,
+    reference_fwd: f64,
+    fused_fwd_bwd: f64,
+    reference_fwd_bwd: f64,
+    /// Least bytes the fused forward moves.
+    bytes: f64,
+}
+
+fn bench<B: FusedOps>(device: &B::Device, args: &KernelArgs, shapes: &[Shape]) -> Result<()>
+where
+    Autodiff<B>: FusedOps,
+{
+    type A<B> = Autodiff<B>;
+    let elem = std::mem::size_of::<B::FloatElem>() as f64;
+    let n = args.iters;
+    let p = args.dropout;
+
+    // Copy bandwidth: x + 0.5 over `copy_mib` MiB.
+    let copy_elems = ((args.copy_mib << 20) as f64 / elem) as usize;
+    let x = normal::<B, 1>([copy_elems], device);
+    let copy_s = time::<B>(device, n, || {
+        let _ = x.clone().add_scalar(0.5);
+    })?;
+    let copy_bw = 2.0 * copy_elems as f64 * elem / copy_s;
+    drop(x);
+    println!(
+        "device {:?}, {} bytes per element; copy bandwidth {:.1} GB/s; batch {}, dropout {p}, {n} iterations",
+        device,
+        elem,
+        copy_bw / 1e9,
+        args.batch_size
+    );
+
+    let mut rows = Vec::new();
+    for shape in shapes {
+        let (b, s, h, nh) = (args.batch_size, shape.seq, shape.hidden, shape.heads);
+        let label = format!("{}-{} [{b}x{s}]", shape.name, s);
+        let r = b * s;
+
+        // bias + GELU on the FFN's intermediate activations [B·S, 4H].
+        {
+            let x = normal::<B, 2>([r, 4 * h], device);
+            let bias = normal::<B, 1>([4 * h], device);
+            let fused_fwd = time::<B>(device, n, || {
+                let _ = ember_backend_ext::bias_gelu(x.clone(), bias.clone());
+            })?;
+            let reference_fwd = time::<B>(device, n, || {
+                let _ = reference::bias_gelu(x.clone(), bias.clone());
+            })?;
+            let (xa, ba) = (
+                Tensor::<A<B>, 2>::from_inner(x.clone()).require_grad(),
+                Tensor::<A<B>, 1>::from_inner(bias.clone()).require_grad(),
+            );
+            let fused_fwd_bwd = time::<B>(device, n, || {
+                let _ = ember_backend_ext::bias_gelu(xa.clone(), ba.clone()).backward();
+            })?;
+            let reference_fwd_bwd = time::<B>(device, n, || {
+                let _ = reference::bias_gelu(xa.clone(), ba.clone()).backward();
+            })?;
+            rows.push(Row {
+                op: "bias_gelu",
+                shape: label.clone(),
+                fused_fwd,
+                reference_fwd,
+                fused_fwd_bwd,
+                reference_fwd_bwd,
+                bytes: 2.0 * (r * 4 * h) as f64 * elem,
+            });
+        }
+
+        // bias + dropout + residual + LayerNorm on [B·S, H].
+        {
+            let x = normal::<B, 2>([r, h], device);
+            let residual = normal::<B, 2>([r, h], device);
+            let bias = normal::<B, 1>([h], device);
+            let gamma = normal::<B, 1>([h], device);
+            let beta = normal::<B, 1>([h], device);
+            let eps = 1e-12;
+            let fused_fwd = time::<B>(device, n, || {
+                let _ = ember_backend_ext::bias_dropout_add_layer_norm(
+                    x.clone(),
+                    bias.clone(),
+                    residual.clone(),
+                    gamma.clone(),
+                    beta.clone(),
+                    DropoutSpec::draw(p),
+                    eps,
+                );
+            })?;
+            let reference_fwd = time::<B>(device, n, || {
+                let _ = reference_layer_norm(
+                    x.clone(),
+                    bias.clone(),
+                    residual.clone(),
+                    gamma.clone(),
+                    beta.clone(),
+                    p,
+                    eps,
+                );
+            })?;
+            let grad = |t: Tensor<B, 1>| Tensor::<A<B>, 1>::from_inner(t).require_grad();
+            let (xa, ra) = (
+                Tensor::<A<B>, 2>::from_inner(x.clone()).require_grad(),
+                Tensor::<A<B>, 2>::from_inner(residual.clone()).require_grad(),
+            );
+            let (ba, ga, ta) = (grad(bias.clone()), grad(gamma.clone()), grad(beta.clone()));
+            let fused_fwd_bwd = time::<B>(device, n, || {
+                let _ = ember_backend_ext::bias_dropout_add_layer_norm(
+                    xa.clone(),
+                    ba.clone(),
+                    ra.clone(),
+                    ga.clone(),
+                    ta.clone(),
+                    DropoutSpec::draw(p),
+                    eps,
+                )
+                .backward();
+            })?;
+            let reference_fwd_bwd = time::<B>(device, n, || {
+                let out = reference_layer_norm(
+                    xa.clone(),
+                    ba.clone(),
+                    ra.clone(),
+                    ga.clone(),
+                    ta.clone(),
+                    p,
+                    eps,
+                );
+                let _ = out.backward();
+            })?;
+            rows.push(Row {
+                op: "bias_dropout_add_layer_norm",
+                shape: label.clone(),
+                fused_fwd,
+                reference_fwd,
+                fused_fwd_bwd,
+                reference_fwd_bwd,
+                // x, residual in; pre_norm, output out
+                bytes: 4.0 * (r * h) as f64 * elem,
+            });
+        }
+
+        // Attention: masked softmax + dropout alone, and the attention core around it.
+        {
+            let hd = h / nh;
+            let scale = 1.0 / (hd as f64).sqrt();
+            let scores = normal::<B, 4>([b, nh, s, s], device);
+            // Every other sample padded to 3/4 of the length.
+            let mask_bias = Tensor::<B, 2>::from_data(
+                burn::tensor::TensorData::new(
+                    (0..b * s)
+                        .map(|i| {
+                            if (i / s) % 2 == 1 && i % s >= 3 * s / 4 {
+                                -10000.0f32
+                            } else {
+                                0.0
+                            }
+                        })
+                        .collect::<Vec<_>>(),
+                    [b, s],
+                ),
+                device,
+            );
+            let mask4 = mask_bias.clone().reshape([b, 1, 1, s]);
+            let softmax_fwd = time::<B>(device, n, || {
+                let _ = B::masked_softmax_dropout(
+                    scores.clone().into_primitive().tensor(),
+                    mask_bias.clone().into_primitive().tensor(),
+                    scale,
+                    DropoutSpec::draw(p),
+                );
+            })?;
+            let softmax_ref = time::<B>(device, n, || {
+                let probs =
+                    burn::tensor::activation::softmax(scores.clone() * scale + mask4.clone(), 3);
+                let _ = burn_dropout(probs, p);
+            })?;
+            let (q, k, v) = (
+                normal::<B, 4>([b, nh, s, hd], device),
+                normal::<B, 4>([b, nh, s, hd], device),
+                normal::<B, 4>([b, nh, s, hd], device),
+            );
+            let attention_fwd = time::<B>(device, n, || {
+                let _ = ember_backend_ext::attention(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    mask_bias.clone(),
+                    scale,
+                    DropoutSpec::draw(p),
+                );
+            })?;
+            let reference_attention = |q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>| {
+                let probs = burn::tensor::activation::softmax(
+                    q.matmul(k.swap_dims(2, 3)) * scale + mask4.clone(),
+                    3,
+                );
+                burn_dropout(probs, p).matmul(v)
+            };
+            let attention_ref = time::<B>(device, n, || {
+                let _ = reference_attention(q.clone(), k.clone(), v.clone());
+            })?;
+            let leaf = |t: &Tensor<B, 4>| Tensor::<A<B>, 4>::from_inner(t.clone()).require_grad();
+            let (qa, ka, va) = (leaf(&q), leaf(&k), leaf(&v));
+            let mask_a = Tensor::<A<B>, 2>::from_inner(mask_bias.clone());
+            let mask4_a = Tensor::<A<B>, 4>::from_inner(mask4.clone());
+            let attention_fused_bwd = time::<B>(device, n, || {
+                let _ = ember_backend_ext::attention(
+                    qa.clone(),
+                    ka.clone(),
+                    va.clone(),
+                    mask_a.clone(),
+                    scale,
+                    DropoutSpec::draw(p),
+                )
+                .backward();
+            })?;
+            let attention_ref_bwd = time::<B>(device, n, || {
+                let probs = burn::tensor::activation::softmax(
+                    qa.clone().matmul(ka.clone().swap_dims(2, 3)) * scale + mask4_a.clone(),
+                    3,
+                );
+                let _ = burn_dropout(probs, p).matmul(va.clone()).backward();
+            })?;
+            rows.push(Row {
+                op: "masked_softmax_dropout",
+                shape: label.clone(),
+                fused_fwd: softmax_fwd,
+                reference_fwd: softmax_ref,
+                fused_fwd_bwd: f64::NAN,
+                reference_fwd_bwd: f64::NAN,
+                // scores in; probs and dropped out
+                bytes: 3.0 * (b * nh * s * s) as f64 * elem,
+            });
+            rows.push(Row {
+                op: "attention_core",
+                shape: label.clone(),
+                fused_fwd: attention_fwd,
+                reference_fwd: attention_ref,
+                fused_fwd_bwd: attention_fused_bwd,
+                reference_fwd_bwd: attention_ref_bwd,
+                bytes: f64::NAN,
+            });
+        }
+    }
+
+    println!();
+    println!(
+        "| op | shape | fwd fused ms | fwd reference ms | speed-up | fwd+bwd fused ms | fwd+bwd reference ms | speed-up | fused fwd GB/s | of copy bw |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let ms = |s: f64| {
+        if s.is_nan() {
+            "–".to_string()
+        } else {
+            format!("{:.3}", s * 1e3)
+        }
+    };
+    let ratio = |a: f64, b: f64| {
+        if a.is_nan() || b.is_nan() {
+            "–".to_string()
+        } else {
+            format!("{:.2}x", b / a)
+        }
+    };
+    for row in &rows {
+        let bw = row.bytes / row.fused_fwd;
+        let (gbs, frac) = if bw.is_nan() {
+            ("–".to_string(), "–".to_string())
+        } else {
+            (
+                format!("{:.1}", bw / 1e9),
+                format!("{:.0}%", 100.0 * bw / copy_bw),
+            )
+        };
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            row.op,
+            row.shape,
+            ms(row.fused_fwd),
+            ms(row.reference_fwd),
+            ratio(row.fused_fwd, row.reference_fwd),
+            ms(row.fused_fwd_bwd),
+            ms(row.reference_fwd_bwd),
+            ratio(row.fused_fwd_bwd, row.reference_fwd_bwd),
+            gbs,
+            frac
+        );
+    }
+    Ok(())
+}
