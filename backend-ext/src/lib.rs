@@ -112,6 +112,40 @@ pub struct SoftmaxForward<B: Backend> {
     pub dropped: FloatTensor<B>,
 }
 
+/// Hyper-parameters of one Adam-family step (Kingma & Ba 2015; Loshchilov & Hutter 2019;
+/// You et al. 2020), PyTorch's names.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamHyper {
+    /// Learning rate of this step.
+    pub lr: f64,
+    pub beta_1: f64,
+    pub beta_2: f64,
+    /// Added to `sqrt(v̂)`.
+    pub epsilon: f64,
+    /// Decoupled weight decay λ.
+    pub weight_decay: f64,
+    /// Step number t, from 1 (bias corrections `1 − βᵗ`).
+    pub step: u32,
+}
+
+impl AdamHyper {
+    fn corrections(&self) -> (f64, f64) {
+        (
+            1.0 - self.beta_1.powi(self.step as i32),
+            1.0 - self.beta_2.powi(self.step as i32),
+        )
+    }
+}
+
+/// The tensors an Adam-family step returns: the new parameter (for [`FusedOps::lamb_update`]:
+/// the update direction) and both moments, all flat `[n]`.
+#[derive(Debug, Clone)]
+pub struct AdamOutput<B: Backend> {
+    pub param: FloatTensor<B>,
+    pub moment_1: FloatTensor<B>,
+    pub moment_2: FloatTensor<B>,
+}
+
 fn float<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(x))
 }
@@ -242,6 +276,80 @@ pub trait FusedOps: Backend {
             float(probs),
             scale,
             dropout,
+        ))
+    }
+
+    /// One AdamW step of a flattened parameter, Burn's `AdamW` (PyTorch's formula): moments
+    /// `m ← β1·m + (1−β1)·g`, `v ← β2·v + (1−β2)·g²`, then
+    /// `w ← w·(1 − lr·λ) − lr · (m / (1−β1ᵗ)) / (sqrt(v / (1−β2ᵗ)) + ε)`.
+    ///
+    /// # Shapes
+    /// `param`, `grad`, `moment_1`, `moment_2` `[n]` → [`AdamOutput`] (all `[n]`)
+    fn adamw_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        moment_1: FloatTensor<Self>,
+        moment_2: FloatTensor<Self>,
+        hyper: AdamHyper,
+    ) -> AdamOutput<Self> {
+        reference::adamw_step::<Self>(
+            float(param),
+            float(grad),
+            float(moment_1),
+            float(moment_2),
+            hyper,
+        )
+    }
+
+    /// The first half of a LAMB step (You et al. 2020, Algorithm 2; MLPerf's reference):
+    /// the moments as Adam's and the update `u = m̂ / (sqrt(v̂) + ε) + λ·w`, returned in
+    /// [`AdamOutput::param`]. [`FusedOps::lamb_apply`] finishes the step.
+    ///
+    /// # Shapes
+    /// `param`, `grad`, `moment_1`, `moment_2` `[n]` → [`AdamOutput`] (all `[n]`)
+    fn lamb_update(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        moment_1: FloatTensor<Self>,
+        moment_2: FloatTensor<Self>,
+        hyper: AdamHyper,
+    ) -> AdamOutput<Self> {
+        reference::lamb_update::<Self>(
+            float(param),
+            float(grad),
+            float(moment_1),
+            float(moment_2),
+            hyper,
+        )
+    }
+
+    /// `Σ x²` of a flattened tensor (the squared L2 norm), accumulated in f32, on the device.
+    ///
+    /// # Shapes
+    /// `x` `[n]` → `[1]`
+    fn sum_squares(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        prim(float::<Self, 1>(x).square().sum())
+    }
+
+    /// The second half of a LAMB step: `w ← w − lr · r · u` with the trust ratio
+    /// `r = ‖w‖ / ‖u‖` (1 if either norm is 0), from the squared norms on the device (no host
+    /// round trip).
+    ///
+    /// # Shapes
+    /// `param`, `update` `[n]`, `param_sq`, `update_sq` `[1]` → `[n]`
+    fn lamb_apply(
+        param: FloatTensor<Self>,
+        update: FloatTensor<Self>,
+        param_sq: FloatTensor<Self>,
+        update_sq: FloatTensor<Self>,
+        lr: f64,
+    ) -> FloatTensor<Self> {
+        prim(reference::lamb_apply::<Self>(
+            float(param),
+            float(update),
+            float(param_sq),
+            float(update_sq),
+            lr,
         ))
     }
 

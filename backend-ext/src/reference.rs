@@ -9,7 +9,9 @@
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
-use crate::{DropoutSpec, LayerNormForward, SoftmaxForward, keep_mask, prim};
+use crate::{
+    AdamHyper, AdamOutput, DropoutSpec, LayerNormForward, SoftmaxForward, keep_mask, prim,
+};
 
 const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 
@@ -206,4 +208,78 @@ pub fn attention<B: Backend>(
 ) -> Tensor<B, 4> {
     let probs = masked_softmax(q.matmul(k.swap_dims(2, 3)), mask_bias, scale);
     drop(probs, dropout).matmul(v)
+}
+
+/// Adam's moments and bias-corrected direction `m̂ / (sqrt(v̂) + ε)` (Burn's
+/// `AdaptiveMomentumW::transform`).
+fn adam_direction<B: Backend>(
+    grad: Tensor<B, 1>,
+    moment_1: Tensor<B, 1>,
+    moment_2: Tensor<B, 1>,
+    hyper: AdamHyper,
+) -> (Tensor<B, 1>, Tensor<B, 1>, Tensor<B, 1>) {
+    let (b1, b2) = (hyper.beta_1, hyper.beta_2);
+    let moment_1 = moment_1 * b1 + grad.clone() * (1.0 - b1);
+    let moment_2 = moment_2 * b2 + grad.square() * (1.0 - b2);
+    let (c1, c2) = hyper.corrections();
+    let direction =
+        (moment_1.clone() / c1) / (moment_2.clone() / c2).sqrt().add_scalar(hyper.epsilon);
+    (direction, moment_1, moment_2)
+}
+
+/// The default body of [`FusedOps::adamw_step`](crate::FusedOps): Burn's `AdamW` step.
+pub fn adamw_step<B: Backend>(
+    param: Tensor<B, 1>,
+    grad: Tensor<B, 1>,
+    moment_1: Tensor<B, 1>,
+    moment_2: Tensor<B, 1>,
+    hyper: AdamHyper,
+) -> AdamOutput<B> {
+    let (direction, moment_1, moment_2) = adam_direction(grad, moment_1, moment_2, hyper);
+    let decayed = if hyper.weight_decay == 0.0 {
+        param
+    } else {
+        param * (1.0 - hyper.lr * hyper.weight_decay)
+    };
+    AdamOutput {
+        param: prim(decayed - direction * hyper.lr),
+        moment_1: prim(moment_1),
+        moment_2: prim(moment_2),
+    }
+}
+
+/// The default body of [`FusedOps::lamb_update`](crate::FusedOps).
+pub fn lamb_update<B: Backend>(
+    param: Tensor<B, 1>,
+    grad: Tensor<B, 1>,
+    moment_1: Tensor<B, 1>,
+    moment_2: Tensor<B, 1>,
+    hyper: AdamHyper,
+) -> AdamOutput<B> {
+    let (direction, moment_1, moment_2) = adam_direction(grad, moment_1, moment_2, hyper);
+    let update = if hyper.weight_decay > 0.0 {
+        direction + param * hyper.weight_decay
+    } else {
+        direction
+    };
+    AdamOutput {
+        param: prim(update),
+        moment_1: prim(moment_1),
+        moment_2: prim(moment_2),
+    }
+}
+
+/// The default body of [`FusedOps::lamb_apply`](crate::FusedOps).
+pub fn lamb_apply<B: Backend>(
+    param: Tensor<B, 1>,
+    update: Tensor<B, 1>,
+    param_sq: Tensor<B, 1>,
+    update_sq: Tensor<B, 1>,
+    lr: f64,
+) -> Tensor<B, 1> {
+    let (w_norm, u_norm) = (param_sq.sqrt(), update_sq.sqrt());
+    let ratio = (w_norm.clone() / u_norm.clone().clamp_min(f32::MIN_POSITIVE))
+        .mask_fill(w_norm.lower_equal_elem(0.0), 1.0)
+        .mask_fill(u_norm.lower_equal_elem(0.0), 1.0);
+    param - update * ratio.mul_scalar(lr)
 }

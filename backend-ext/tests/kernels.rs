@@ -318,6 +318,106 @@ where
     }
 }
 
+/// Adam-family steps and the squared norm on flat tensors of odd sizes (one element; more
+/// than the 1024 × 256 units of the norm's first pass), against the reference bodies.
+pub fn check_optimizer_ops<B: FusedOps>(device: &B::Device) {
+    use ember_backend_ext::AdamHyper;
+    let prim = |t: &Tensor<B, 1>| t.clone().into_primitive().tensor();
+    let tensor = |p| Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(p));
+    for n in [1usize, 1000, 300_001] {
+        let param = random::<B, 1>([n], device);
+        let grad = random::<B, 1>([n], device) * 0.1;
+        let moment_1 = random::<B, 1>([n], device) * 0.01;
+        let moment_2 = random::<B, 1>([n], device).abs() * 0.001;
+        let hyper = AdamHyper {
+            lr: 1e-3,
+            beta_1: 0.9,
+            beta_2: 0.999,
+            epsilon: 1e-6,
+            weight_decay: 0.01,
+            step: 3,
+        };
+        let fused = B::adamw_step(
+            prim(&param),
+            prim(&grad),
+            prim(&moment_1),
+            prim(&moment_2),
+            hyper,
+        );
+        let expected = reference::adamw_step(
+            param.clone(),
+            grad.clone(),
+            moment_1.clone(),
+            moment_2.clone(),
+            hyper,
+        );
+        for (name, f, e) in [
+            ("param", fused.param, expected.param),
+            ("moment_1", fused.moment_1, expected.moment_1),
+            ("moment_2", fused.moment_2, expected.moment_2),
+        ] {
+            assert_close(
+                &format!("adamw_step {name} n={n}"),
+                tensor(f),
+                tensor(e),
+                FWD,
+            );
+        }
+
+        let fused = B::lamb_update(
+            prim(&param),
+            prim(&grad),
+            prim(&moment_1),
+            prim(&moment_2),
+            hyper,
+        );
+        let expected = reference::lamb_update(
+            param.clone(),
+            grad.clone(),
+            moment_1.clone(),
+            moment_2.clone(),
+            hyper,
+        );
+        let update = tensor(fused.param);
+        assert_close(
+            &format!("lamb_update n={n}"),
+            update.clone(),
+            tensor(expected.param),
+            BWD,
+        );
+        // Squared norms: f32 sums of n terms in another order.
+        let param_sq = tensor(B::sum_squares(prim(&param)));
+        let expected_sq = param.clone().square().sum();
+        assert_close(
+            &format!("sum_squares n={n}"),
+            param_sq.clone(),
+            expected_sq,
+            (1e-5, 1e-5),
+        );
+        let update_sq = tensor(B::sum_squares(prim(&update)));
+        let applied = tensor(B::lamb_apply(
+            prim(&param),
+            prim(&update),
+            prim(&param_sq),
+            prim(&update_sq),
+            1e-3,
+        ));
+        let expected = reference::lamb_apply(param.clone(), update, param_sq, update_sq, 1e-3);
+        assert_close(&format!("lamb_apply n={n}"), applied, expected, FWD);
+    }
+    // A zero update keeps the trust ratio at 1 (and the parameter where it is).
+    let param = random::<B, 1>([5], device);
+    let zero = Tensor::<B, 1>::zeros([5], device);
+    let applied = tensor(B::lamb_apply(
+        prim(&param),
+        prim(&zero),
+        B::sum_squares(prim(&param)),
+        B::sum_squares(prim(&zero)),
+        1.0,
+    ));
+    assert_close("lamb_apply with a zero update", applied, param, (0.0, 0.0));
+}
+
 /// Odd shapes: seq 1, rows shorter and longer than a cube, non-powers of two.
 const GELU_SHAPES: [[usize; 3]; 4] = [[1, 1, 1], [3, 7, 37], [2, 5, 1030], [4, 128, 3072]];
 const LN_SHAPES: [[usize; 3]; 4] = [[1, 1, 1], [3, 7, 33], [2, 3, 300], [4, 128, 768]];
@@ -376,6 +476,11 @@ macro_rules! kernel_tests {
         #[test]
         fn dropout_masks_are_the_host_masks() {
             check_dropout_mask::<$backend>(&$device);
+        }
+
+        #[test]
+        fn optimizer_steps_match_reference() {
+            check_optimizer_ops::<$backend>(&$device);
         }
 
         #[test]

@@ -1,5 +1,6 @@
 //! One training step of the tiny model through the fused ops equals the reference composition
-//! (dropout off): the loss, every parameter's gradient, and the loss after one AdamW step.
+//! (dropout off): the loss, every parameter's gradient, and the loss after one optimizer step
+//! (AdamW and LAMB, the fused optimizer ops against Burn's AdamW and the composed LAMB).
 //! On NdArray the fused path is the ops' reference bodies with the custom backward passes; on
 //! wgpu (Mesa's lavapipe in CI) it is the CubeCL kernels.
 //!
@@ -9,11 +10,14 @@
 use std::collections::HashMap;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 use ember_backend_ext::FusedOps;
 use ember_model::{BertConfig, BertForPreTraining, Kernels, Preset};
+use ember_trainer::OptimizerKind;
+use ember_trainer::config::OptimizerConfig;
+use ember_trainer::optim::PreTrainingOptimizer;
 
 struct Batch<B: AutodiffBackend> {
     input_ids: Tensor<B, 2, Int>,
@@ -92,10 +96,7 @@ fn scalar<B: AutodiffBackend>(t: Tensor<B, 1>) -> f64 {
     t.into_data().convert::<f64>().to_vec::<f64>().unwrap()[0]
 }
 
-fn one_step<B: AutodiffBackend + FusedOps>(device: &B::Device)
-where
-    B::InnerBackend: FusedOps,
-{
+fn one_step<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(device: &B::Device) {
     let mut config = BertConfig::preset(Preset::Tiny);
     config.vocab_size = 211;
     config.hidden_dropout_prob = 0.0;
@@ -113,9 +114,23 @@ where
     model.visit(&mut Materialize);
     let batch = batch::<B>(config.vocab_size, device);
 
+    for optimizer in [OptimizerKind::AdamW, OptimizerKind::Lamb] {
+        let optimizer = OptimizerConfig {
+            name: optimizer,
+            ..OptimizerConfig::default()
+        };
+        compare_step(&model, &batch, &optimizer);
+    }
+}
+
+fn compare_step<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
+    model: &BertForPreTraining<B>,
+    batch: &Batch<B>,
+    optimizer: &OptimizerConfig,
+) {
     let run = |kernels: Kernels| {
         let model = model.clone().with_kernels(kernels);
-        let loss_value = loss(&model, &batch);
+        let loss_value = loss(&model, batch);
         let before = scalar(loss_value.clone());
         let grads = GradientsParams::from_grads(loss_value.backward(), &model);
         let mut collect = Collect::<B> {
@@ -125,9 +140,10 @@ where
         };
         model.visit(&mut collect);
         let collected = collect.out;
-        let mut optimizer = AdamWConfig::new().init::<B, BertForPreTraining<B>>();
+        let fused = kernels == Kernels::Fused;
+        let mut optimizer = PreTrainingOptimizer::new(optimizer, &model, fused);
         let model = optimizer.step(1e-3, model, grads);
-        let after = scalar(loss(&model, &batch));
+        let after = scalar(loss(&model, batch));
         (before, collected, after)
     };
     let (loss_ref, grads_ref, after_ref) = run(Kernels::Reference);
@@ -152,9 +168,14 @@ where
     }
     assert!(
         (after_fused - after_ref).abs() <= 1e-5 * after_ref.abs(),
-        "loss after one AdamW step: fused {after_fused} vs reference {after_ref}"
+        "loss after one {:?} step: fused {after_fused} vs reference {after_ref}",
+        optimizer.name
     );
-    assert!(after_ref < loss_ref, "the step lowered the loss");
+    assert!(
+        after_ref < loss_ref,
+        "the {:?} step lowered the loss",
+        optimizer.name
+    );
 }
 
 #[test]

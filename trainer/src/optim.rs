@@ -13,7 +13,9 @@ use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig, GradientsParams, LearningRate, Optimizer, SimpleOptimizer};
 use burn::record::Record;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Device, Tensor};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Device, Shape, Tensor, TensorPrimitive};
+use ember_backend_ext::{AdamHyper, FusedOps};
 
 use crate::config::{OptimizerConfig, OptimizerKind};
 use crate::grads::{named_params, split_off};
@@ -41,6 +43,10 @@ pub struct Lamb {
     pub epsilon: f32,
     /// λ, decoupled weight decay inside the update (before the trust ratio).
     pub weight_decay: f32,
+    /// Step through `ember-backend-ext`'s fused ops (`lamb_update`, `sum_squares`,
+    /// `lamb_apply`: four launches per tensor, the norms and trust ratio on the device) instead
+    /// of the composition of Burn ops below.
+    pub fused: bool,
 }
 
 /// LAMB's state of one parameter tensor.
@@ -54,7 +60,31 @@ pub struct LambState<B: Backend, const D: usize> {
     pub time: usize,
 }
 
-impl<B: Backend> SimpleOptimizer<B> for Lamb {
+/// Moments of a parameter as flat `[n]` primitives (zeros before the first step), and t.
+fn flat_moments<B: FusedOps, const D: usize>(
+    tensor: &Tensor<B, D>,
+    state: Option<LambState<B, D>>,
+) -> (FloatTensor<B>, FloatTensor<B>, usize) {
+    let n = tensor.shape().num_elements();
+    let flat = |t: Tensor<B, D>| t.reshape([n]).into_primitive().tensor();
+    match state {
+        Some(s) => (flat(s.moment_1), flat(s.moment_2), s.time + 1),
+        None => {
+            let zeros = Tensor::<B, 1>::zeros([n], &tensor.device());
+            (
+                zeros.clone().into_primitive().tensor(),
+                zeros.into_primitive().tensor(),
+                1,
+            )
+        }
+    }
+}
+
+fn unflat<B: FusedOps, const D: usize>(x: FloatTensor<B>, shape: Shape) -> Tensor<B, D> {
+    Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(x)).reshape(shape)
+}
+
+impl<B: FusedOps> SimpleOptimizer<B> for Lamb {
     type State<const D: usize> = LambState<B, D>;
 
     fn step<const D: usize>(
@@ -64,6 +94,36 @@ impl<B: Backend> SimpleOptimizer<B> for Lamb {
         grad: Tensor<B, D>,
         state: Option<Self::State<D>>,
     ) -> (Tensor<B, D>, Option<Self::State<D>>) {
+        if self.fused {
+            let shape = tensor.shape();
+            let n = shape.num_elements();
+            let (moment_1, moment_2, time) = flat_moments(&tensor, state);
+            let param = tensor.reshape([n]).into_primitive().tensor();
+            let hyper = AdamHyper {
+                lr,
+                beta_1: self.beta_1 as f64,
+                beta_2: self.beta_2 as f64,
+                epsilon: self.epsilon as f64,
+                weight_decay: self.weight_decay as f64,
+                step: time as u32,
+            };
+            let out = B::lamb_update(
+                param.clone(),
+                grad.reshape([n]).into_primitive().tensor(),
+                moment_1,
+                moment_2,
+                hyper,
+            );
+            let param_sq = B::sum_squares(param.clone());
+            let update_sq = B::sum_squares(out.param.clone());
+            let param = B::lamb_apply(param, out.param, param_sq, update_sq, lr);
+            let state = LambState {
+                moment_1: unflat(out.moment_1, shape.clone()),
+                moment_2: unflat(out.moment_2, shape.clone()),
+                time,
+            };
+            return (unflat(param, shape), Some(state));
+        }
         let (b1, b2) = (self.beta_1, self.beta_2);
         let (moment_1, moment_2, time) = match state {
             Some(s) => (
@@ -95,6 +155,60 @@ impl<B: Backend> SimpleOptimizer<B> for Lamb {
                 time,
             }),
         )
+    }
+
+    fn to_device<const D: usize>(mut state: Self::State<D>, device: &Device<B>) -> Self::State<D> {
+        state.moment_1 = state.moment_1.to_device(device);
+        state.moment_2 = state.moment_2.to_device(device);
+        state
+    }
+}
+
+/// AdamW with Burn's formula (`burn::optim::AdamW`, PyTorch's) in one kernel per tensor:
+/// `ember-backend-ext`'s `adamw_step` reads parameter, gradient and both moments once and
+/// writes the three results (Burn's composition takes about a dozen launches).
+#[derive(Debug, Clone)]
+pub struct FusedAdamW {
+    pub beta_1: f32,
+    pub beta_2: f32,
+    pub epsilon: f32,
+    /// λ, decoupled weight decay: `w ← w·(1 − lr·λ) − lr·m̂/(sqrt(v̂) + ε)`.
+    pub weight_decay: f32,
+}
+
+impl<B: FusedOps> SimpleOptimizer<B> for FusedAdamW {
+    type State<const D: usize> = LambState<B, D>;
+
+    fn step<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<B, D>,
+        grad: Tensor<B, D>,
+        state: Option<Self::State<D>>,
+    ) -> (Tensor<B, D>, Option<Self::State<D>>) {
+        let shape = tensor.shape();
+        let n = shape.num_elements();
+        let (moment_1, moment_2, time) = flat_moments(&tensor, state);
+        let out = B::adamw_step(
+            tensor.reshape([n]).into_primitive().tensor(),
+            grad.reshape([n]).into_primitive().tensor(),
+            moment_1,
+            moment_2,
+            AdamHyper {
+                lr,
+                beta_1: self.beta_1 as f64,
+                beta_2: self.beta_2 as f64,
+                epsilon: self.epsilon as f64,
+                weight_decay: self.weight_decay as f64,
+                step: time as u32,
+            },
+        );
+        let state = LambState {
+            moment_1: unflat(out.moment_1, shape.clone()),
+            moment_2: unflat(out.moment_2, shape.clone()),
+            time,
+        };
+        (unflat(out.param, shape), Some(state))
     }
 
     fn to_device<const D: usize>(mut state: Self::State<D>, device: &Device<B>) -> Self::State<D> {
@@ -143,15 +257,31 @@ where
 }
 
 /// The configured optimizer over a model.
-pub enum PreTrainingOptimizer<M: AutodiffModule<B>, B: AutodiffBackend> {
+pub enum PreTrainingOptimizer<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> {
     AdamW(GroupedOptimizer<AdamW, M, B>),
+    FusedAdamW(GroupedOptimizer<FusedAdamW, M, B>),
     Lamb(GroupedOptimizer<Lamb, M, B>),
 }
 
-impl<M: AutodiffModule<B>, B: AutodiffBackend> PreTrainingOptimizer<M, B> {
-    /// Builds the optimizer of `config` for `module` (whose parameter paths decide the groups).
-    pub fn new(config: &OptimizerConfig, module: &M) -> Self {
+impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> PreTrainingOptimizer<M, B> {
+    /// Builds the optimizer of `config` for `module` (whose parameter paths decide the groups);
+    /// `fused` steps through `ember-backend-ext`'s optimizer ops ([`FusedAdamW`], fused
+    /// [`Lamb`]).
+    pub fn new(config: &OptimizerConfig, module: &M, fused: bool) -> Self {
         match config.name {
+            OptimizerKind::AdamW if fused => {
+                let adamw = |weight_decay| FusedAdamW {
+                    beta_1: config.beta1,
+                    beta_2: config.beta2,
+                    epsilon: config.epsilon,
+                    weight_decay,
+                };
+                Self::FusedAdamW(GroupedOptimizer::new(
+                    adamw(config.weight_decay),
+                    adamw(0.0),
+                    module,
+                ))
+            }
             OptimizerKind::AdamW => {
                 let adamw = |weight_decay| {
                     AdamWConfig::new()
@@ -173,6 +303,7 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend> PreTrainingOptimizer<M, B> {
                     beta_2: config.beta2,
                     epsilon: config.epsilon,
                     weight_decay,
+                    fused,
                 };
                 Self::Lamb(GroupedOptimizer::new(
                     lamb(config.weight_decay),
@@ -187,6 +318,7 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend> PreTrainingOptimizer<M, B> {
     pub fn step(&mut self, lr: LearningRate, module: M, grads: GradientsParams) -> M {
         match self {
             Self::AdamW(o) => o.step(lr, module, grads),
+            Self::FusedAdamW(o) => o.step(lr, module, grads),
             Self::Lamb(o) => o.step(lr, module, grads),
         }
     }
@@ -212,9 +344,14 @@ mod tests {
         assert!(!uses_weight_decay("cls.predictions.bias"));
     }
 
-    /// One LAMB step against the formula evaluated by hand.
+    /// One LAMB step against the formula evaluated by hand, composed and fused.
     #[test]
     fn lamb_first_step_matches_formula() {
+        lamb_first_step(false);
+        lamb_first_step(true);
+    }
+
+    fn lamb_first_step(fused: bool) {
         let device = Default::default();
         let w = Tensor::<NdArray, 1>::from_data(TensorData::from([3.0f32, 4.0]), &device);
         let g = Tensor::<NdArray, 1>::from_data(TensorData::from([0.5f32, -1.0]), &device);
@@ -223,6 +360,7 @@ mod tests {
             beta_2: 0.999,
             epsilon: 0.0,
             weight_decay: 0.1,
+            fused,
         };
         let (new_w, state) = SimpleOptimizer::<NdArray>::step(&lamb, 0.01, w, g, None);
         // Step 1: m̂ = g, v̂ = g², so m̂/sqrt(v̂) = sign(g) = [1, -1]; u = [1, -1] + 0.1·[3, 4]
@@ -234,5 +372,52 @@ mod tests {
             assert!((f64::from(*g) - e).abs() < 1e-6, "{got:?} vs {expected:?}");
         }
         assert_eq!(state.unwrap().time, 1);
+    }
+
+    /// Three steps of [`FusedAdamW`] equal Burn's `AdamW` (the formula it claims), state and
+    /// all, on a 2-D parameter.
+    #[test]
+    fn fused_adamw_equals_burns_adamw() {
+        let device = Default::default();
+        let burn_adamw = AdamWConfig::new()
+            .with_beta_1(0.9)
+            .with_beta_2(0.98)
+            .with_epsilon(1e-6)
+            .with_weight_decay(0.01)
+            .build();
+        let fused = FusedAdamW {
+            beta_1: 0.9,
+            beta_2: 0.98,
+            epsilon: 1e-6,
+            weight_decay: 0.01,
+        };
+        let w0 = Tensor::<NdArray, 2>::from_data(
+            TensorData::new((0..12).map(|i| i as f32 * 0.3 - 1.5).collect(), [3, 4]),
+            &device,
+        );
+        let (mut a, mut b) = (w0.clone(), w0);
+        let (mut state_a, mut state_b) = (None, None);
+        for step in 0..3 {
+            let g = Tensor::<NdArray, 2>::from_data(
+                TensorData::new(
+                    (0..12)
+                        .map(|i| ((i * 7 + step * 3) % 5) as f32 - 2.0)
+                        .collect(),
+                    [3, 4],
+                ),
+                &device,
+            );
+            (a, state_a) =
+                SimpleOptimizer::<NdArray>::step(&burn_adamw, 1e-2, a, g.clone(), state_a);
+            (b, state_b) = SimpleOptimizer::<NdArray>::step(&fused, 1e-2, b, g, state_b);
+        }
+        let (a, b) = (
+            a.into_data().to_vec::<f32>().unwrap(),
+            b.into_data().to_vec::<f32>().unwrap(),
+        );
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() < 1e-6, "Burn {a:?} vs fused {b:?}");
+        }
+        assert_eq!(state_b.unwrap().time, 3);
     }
 }

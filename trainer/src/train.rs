@@ -590,7 +590,8 @@ pub fn train_rank<B: GradHookBackend>(
         config.optimizer.max_grad_norm,
         comm.clone(),
     );
-    let mut optimizer = PreTrainingOptimizer::new(&config.optimizer, &model);
+    let fused = config.model.kernels.fused::<B>();
+    let mut optimizer = PreTrainingOptimizer::new(&config.optimizer, &model, fused);
     let schedule = WarmupPolyDecay::new(
         config.optimizer.lr,
         config.warmup_steps(),

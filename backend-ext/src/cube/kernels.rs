@@ -362,3 +362,161 @@ pub fn masked_softmax_dropout_backward_kernel<F: Float>(
         j += block as usize;
     }
 }
+
+/// Adam's moments and bias-corrected direction of element `i`; writes the new moments.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn adam_direction<F: Float>(
+    i: usize,
+    grad: &Tensor<F>,
+    moment_1: &Tensor<F>,
+    moment_2: &Tensor<F>,
+    moment_1_out: &mut Tensor<F>,
+    moment_2_out: &mut Tensor<F>,
+    beta_1: f32,
+    beta_2: f32,
+    epsilon: f32,
+    correction_1: f32,
+    correction_2: f32,
+) -> f32 {
+    let g = f32::cast_from(grad[i]);
+    let m = beta_1 * f32::cast_from(moment_1[i]) + (f32::new(1.0) - beta_1) * g;
+    let v = beta_2 * f32::cast_from(moment_2[i]) + (f32::new(1.0) - beta_2) * g * g;
+    moment_1_out[i] = F::cast_from(m);
+    moment_2_out[i] = F::cast_from(v);
+    (m / correction_1) / ((v / correction_2).sqrt() + epsilon)
+}
+
+/// One AdamW step per element: `w·(1 − lr·λ) − lr·m̂/(sqrt(v̂) + ε)`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_step_kernel<F: Float>(
+    param: &Tensor<F>,
+    grad: &Tensor<F>,
+    moment_1: &Tensor<F>,
+    moment_2: &Tensor<F>,
+    param_out: &mut Tensor<F>,
+    moment_1_out: &mut Tensor<F>,
+    moment_2_out: &mut Tensor<F>,
+    lr: f32,
+    decay: f32,
+    beta_1: f32,
+    beta_2: f32,
+    epsilon: f32,
+    correction_1: f32,
+    correction_2: f32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= param.len() {
+        terminate!();
+    }
+    let direction = adam_direction::<F>(
+        i,
+        grad,
+        moment_1,
+        moment_2,
+        moment_1_out,
+        moment_2_out,
+        beta_1,
+        beta_2,
+        epsilon,
+        correction_1,
+        correction_2,
+    );
+    param_out[i] = F::cast_from(f32::cast_from(param[i]) * decay - lr * direction);
+}
+
+/// LAMB's update per element: `m̂/(sqrt(v̂) + ε) + λ·w`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn lamb_update_kernel<F: Float>(
+    param: &Tensor<F>,
+    grad: &Tensor<F>,
+    moment_1: &Tensor<F>,
+    moment_2: &Tensor<F>,
+    update_out: &mut Tensor<F>,
+    moment_1_out: &mut Tensor<F>,
+    moment_2_out: &mut Tensor<F>,
+    weight_decay: f32,
+    beta_1: f32,
+    beta_2: f32,
+    epsilon: f32,
+    correction_1: f32,
+    correction_2: f32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= param.len() {
+        terminate!();
+    }
+    let direction = adam_direction::<F>(
+        i,
+        grad,
+        moment_1,
+        moment_2,
+        moment_1_out,
+        moment_2_out,
+        beta_1,
+        beta_2,
+        epsilon,
+        correction_1,
+        correction_2,
+    );
+    update_out[i] = F::cast_from(direction + weight_decay * f32::cast_from(param[i]));
+}
+
+/// Partial sums of `x²` (or of `x`, when `square` is false: the second pass): each cube
+/// strides over the tensor with the whole grid and writes one partial sum.
+#[cube(launch)]
+pub fn sum_squares_kernel<F: Float>(
+    x: &Tensor<F>,
+    partials: &mut Tensor<F>,
+    #[comptime] block: u32,
+    #[comptime] square: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let unit = UNIT_POS_X as usize;
+    let cube = CUBE_POS_X as usize;
+    let stride = CUBE_COUNT_X as usize * block as usize;
+    let mut shared = SharedMemory::<f32>::new(block as usize);
+    let mut sum = f32::new(0.0);
+    let mut i = cube * block as usize + unit;
+    while i < x.len() {
+        let v = f32::cast_from(x[i]);
+        if square {
+            sum += v * v;
+        } else {
+            sum += v;
+        }
+        i += stride;
+    }
+    let total = cube_sum(&mut shared, sum);
+    if unit == 0 {
+        partials[cube] = F::cast_from(total);
+    }
+}
+
+/// `w − lr · r · u`, `r = ‖w‖/‖u‖` from the squared norms (1 if either is 0).
+#[cube(launch)]
+pub fn lamb_apply_kernel<F: Float>(
+    param: &Tensor<F>,
+    update: &Tensor<F>,
+    param_sq: &Tensor<F>,
+    update_sq: &Tensor<F>,
+    param_out: &mut Tensor<F>,
+    lr: f32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= param.len() {
+        terminate!();
+    }
+    let w_norm = f32::cast_from(param_sq[0]).sqrt();
+    let u_norm = f32::cast_from(update_sq[0]).sqrt();
+    let mut ratio = f32::new(1.0);
+    if w_norm > f32::new(0.0) && u_norm > f32::new(0.0) {
+        ratio = w_norm / u_norm;
+    }
+    param_out[i] = F::cast_from(f32::cast_from(param[i]) - lr * ratio * f32::cast_from(update[i]));
+}

@@ -10,7 +10,10 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use cubecl::prelude::*;
 use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
 
-use crate::{DropoutSpec, FusedOps, LayerNormBackward, LayerNormForward, SoftmaxForward};
+use crate::{
+    AdamHyper, AdamOutput, DropoutSpec, FusedOps, LayerNormBackward, LayerNormForward,
+    SoftmaxForward,
+};
 
 /// Units per cube of the row kernels (a power of two; rows shorter than this use fewer).
 const ROW_BLOCK: usize = 256;
@@ -50,6 +53,20 @@ fn dropout_args(dropout: DropoutSpec) -> (u32, u32, f32, bool) {
         dropout.keep_scale() as f32,
         dropout.enabled(),
     )
+}
+
+/// Cubes of the first pass of [`FusedOps::sum_squares`]: enough to fill a large GPU, few
+/// enough for one cube to sum their partials.
+const SUM_CUBES: usize = 1024;
+
+/// Moments and parameter-shaped outputs of an Adam-family kernel.
+fn adam_outputs<R: CubeRuntime>(param: &CubeTensor<R>) -> [CubeTensor<R>; 3] {
+    let shape = param.shape();
+    [
+        empty_like(param, shape.clone()),
+        empty_like(param, shape.clone()),
+        empty_like(param, shape),
+    ]
 }
 
 fn check_rows(n_elements: usize) {
@@ -272,5 +289,141 @@ where
             dtype,
         );
         grad_scores
+    }
+
+    fn adamw_step(
+        param: CubeTensor<R>,
+        grad: CubeTensor<R>,
+        moment_1: CubeTensor<R>,
+        moment_2: CubeTensor<R>,
+        hyper: AdamHyper,
+    ) -> AdamOutput<Self> {
+        let param = into_contiguous(param);
+        let [param_out, moment_1_out, moment_2_out] = adam_outputs(&param);
+        let n = param.shape().num_elements();
+        let (count, dim) = elemwise_launch(&param, n);
+        let (c1, c2) = hyper.corrections();
+        let dtype = storage(param.dtype);
+        kernels::adamw_step_kernel::launch::<R>(
+            &param.client,
+            count,
+            dim,
+            param.clone().into_tensor_arg(),
+            into_contiguous(grad).into_tensor_arg(),
+            into_contiguous(moment_1).into_tensor_arg(),
+            into_contiguous(moment_2).into_tensor_arg(),
+            param_out.clone().into_tensor_arg(),
+            moment_1_out.clone().into_tensor_arg(),
+            moment_2_out.clone().into_tensor_arg(),
+            hyper.lr as f32,
+            (1.0 - hyper.lr * hyper.weight_decay) as f32,
+            hyper.beta_1 as f32,
+            hyper.beta_2 as f32,
+            hyper.epsilon as f32,
+            c1 as f32,
+            c2 as f32,
+            dtype,
+        );
+        AdamOutput {
+            param: param_out,
+            moment_1: moment_1_out,
+            moment_2: moment_2_out,
+        }
+    }
+
+    fn lamb_update(
+        param: CubeTensor<R>,
+        grad: CubeTensor<R>,
+        moment_1: CubeTensor<R>,
+        moment_2: CubeTensor<R>,
+        hyper: AdamHyper,
+    ) -> AdamOutput<Self> {
+        let param = into_contiguous(param);
+        let [update, moment_1_out, moment_2_out] = adam_outputs(&param);
+        let n = param.shape().num_elements();
+        let (count, dim) = elemwise_launch(&param, n);
+        let (c1, c2) = hyper.corrections();
+        let dtype = storage(param.dtype);
+        kernels::lamb_update_kernel::launch::<R>(
+            &param.client,
+            count,
+            dim,
+            param.clone().into_tensor_arg(),
+            into_contiguous(grad).into_tensor_arg(),
+            into_contiguous(moment_1).into_tensor_arg(),
+            into_contiguous(moment_2).into_tensor_arg(),
+            update.clone().into_tensor_arg(),
+            moment_1_out.clone().into_tensor_arg(),
+            moment_2_out.clone().into_tensor_arg(),
+            hyper.weight_decay as f32,
+            hyper.beta_1 as f32,
+            hyper.beta_2 as f32,
+            hyper.epsilon as f32,
+            c1 as f32,
+            c2 as f32,
+            dtype,
+        );
+        AdamOutput {
+            param: update,
+            moment_1: moment_1_out,
+            moment_2: moment_2_out,
+        }
+    }
+
+    fn sum_squares(x: CubeTensor<R>) -> CubeTensor<R> {
+        let x = into_contiguous(x);
+        let n = x.shape().num_elements();
+        let cubes = n.div_ceil(ROW_BLOCK).clamp(1, SUM_CUBES);
+        let partials = empty_like(&x, Shape::new([cubes]));
+        let dtype = storage(x.dtype);
+        kernels::sum_squares_kernel::launch::<R>(
+            &x.client,
+            CubeCount::Static(cubes as u32, 1, 1),
+            CubeDim::new_1d(ROW_BLOCK as u32),
+            x.clone().into_tensor_arg(),
+            partials.clone().into_tensor_arg(),
+            ROW_BLOCK as u32,
+            true,
+            dtype,
+        );
+        let total = empty_like(&x, Shape::new([1]));
+        kernels::sum_squares_kernel::launch::<R>(
+            &x.client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(ROW_BLOCK as u32),
+            partials.into_tensor_arg(),
+            total.clone().into_tensor_arg(),
+            ROW_BLOCK as u32,
+            false,
+            dtype,
+        );
+        total
+    }
+
+    fn lamb_apply(
+        param: CubeTensor<R>,
+        update: CubeTensor<R>,
+        param_sq: CubeTensor<R>,
+        update_sq: CubeTensor<R>,
+        lr: f64,
+    ) -> CubeTensor<R> {
+        let param = into_contiguous(param);
+        let output = empty_like(&param, param.shape());
+        let n = param.shape().num_elements();
+        let (count, dim) = elemwise_launch(&param, n);
+        let dtype = storage(param.dtype);
+        kernels::lamb_apply_kernel::launch::<R>(
+            &param.client,
+            count,
+            dim,
+            param.clone().into_tensor_arg(),
+            into_contiguous(update).into_tensor_arg(),
+            into_contiguous(param_sq).into_tensor_arg(),
+            into_contiguous(update_sq).into_tensor_arg(),
+            output.clone().into_tensor_arg(),
+            lr as f32,
+            dtype,
+        );
+        output
     }
 }
