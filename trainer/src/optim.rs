@@ -80,6 +80,22 @@ fn flat_moments<B: FusedOps, const D: usize>(
     }
 }
 
+/// The fused ops' hyper-parameters from `[β1, β2, ε, λ]` and step t.
+fn adam_hyper(
+    lr: LearningRate,
+    [beta_1, beta_2, epsilon, weight_decay]: [f32; 4],
+    time: usize,
+) -> AdamHyper {
+    AdamHyper {
+        lr,
+        beta_1: beta_1 as f64,
+        beta_2: beta_2 as f64,
+        epsilon: epsilon as f64,
+        weight_decay: weight_decay as f64,
+        step: time as u32,
+    }
+}
+
 fn unflat<B: FusedOps, const D: usize>(x: FloatTensor<B>, shape: Shape) -> Tensor<B, D> {
     Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(x)).reshape(shape)
 }
@@ -99,14 +115,11 @@ impl<B: FusedOps> SimpleOptimizer<B> for Lamb {
             let n = shape.num_elements();
             let (moment_1, moment_2, time) = flat_moments(&tensor, state);
             let param = tensor.reshape([n]).into_primitive().tensor();
-            let hyper = AdamHyper {
+            let hyper = adam_hyper(
                 lr,
-                beta_1: self.beta_1 as f64,
-                beta_2: self.beta_2 as f64,
-                epsilon: self.epsilon as f64,
-                weight_decay: self.weight_decay as f64,
-                step: time as u32,
-            };
+                [self.beta_1, self.beta_2, self.epsilon, self.weight_decay],
+                time,
+            );
             let out = B::lamb_update(
                 param.clone(),
                 grad.reshape([n]).into_primitive().tensor(),
@@ -194,14 +207,11 @@ impl<B: FusedOps> SimpleOptimizer<B> for FusedAdamW {
             grad.reshape([n]).into_primitive().tensor(),
             moment_1,
             moment_2,
-            AdamHyper {
+            adam_hyper(
                 lr,
-                beta_1: self.beta_1 as f64,
-                beta_2: self.beta_2 as f64,
-                epsilon: self.epsilon as f64,
-                weight_decay: self.weight_decay as f64,
-                step: time as u32,
-            },
+                [self.beta_1, self.beta_2, self.epsilon, self.weight_decay],
+                time,
+            ),
         );
         let state = LambState {
             moment_1: unflat(out.moment_1, shape.clone()),

@@ -363,107 +363,45 @@ pub fn masked_softmax_dropout_backward_kernel<F: Float>(
     }
 }
 
-/// Adam's moments and bias-corrected direction of element `i`; writes the new moments.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn adam_direction<F: Float>(
-    i: usize,
-    grad: &Tensor<F>,
-    moment_1: &Tensor<F>,
-    moment_2: &Tensor<F>,
-    moment_1_out: &mut Tensor<F>,
-    moment_2_out: &mut Tensor<F>,
-    beta_1: f32,
-    beta_2: f32,
-    epsilon: f32,
-    correction_1: f32,
-    correction_2: f32,
-) -> f32 {
-    let g = f32::cast_from(grad[i]);
-    let m = beta_1 * f32::cast_from(moment_1[i]) + (f32::new(1.0) - beta_1) * g;
-    let v = beta_2 * f32::cast_from(moment_2[i]) + (f32::new(1.0) - beta_2) * g * g;
-    moment_1_out[i] = F::cast_from(m);
-    moment_2_out[i] = F::cast_from(v);
-    (m / correction_1) / ((v / correction_2).sqrt() + epsilon)
-}
-
-/// One AdamW step per element: `w·(1 − lr·λ) − lr·m̂/(sqrt(v̂) + ε)`.
+/// One Adam-family step per element: the moments `m ← β1·m + (1−β1)·g`,
+/// `v ← β2·v + (1−β2)·g²`, the direction `d = m̂/(sqrt(v̂) + ε)`, then
+/// AdamW: `w·(1 − lr·λ) − lr·d` (the new parameter), or LAMB: `d + λ·w` (the update).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-pub fn adamw_step_kernel<F: Float>(
+pub fn adam_kernel<F: Float>(
     param: &Tensor<F>,
     grad: &Tensor<F>,
     moment_1: &Tensor<F>,
     moment_2: &Tensor<F>,
-    param_out: &mut Tensor<F>,
+    output: &mut Tensor<F>,
     moment_1_out: &mut Tensor<F>,
     moment_2_out: &mut Tensor<F>,
     lr: f32,
-    decay: f32,
-    beta_1: f32,
-    beta_2: f32,
-    epsilon: f32,
-    correction_1: f32,
-    correction_2: f32,
-    #[define(F)] _dtype: StorageType,
-) {
-    let i = ABSOLUTE_POS;
-    if i >= param.len() {
-        terminate!();
-    }
-    let direction = adam_direction::<F>(
-        i,
-        grad,
-        moment_1,
-        moment_2,
-        moment_1_out,
-        moment_2_out,
-        beta_1,
-        beta_2,
-        epsilon,
-        correction_1,
-        correction_2,
-    );
-    param_out[i] = F::cast_from(f32::cast_from(param[i]) * decay - lr * direction);
-}
-
-/// LAMB's update per element: `m̂/(sqrt(v̂) + ε) + λ·w`.
-#[cube(launch)]
-#[allow(clippy::too_many_arguments)]
-pub fn lamb_update_kernel<F: Float>(
-    param: &Tensor<F>,
-    grad: &Tensor<F>,
-    moment_1: &Tensor<F>,
-    moment_2: &Tensor<F>,
-    update_out: &mut Tensor<F>,
-    moment_1_out: &mut Tensor<F>,
-    moment_2_out: &mut Tensor<F>,
     weight_decay: f32,
     beta_1: f32,
     beta_2: f32,
     epsilon: f32,
     correction_1: f32,
     correction_2: f32,
+    #[comptime] lamb: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
     if i >= param.len() {
         terminate!();
     }
-    let direction = adam_direction::<F>(
-        i,
-        grad,
-        moment_1,
-        moment_2,
-        moment_1_out,
-        moment_2_out,
-        beta_1,
-        beta_2,
-        epsilon,
-        correction_1,
-        correction_2,
-    );
-    update_out[i] = F::cast_from(direction + weight_decay * f32::cast_from(param[i]));
+    let g = f32::cast_from(grad[i]);
+    let m = beta_1 * f32::cast_from(moment_1[i]) + (f32::new(1.0) - beta_1) * g;
+    let v = beta_2 * f32::cast_from(moment_2[i]) + (f32::new(1.0) - beta_2) * g * g;
+    moment_1_out[i] = F::cast_from(m);
+    moment_2_out[i] = F::cast_from(v);
+    let direction = (m / correction_1) / ((v / correction_2).sqrt() + epsilon);
+    let w = f32::cast_from(param[i]);
+    if lamb {
+        output[i] = F::cast_from(direction + weight_decay * w);
+    } else {
+        output[i] = F::cast_from(w * (f32::new(1.0) - lr * weight_decay) - lr * direction);
+    }
 }
 
 /// Partial sums of `x²` (or of `x`, when `square` is false: the second pass): each cube

@@ -59,14 +59,49 @@ fn dropout_args(dropout: DropoutSpec) -> (u32, u32, f32, bool) {
 /// enough for one cube to sum their partials.
 const SUM_CUBES: usize = 1024;
 
-/// Moments and parameter-shaped outputs of an Adam-family kernel.
-fn adam_outputs<R: CubeRuntime>(param: &CubeTensor<R>) -> [CubeTensor<R>; 3] {
+/// [`FusedOps::adamw_step`] (`lamb` false) or [`FusedOps::lamb_update`] (`lamb` true).
+fn adam_launch<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    param: CubeTensor<R>,
+    grad: CubeTensor<R>,
+    moment_1: CubeTensor<R>,
+    moment_2: CubeTensor<R>,
+    hyper: AdamHyper,
+    lamb: bool,
+) -> AdamOutput<CubeBackend<R, F, I, BT>> {
+    let param = into_contiguous(param);
     let shape = param.shape();
-    [
-        empty_like(param, shape.clone()),
-        empty_like(param, shape.clone()),
-        empty_like(param, shape),
-    ]
+    let output = empty_like(&param, shape.clone());
+    let moment_1_out = empty_like(&param, shape.clone());
+    let moment_2_out = empty_like(&param, shape.clone());
+    let (count, dim) = elemwise_launch(&param, shape.num_elements());
+    let (c1, c2) = hyper.corrections();
+    let dtype = storage(param.dtype);
+    kernels::adam_kernel::launch::<R>(
+        &param.client,
+        count,
+        dim,
+        param.clone().into_tensor_arg(),
+        into_contiguous(grad).into_tensor_arg(),
+        into_contiguous(moment_1).into_tensor_arg(),
+        into_contiguous(moment_2).into_tensor_arg(),
+        output.clone().into_tensor_arg(),
+        moment_1_out.clone().into_tensor_arg(),
+        moment_2_out.clone().into_tensor_arg(),
+        hyper.lr as f32,
+        hyper.weight_decay as f32,
+        hyper.beta_1 as f32,
+        hyper.beta_2 as f32,
+        hyper.epsilon as f32,
+        c1 as f32,
+        c2 as f32,
+        lamb,
+        dtype,
+    );
+    AdamOutput {
+        param: output,
+        moment_1: moment_1_out,
+        moment_2: moment_2_out,
+    }
 }
 
 fn check_rows(n_elements: usize) {
@@ -298,37 +333,7 @@ where
         moment_2: CubeTensor<R>,
         hyper: AdamHyper,
     ) -> AdamOutput<Self> {
-        let param = into_contiguous(param);
-        let [param_out, moment_1_out, moment_2_out] = adam_outputs(&param);
-        let n = param.shape().num_elements();
-        let (count, dim) = elemwise_launch(&param, n);
-        let (c1, c2) = hyper.corrections();
-        let dtype = storage(param.dtype);
-        kernels::adamw_step_kernel::launch::<R>(
-            &param.client,
-            count,
-            dim,
-            param.clone().into_tensor_arg(),
-            into_contiguous(grad).into_tensor_arg(),
-            into_contiguous(moment_1).into_tensor_arg(),
-            into_contiguous(moment_2).into_tensor_arg(),
-            param_out.clone().into_tensor_arg(),
-            moment_1_out.clone().into_tensor_arg(),
-            moment_2_out.clone().into_tensor_arg(),
-            hyper.lr as f32,
-            (1.0 - hyper.lr * hyper.weight_decay) as f32,
-            hyper.beta_1 as f32,
-            hyper.beta_2 as f32,
-            hyper.epsilon as f32,
-            c1 as f32,
-            c2 as f32,
-            dtype,
-        );
-        AdamOutput {
-            param: param_out,
-            moment_1: moment_1_out,
-            moment_2: moment_2_out,
-        }
+        adam_launch(param, grad, moment_1, moment_2, hyper, false)
     }
 
     fn lamb_update(
@@ -338,36 +343,7 @@ where
         moment_2: CubeTensor<R>,
         hyper: AdamHyper,
     ) -> AdamOutput<Self> {
-        let param = into_contiguous(param);
-        let [update, moment_1_out, moment_2_out] = adam_outputs(&param);
-        let n = param.shape().num_elements();
-        let (count, dim) = elemwise_launch(&param, n);
-        let (c1, c2) = hyper.corrections();
-        let dtype = storage(param.dtype);
-        kernels::lamb_update_kernel::launch::<R>(
-            &param.client,
-            count,
-            dim,
-            param.clone().into_tensor_arg(),
-            into_contiguous(grad).into_tensor_arg(),
-            into_contiguous(moment_1).into_tensor_arg(),
-            into_contiguous(moment_2).into_tensor_arg(),
-            update.clone().into_tensor_arg(),
-            moment_1_out.clone().into_tensor_arg(),
-            moment_2_out.clone().into_tensor_arg(),
-            hyper.weight_decay as f32,
-            hyper.beta_1 as f32,
-            hyper.beta_2 as f32,
-            hyper.epsilon as f32,
-            c1 as f32,
-            c2 as f32,
-            dtype,
-        );
-        AdamOutput {
-            param: update,
-            moment_1: moment_1_out,
-            moment_2: moment_2_out,
-        }
+        adam_launch(param, grad, moment_1, moment_2, hyper, true)
     }
 
     fn sum_squares(x: CubeTensor<R>) -> CubeTensor<R> {
