@@ -106,12 +106,12 @@ fn bench_wgpu(_: &KernelArgs, _: &[Shape]) -> Result<()> {
 
 #[cfg(feature = "cuda")]
 fn bench_cuda(args: &KernelArgs, shapes: &[Shape], bf16: bool) -> Result<()> {
-    use burn::backend::cuda::{CubeBackend, CudaDevice, CudaRuntime};
-    let device = CudaDevice::new(0);
+    // Burn's `Cuda` is `CubeBackend<CudaRuntime, F, I, u8>` (no fusion feature here).
+    let device = burn::backend::cuda::CudaDevice::new(0);
     if bf16 {
-        bench::<CubeBackend<CudaRuntime, burn::tensor::bf16, i32, u8>>(&device, args, shapes)
+        bench::<burn::backend::Cuda<burn::tensor::bf16, i32>>(&device, args, shapes)
     } else {
-        bench::<CubeBackend<CudaRuntime, f32, i32, u8>>(&device, args, shapes)
+        bench::<burn::backend::Cuda<f32, i32>>(&device, args, shapes)
     }
 }
 
