@@ -9,46 +9,15 @@
 //! the GPU's erf/exp), backward ≤ 1e-4 + 1e-4 relative.
 
 use burn::backend::Autodiff;
+use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Distribution, Tensor, TensorData};
 use ember_backend_ext::{DropoutSpec, FusedOps, keep_mask, reference};
+
+mod common;
+use common::{assert_close, mask_bias, random, values};
 
 const FWD: (f32, f32) = (2e-5, 2e-5);
 const BWD: (f32, f32) = (1e-4, 1e-4);
-
-fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().to_vec::<f32>().unwrap()
-}
-
-/// Asserts `|a − b| ≤ atol + rtol·|b|` elementwise, naming the worst element.
-fn assert_close<B: Backend, const D: usize>(
-    what: &str,
-    actual: Tensor<B, D>,
-    expected: Tensor<B, D>,
-    (atol, rtol): (f32, f32),
-) {
-    assert_eq!(actual.dims(), expected.dims(), "{what}: shapes differ");
-    let (a, e) = (values(actual), values(expected));
-    let mut worst = (0usize, 0f32);
-    for (i, (x, y)) in a.iter().zip(&e).enumerate() {
-        assert!(x.is_finite(), "{what}: element {i} is {x}");
-        let excess = (x - y).abs() - (atol + rtol * y.abs());
-        if excess > worst.1 {
-            worst = (i, excess);
-        }
-    }
-    let i = worst.0;
-    assert!(
-        worst.1 <= 0.0,
-        "{what}: element {i} is {} but the reference gives {} (atol {atol}, rtol {rtol})",
-        a[i],
-        e[i]
-    );
-}
-
-fn random<B: Backend, const D: usize>(shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
-    Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
-}
 
 /// A fixed random cotangent: the loss is `sum(output · weight)`.
 fn weighted_sum<B: Backend, const D: usize>(
@@ -158,17 +127,6 @@ pub fn check_layer_norm<B: AutodiffBackend + FusedOps>(
             (1e-4 * rows.sqrt(), 1e-4),
         );
     }
-}
-
-/// `mask` `[B, S]`: 1 for real keys, 0 for padding → additive bias (0 / −10000).
-fn mask_bias<B: Backend>(mask: &[Vec<f32>], device: &B::Device) -> Tensor<B, 2> {
-    let (b, s) = (mask.len(), mask[0].len());
-    let flat: Vec<f32> = mask
-        .iter()
-        .flatten()
-        .map(|m| (1.0 - m) * -10000.0)
-        .collect();
-    Tensor::from_data(TensorData::new(flat, [b, s]), device)
 }
 
 pub fn check_attention<B: AutodiffBackend + FusedOps>(
@@ -515,111 +473,5 @@ mod cuda {
     kernel_tests!(
         burn::backend::Cuda<f32, i32>,
         burn::backend::cuda::CudaDevice::new(0)
-    );
-
-    #[test]
-    fn bf16_kernels_match_the_f32_reference() {
-        type H = burn::backend::Cuda<burn::tensor::bf16, i32>;
-        check_half_precision::<H, burn::tensor::bf16>(
-            &burn::backend::cuda::CudaDevice::new(0),
-            8.0,
-        );
-    }
-}
-
-/// The kernels with half-precision storage (f16 on wgpu, where WGSL has no bf16; bf16 on CUDA
-/// through `scripts/gpu-check.sh`): forward outputs against the f32 reference composition on
-/// NdArray from the same rounded inputs. Tolerance: the half type's rounding of inputs and
-/// output (f16: 2⁻¹¹, bf16: 2⁻⁸ relative), 1e-2 absolute + 1e-2 relative for f16 (3e-2
-/// absolute for LayerNorm, whose outputs reach ±4), 8× that for bf16.
-pub fn check_half_precision<H: FusedOps, E: burn::tensor::Element>(device: &H::Device, scale: f32) {
-    use burn::backend::NdArray;
-    let tol = (1e-2 * scale, 1e-2 * scale);
-    let cpu = Default::default();
-    // A random f32 tensor rounded through E: on NdArray as f32, and on H.
-    let pair = |shape: &[usize]| {
-        let x = Tensor::<NdArray, 1>::random(
-            [shape.iter().product::<usize>()],
-            Distribution::Normal(0.0, 1.0),
-            &cpu,
-        );
-        let data = x.into_data().convert::<E>();
-        let half = Tensor::<H, 1>::from_data(data.clone(), device);
-        (
-            Tensor::<NdArray, 1>::from_data(data.convert::<f32>(), &cpu),
-            half,
-        )
-    };
-    let to_f32 =
-        |t: Tensor<H, 1>| Tensor::<NdArray, 1>::from_data(t.into_data().convert::<f32>(), &cpu);
-
-    let (x, xh) = pair(&[231, 300]);
-    let (x, xh) = (x.reshape([231, 300]), xh.reshape([231, 300]));
-    let (b, bh) = pair(&[300]);
-    assert_close(
-        "bias_gelu, half precision",
-        to_f32(ember_backend_ext::bias_gelu(xh.clone(), bh.clone()).reshape([231 * 300])),
-        reference::bias_gelu(x.clone(), b.clone()).reshape([231 * 300]),
-        tol,
-    );
-
-    let (r, rh) = pair(&[231, 300]);
-    let (r, rh) = (r.reshape([231, 300]), rh.reshape([231, 300]));
-    let (g, gh) = pair(&[300]);
-    let dropout = DropoutSpec { prob: 0.1, seed: 3 };
-    let fused =
-        ember_backend_ext::bias_dropout_add_layer_norm(xh, bh.clone(), rh, gh, bh, dropout, 1e-5);
-    let expected = reference::bias_dropout_add_layer_norm(x, b.clone(), r, g, b, dropout, 1e-5);
-    assert_close(
-        "bias_dropout_add_layer_norm, half precision",
-        to_f32(fused.reshape([231 * 300])),
-        expected.reshape([231 * 300]),
-        (3.0 * tol.0, tol.1),
-    );
-
-    let n = 2 * 4 * 33 * 16;
-    let (q, qh) = pair(&[n]);
-    let (k, kh) = pair(&[n]);
-    let (v, vh) = pair(&[n]);
-    let shape = [2, 4, 33, 16];
-    let mask = vec![
-        vec![1.0; 33],
-        (0..33).map(|j| (j < 20) as u8 as f32).collect(),
-    ];
-    let fused = ember_backend_ext::attention(
-        qh.reshape(shape),
-        kh.reshape(shape),
-        vh.reshape(shape),
-        mask_bias::<H>(&mask, device),
-        0.25,
-        dropout,
-    );
-    let expected = reference::attention(
-        q.reshape(shape),
-        k.reshape(shape),
-        v.reshape(shape),
-        mask_bias::<NdArray>(&mask, &cpu),
-        0.25,
-        dropout,
-    );
-    assert_close(
-        "attention, half precision",
-        to_f32(fused.reshape([n])),
-        expected.reshape([n]),
-        tol,
-    );
-}
-
-#[test]
-fn f16_kernels_on_wgpu_match_the_f32_reference() {
-    type H = burn::backend::wgpu::CubeBackend<
-        burn::backend::wgpu::WgpuRuntime,
-        burn::tensor::f16,
-        i32,
-        u32,
-    >;
-    check_half_precision::<H, burn::tensor::f16>(
-        &burn::backend::wgpu::WgpuDevice::DefaultDevice,
-        1.0,
     );
 }
