@@ -137,8 +137,28 @@ impl AdamHyper {
     }
 }
 
-/// The tensors an Adam-family step returns: the new parameter (for [`FusedOps::lamb_update`]:
-/// the update direction) and both moments, all flat `[n]`.
+/// Which Adam-family step [`FusedOps::adam_multi_tensor`] takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdamKind {
+    /// Burn's `AdamW` (PyTorch's formula): the new parameter
+    /// `w·(1 − lr·λ) − lr · m̂ / (sqrt(v̂) + ε)`.
+    AdamW,
+    /// The first half of a LAMB step (You et al. 2020, Algorithm 2; MLPerf's reference): the
+    /// update `u = m̂ / (sqrt(v̂) + ε) + λ·w`; [`FusedOps::lamb_apply_multi_tensor`] applies it.
+    LambUpdate,
+}
+
+/// One tensor of a multi-tensor Adam-family step, all flat `[n]` (`n ≥ 1`).
+#[derive(Debug, Clone)]
+pub struct AdamTensors<B: Backend> {
+    pub param: FloatTensor<B>,
+    pub grad: FloatTensor<B>,
+    pub moment_1: FloatTensor<B>,
+    pub moment_2: FloatTensor<B>,
+}
+
+/// What an Adam-family step returns for one tensor, all flat `[n]`: the new parameter (for
+/// [`AdamKind::LambUpdate`]: the update direction) and both moments.
 #[derive(Debug, Clone)]
 pub struct AdamOutput<B: Backend> {
     pub param: FloatTensor<B>,
@@ -279,78 +299,79 @@ pub trait FusedOps: Backend {
         ))
     }
 
-    /// One AdamW step of a flattened parameter, Burn's `AdamW` (PyTorch's formula): moments
-    /// `m ← β1·m + (1−β1)·g`, `v ← β2·v + (1−β2)·g²`, then
-    /// `w ← w·(1 − lr·λ) − lr · (m / (1−β1ᵗ)) / (sqrt(v / (1−β2ᵗ)) + ε)`.
+    /// One Adam-family step of many tensors, apex's `multi_tensor_adam`/`multi_tensor_lamb`
+    /// (stage 1): moments `m ← β1·m + (1−β1)·g`, `v ← β2·v + (1−β2)·g²`, then, per `kind`,
+    /// the new parameter (AdamW) or LAMB's update. Kernels update up to 32 tensors per launch
+    /// (fewer where the device has fewer bindings); the reference steps tensor by tensor.
     ///
     /// # Shapes
-    /// `param`, `grad`, `moment_1`, `moment_2` `[n]` → [`AdamOutput`] (all `[n]`)
-    fn adamw_step(
-        param: FloatTensor<Self>,
-        grad: FloatTensor<Self>,
-        moment_1: FloatTensor<Self>,
-        moment_2: FloatTensor<Self>,
+    /// each of `tensors` flat `[n_i]` → one [`AdamOutput`] per tensor, in order
+    fn adam_multi_tensor(
+        tensors: Vec<AdamTensors<Self>>,
         hyper: AdamHyper,
-    ) -> AdamOutput<Self> {
-        reference::adamw_step::<Self>(
-            float(param),
-            float(grad),
-            float(moment_1),
-            float(moment_2),
-            hyper,
-        )
+        kind: AdamKind,
+    ) -> Vec<AdamOutput<Self>> {
+        tensors
+            .into_iter()
+            .map(|t| {
+                reference::adam_step::<Self>(
+                    float(t.param),
+                    float(t.grad),
+                    float(t.moment_1),
+                    float(t.moment_2),
+                    hyper,
+                    kind,
+                )
+            })
+            .collect()
     }
 
-    /// The first half of a LAMB step (You et al. 2020, Algorithm 2; MLPerf's reference):
-    /// the moments as Adam's and the update `u = m̂ / (sqrt(v̂) + ε) + λ·w`, returned in
-    /// [`AdamOutput::param`]. [`FusedOps::lamb_apply`] finishes the step.
+    /// `Σ x²` of each tensor (squared L2 norms), accumulated in f32 on the device: LAMB's
+    /// norms and the global gradient norm of clipping (apex's `multi_tensor_l2norm`).
     ///
     /// # Shapes
-    /// `param`, `grad`, `moment_1`, `moment_2` `[n]` → [`AdamOutput`] (all `[n]`)
-    fn lamb_update(
-        param: FloatTensor<Self>,
-        grad: FloatTensor<Self>,
-        moment_1: FloatTensor<Self>,
-        moment_2: FloatTensor<Self>,
-        hyper: AdamHyper,
-    ) -> AdamOutput<Self> {
-        reference::lamb_update::<Self>(
-            float(param),
-            float(grad),
-            float(moment_1),
-            float(moment_2),
-            hyper,
-        )
+    /// `xs` (not empty), each flat `[n_i]` → `[xs.len()]`
+    ///
+    /// # Panics
+    /// If `xs` is empty.
+    fn sum_squares_multi_tensor(xs: Vec<FloatTensor<Self>>) -> FloatTensor<Self> {
+        assert!(!xs.is_empty(), "sum_squares_multi_tensor of no tensors");
+        let sums = xs
+            .into_iter()
+            .map(|x| float::<Self, 1>(x).square().sum())
+            .collect();
+        prim(Tensor::cat(sums, 0))
     }
 
-    /// `Σ x²` of a flattened tensor (the squared L2 norm), accumulated in f32, on the device.
+    /// The second half of a LAMB step for many tensors: `w_i ← w_i − lr · r_i · u_i` with the
+    /// trust ratio `r_i = ‖w_i‖ / ‖u_i‖` (1 if either norm is 0) from the squared norms on
+    /// the device (no host round trip).
     ///
     /// # Shapes
-    /// `x` `[n]` → `[1]`
-    fn sum_squares(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        prim(float::<Self, 1>(x).square().sum())
-    }
-
-    /// The second half of a LAMB step: `w ← w − lr · r · u` with the trust ratio
-    /// `r = ‖w‖ / ‖u‖` (1 if either norm is 0), from the squared norms on the device (no host
-    /// round trip).
-    ///
-    /// # Shapes
-    /// `param`, `update` `[n]`, `param_sq`, `update_sq` `[1]` → `[n]`
-    fn lamb_apply(
-        param: FloatTensor<Self>,
-        update: FloatTensor<Self>,
+    /// `params`, `updates` flat `[n_i]`; `param_sq`, `update_sq` `[params.len()]` → one `[n_i]`
+    /// per tensor
+    fn lamb_apply_multi_tensor(
+        params: Vec<FloatTensor<Self>>,
+        updates: Vec<FloatTensor<Self>>,
         param_sq: FloatTensor<Self>,
         update_sq: FloatTensor<Self>,
         lr: f64,
-    ) -> FloatTensor<Self> {
-        prim(reference::lamb_apply::<Self>(
-            float(param),
-            float(update),
-            float(param_sq),
-            float(update_sq),
-            lr,
-        ))
+    ) -> Vec<FloatTensor<Self>> {
+        let (param_sq, update_sq) = (float::<Self, 1>(param_sq), float::<Self, 1>(update_sq));
+        params
+            .into_iter()
+            .zip(updates)
+            .enumerate()
+            .map(|(i, (param, update))| {
+                prim(reference::lamb_apply(
+                    float(param),
+                    float(update),
+                    param_sq.clone().slice(i..i + 1),
+                    update_sq.clone().slice(i..i + 1),
+                    lr,
+                ))
+            })
+            .collect()
     }
 
     /// The attention core, `dropout(softmax(Q·Kᵀ·scale + mask_bias)) · V`: two batched
@@ -449,4 +470,35 @@ pub fn attention<B: FusedOps>(
         scale,
         dropout,
     ))
+}
+
+/// A whole LAMB step of many tensors through the multi-tensor ops: the moments and updates
+/// ([`AdamKind::LambUpdate`]), the squared norms of parameters and updates in one
+/// [`FusedOps::sum_squares_multi_tensor`], then [`FusedOps::lamb_apply_multi_tensor`]. Three
+/// launches per group of tensors (plus the norms' final sum), nothing read back to the host.
+///
+/// # Shapes
+/// each of `tensors` flat `[n_i]` → one [`AdamOutput`] per tensor (`param`: the new parameter)
+pub fn lamb_multi_tensor<B: FusedOps>(
+    tensors: Vec<AdamTensors<B>>,
+    hyper: AdamHyper,
+) -> Vec<AdamOutput<B>> {
+    if tensors.is_empty() {
+        return Vec::new();
+    }
+    let count = tensors.len();
+    let params: Vec<_> = tensors.iter().map(|t| t.param.clone()).collect();
+    let stage_1 = B::adam_multi_tensor(tensors, hyper, AdamKind::LambUpdate);
+    let updates: Vec<_> = stage_1.iter().map(|o| o.param.clone()).collect();
+    let norms = float::<B, 1>(B::sum_squares_multi_tensor(
+        params.iter().chain(&updates).cloned().collect(),
+    ));
+    let param_sq = prim(norms.clone().slice(0..count));
+    let update_sq = prim(norms.slice(count..2 * count));
+    let new_params = B::lamb_apply_multi_tensor(params, updates, param_sq, update_sq, hyper.lr);
+    stage_1
+        .into_iter()
+        .zip(new_params)
+        .map(|(out, param)| AdamOutput { param, ..out })
+        .collect()
 }

@@ -10,7 +10,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
 use crate::{
-    AdamHyper, AdamOutput, DropoutSpec, LayerNormForward, SoftmaxForward, keep_mask, prim,
+    AdamHyper, AdamKind, AdamOutput, DropoutSpec, LayerNormForward, SoftmaxForward, keep_mask, prim,
 };
 
 const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
@@ -227,49 +227,34 @@ fn adam_direction<B: Backend>(
     (direction, moment_1, moment_2)
 }
 
-/// The default body of [`FusedOps::adamw_step`](crate::FusedOps): Burn's `AdamW` step.
-pub fn adamw_step<B: Backend>(
+/// One Adam-family step of a flattened tensor, the default body of
+/// [`FusedOps::adam_multi_tensor`](crate::FusedOps::adam_multi_tensor): `AdamW` returns
+/// Burn's `AdamW` step of the parameter, `LambUpdate` LAMB's update direction.
+pub fn adam_step<B: Backend>(
     param: Tensor<B, 1>,
     grad: Tensor<B, 1>,
     moment_1: Tensor<B, 1>,
     moment_2: Tensor<B, 1>,
     hyper: AdamHyper,
+    kind: AdamKind,
 ) -> AdamOutput<B> {
     let (direction, moment_1, moment_2) = adam_direction(grad, moment_1, moment_2, hyper);
-    let decayed = if hyper.weight_decay == 0.0 {
-        param
-    } else {
-        param * (1.0 - hyper.lr * hyper.weight_decay)
+    let param = match kind {
+        AdamKind::AdamW if hyper.weight_decay == 0.0 => param - direction * hyper.lr,
+        AdamKind::AdamW => param * (1.0 - hyper.lr * hyper.weight_decay) - direction * hyper.lr,
+        AdamKind::LambUpdate if hyper.weight_decay == 0.0 => direction,
+        AdamKind::LambUpdate => direction + param * hyper.weight_decay,
     };
     AdamOutput {
-        param: prim(decayed - direction * hyper.lr),
+        param: prim(param),
         moment_1: prim(moment_1),
         moment_2: prim(moment_2),
     }
 }
 
-/// The default body of [`FusedOps::lamb_update`](crate::FusedOps).
-pub fn lamb_update<B: Backend>(
-    param: Tensor<B, 1>,
-    grad: Tensor<B, 1>,
-    moment_1: Tensor<B, 1>,
-    moment_2: Tensor<B, 1>,
-    hyper: AdamHyper,
-) -> AdamOutput<B> {
-    let (direction, moment_1, moment_2) = adam_direction(grad, moment_1, moment_2, hyper);
-    let update = if hyper.weight_decay > 0.0 {
-        direction + param * hyper.weight_decay
-    } else {
-        direction
-    };
-    AdamOutput {
-        param: prim(update),
-        moment_1: prim(moment_1),
-        moment_2: prim(moment_2),
-    }
-}
-
-/// The default body of [`FusedOps::lamb_apply`](crate::FusedOps).
+/// LAMB's second half for one tensor (the default body of
+/// [`FusedOps::lamb_apply_multi_tensor`](crate::FusedOps::lamb_apply_multi_tensor)):
+/// `w − lr · r · u` with `r = ‖w‖/‖u‖` (1 if either is 0) from the squared norms `[1]`.
 pub fn lamb_apply<B: Backend>(
     param: Tensor<B, 1>,
     update: Tensor<B, 1>,

@@ -166,6 +166,117 @@ fn reference_layer_norm<B: Backend>(
     )))
 }
 
+/// AdamW and LAMB over every parameter of BERT-`preset` for pre-training: the multi-tensor ops
+/// (fused) against the reference bodies tensor by tensor (Burn's AdamW composition, and
+/// [`reference::lamb_apply`] with norms from Burn's `square().sum()`).
+fn bench_optimizer<B: FusedOps>(device: &B::Device, preset: &str, n: usize) -> Result<Vec<Row>> {
+    use burn::module::{Module, ModuleVisitor, Param};
+    use ember_backend_ext::{AdamHyper, AdamKind, AdamTensors, lamb_multi_tensor};
+    use ember_model::{BertConfig, Preset};
+
+    let preset = match preset {
+        "large" => Preset::Large,
+        _ => Preset::Base,
+    };
+    struct Collect<B: Backend>(Vec<Tensor<B, 1>>);
+    impl<B: Backend> ModuleVisitor<B> for Collect<B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let value = param.val();
+            let count = value.shape().num_elements();
+            self.0.push(value.reshape([count]));
+        }
+    }
+    let mut collect = Collect::<B>(Vec::new());
+    BertConfig::preset(preset)
+        .init_for_pretraining::<B>(device)
+        .visit(&mut collect);
+    let params = collect.0;
+    let total: usize = params.iter().map(|p| p.shape().num_elements()).sum();
+    let state: Vec<[Tensor<B, 1>; 3]> = params
+        .iter()
+        .map(|p| {
+            let shape = [p.shape().num_elements()];
+            [
+                normal::<B, 1>(shape, device) * 1e-3,
+                normal::<B, 1>(shape, device) * 1e-3,
+                normal::<B, 1>(shape, device).abs() * 1e-6,
+            ]
+        })
+        .collect();
+    let list = || -> Vec<AdamTensors<B>> {
+        params
+            .iter()
+            .zip(&state)
+            .map(|(p, [g, m, v])| AdamTensors {
+                param: p.clone().into_primitive().tensor(),
+                grad: g.clone().into_primitive().tensor(),
+                moment_1: m.clone().into_primitive().tensor(),
+                moment_2: v.clone().into_primitive().tensor(),
+            })
+            .collect()
+    };
+    let hyper = AdamHyper {
+        lr: 1e-4,
+        beta_1: 0.9,
+        beta_2: 0.999,
+        epsilon: 1e-6,
+        weight_decay: 0.01,
+        step: 10,
+    };
+    let reference_step = |kind| {
+        params
+            .iter()
+            .zip(&state)
+            .map(|(p, [g, m, v])| {
+                reference::adam_step(p.clone(), g.clone(), m.clone(), v.clone(), hyper, kind)
+            })
+            .collect::<Vec<_>>()
+    };
+    let adamw_fused = time::<B>(device, n, || {
+        let _ = B::adam_multi_tensor(list(), hyper, AdamKind::AdamW);
+    })?;
+    let adamw_reference = time::<B>(device, n, || {
+        let _ = reference_step(AdamKind::AdamW);
+    })?;
+    let lamb_fused = time::<B>(device, n, || {
+        let _ = lamb_multi_tensor::<B>(list(), hyper);
+    })?;
+    let lamb_reference = time::<B>(device, n, || {
+        for (p, out) in params.iter().zip(reference_step(AdamKind::LambUpdate)) {
+            let update =
+                Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(out.param));
+            let _ = reference::lamb_apply(
+                p.clone(),
+                update.clone(),
+                p.clone().square().sum(),
+                update.square().sum(),
+                hyper.lr,
+            );
+        }
+    })?;
+    let elem = std::mem::size_of::<B::FloatElem>() as f64;
+    let label = format!(
+        "{preset:?} params [{:.0}M, {} tensors]",
+        total as f64 / 1e6,
+        params.len()
+    );
+    let row = |op, fused, reference, passes: f64| Row {
+        op,
+        shape: label.clone(),
+        fused_fwd: fused,
+        reference_fwd: reference,
+        fused_fwd_bwd: f64::NAN,
+        reference_fwd_bwd: f64::NAN,
+        bytes: passes * total as f64 * elem,
+    };
+    Ok(vec![
+        // AdamW reads w, g, m, v and writes w, m, v.
+        row("adamw_multi_tensor", adamw_fused, adamw_reference, 7.0),
+        // LAMB: the same 7, the norms read w and u, the apply reads w and u and writes w.
+        row("lamb_multi_tensor", lamb_fused, lamb_reference, 12.0),
+    ])
+}
+
 struct Row {
     op: &'static str,
     shape: String,
@@ -413,6 +524,13 @@ where
                 bytes: f64::NAN,
             });
         }
+    }
+
+    // Optimizer steps over each preset's real parameter list (BERT for pre-training).
+    let mut presets: Vec<&str> = shapes.iter().map(|s| s.name).collect();
+    presets.dedup();
+    for preset in presets {
+        rows.extend(bench_optimizer::<B>(device, preset, n)?);
     }
 
     println!();

@@ -363,12 +363,17 @@ pub fn masked_softmax_dropout_backward_kernel<F: Float>(
     }
 }
 
-/// One Adam-family step per element: the moments `m ← β1·m + (1−β1)·g`,
-/// `v ← β2·v + (1−β2)·g²`, the direction `d = m̂/(sqrt(v̂) + ε)`, then
-/// AdamW: `w·(1 − lr·λ) − lr·d` (the new parameter), or LAMB: `d + λ·w` (the update).
-#[cube(launch)]
+// Multi-tensor kernels (apex's `multi_tensor_apply`): one launch updates or reduces a list of
+// tensors, passed as `Sequence`s (one binding each). The grid is `[G, T]`: cube row
+// `CUBE_POS_Y` works on tensor `CUBE_POS_Y`, its G cubes stride over that tensor. A sequence
+// is indexed with comptime indices only, so each tensor's body is unrolled under
+// `if CUBE_POS_Y == t`; a launch compiles once per tensor count.
+
+/// Element `i` of an Adam-family step: the new moments, and the new parameter (`lamb`: the
+/// update direction `m̂/(sqrt(v̂)+ε) + λ·w`).
+#[cube]
 #[allow(clippy::too_many_arguments)]
-pub fn adam_kernel<F: Float>(
+fn adam_element<F: Float>(
     param: &Tensor<F>,
     grad: &Tensor<F>,
     moment_1: &Tensor<F>,
@@ -376,6 +381,7 @@ pub fn adam_kernel<F: Float>(
     output: &mut Tensor<F>,
     moment_1_out: &mut Tensor<F>,
     moment_2_out: &mut Tensor<F>,
+    i: usize,
     lr: f32,
     weight_decay: f32,
     beta_1: f32,
@@ -384,12 +390,7 @@ pub fn adam_kernel<F: Float>(
     correction_1: f32,
     correction_2: f32,
     #[comptime] lamb: bool,
-    #[define(F)] _dtype: StorageType,
 ) {
-    let i = ABSOLUTE_POS;
-    if i >= param.len() {
-        terminate!();
-    }
     let g = f32::cast_from(grad[i]);
     let m = beta_1 * f32::cast_from(moment_1[i]) + (f32::new(1.0) - beta_1) * g;
     let v = beta_2 * f32::cast_from(moment_2[i]) + (f32::new(1.0) - beta_2) * g * g;
@@ -404,57 +405,130 @@ pub fn adam_kernel<F: Float>(
     }
 }
 
-/// Partial sums of `x²` (or of `x`, when `square` is false: the second pass): each cube
-/// strides over the tensor with the whole grid and writes one partial sum.
+/// An AdamW step (`lamb` false) or LAMB's update (`lamb` true) of every tensor in `params`.
 #[cube(launch)]
-pub fn sum_squares_kernel<F: Float>(
-    x: &Tensor<F>,
-    partials: &mut Tensor<F>,
-    #[comptime] block: u32,
-    #[comptime] square: bool,
+#[allow(clippy::too_many_arguments)]
+pub fn multi_adam_kernel<F: Float>(
+    params: &Sequence<Tensor<F>>,
+    grads: &Sequence<Tensor<F>>,
+    moments_1: &Sequence<Tensor<F>>,
+    moments_2: &Sequence<Tensor<F>>,
+    outputs: &mut Sequence<Tensor<F>>,
+    moments_1_out: &mut Sequence<Tensor<F>>,
+    moments_2_out: &mut Sequence<Tensor<F>>,
+    lr: f32,
+    weight_decay: f32,
+    beta_1: f32,
+    beta_2: f32,
+    epsilon: f32,
+    correction_1: f32,
+    correction_2: f32,
+    #[comptime] lamb: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let unit = UNIT_POS_X as usize;
-    let cube = CUBE_POS_X as usize;
-    let stride = CUBE_COUNT_X as usize * block as usize;
-    let mut shared = SharedMemory::<f32>::new(block as usize);
-    let mut sum = f32::new(0.0);
-    let mut i = cube * block as usize + unit;
-    while i < x.len() {
-        let v = f32::cast_from(x[i]);
-        if square {
-            sum += v * v;
-        } else {
-            sum += v;
+    let count = params.len().comptime();
+    let tensor = CUBE_POS_Y as usize;
+    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+    let first = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    #[unroll]
+    for t in 0..count {
+        if tensor == t {
+            let n = params[t].len();
+            let mut i = first;
+            while i < n {
+                adam_element(
+                    &params[t],
+                    &grads[t],
+                    &moments_1[t],
+                    &moments_2[t],
+                    outputs.index_mut(t),
+                    moments_1_out.index_mut(t),
+                    moments_2_out.index_mut(t),
+                    i,
+                    lr,
+                    weight_decay,
+                    beta_1,
+                    beta_2,
+                    epsilon,
+                    correction_1,
+                    correction_2,
+                    lamb,
+                );
+                i += stride;
+            }
         }
-        i += stride;
-    }
-    let total = cube_sum(&mut shared, sum);
-    if unit == 0 {
-        partials[cube] = F::cast_from(total);
     }
 }
 
-/// `w − lr · r · u`, `r = ‖w‖/‖u‖` from the squared norms (1 if either is 0).
+/// Partial sums of `x²` of every tensor in `xs`: cube `(g, t)` writes
+/// `partials[first + t, g]` (G = `CUBE_COUNT_X` columns); the sum over g is tensor t's `Σx²`.
 #[cube(launch)]
-pub fn lamb_apply_kernel<F: Float>(
-    param: &Tensor<F>,
-    update: &Tensor<F>,
+pub fn multi_sum_squares_kernel<F: Float>(
+    xs: &Sequence<Tensor<F>>,
+    partials: &mut Tensor<F>,
+    first: u32,
+    #[comptime] block: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let count = xs.len().comptime();
+    let tensor = CUBE_POS_Y as usize;
+    let unit = UNIT_POS_X as usize;
+    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+    let mut shared = SharedMemory::<f32>::new(block as usize);
+    let mut sum = f32::new(0.0);
+    #[unroll]
+    for t in 0..count {
+        if tensor == t {
+            let x = &xs[t];
+            let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + unit;
+            while i < x.len() {
+                let v = f32::cast_from(x[i]);
+                sum += v * v;
+                i += stride;
+            }
+        }
+    }
+    let total = cube_sum(&mut shared, sum);
+    if unit == 0 {
+        let row = first as usize + tensor;
+        partials[row * CUBE_COUNT_X as usize + CUBE_POS_X as usize] = F::cast_from(total);
+    }
+}
+
+/// LAMB's second half for every tensor: `w − lr · r · u`, `r = ‖w‖/‖u‖` from the squared norms
+/// `param_sq[first + t]`, `update_sq[first + t]` (1 if either is 0).
+#[cube(launch)]
+pub fn multi_lamb_apply_kernel<F: Float>(
+    params: &Sequence<Tensor<F>>,
+    updates: &Sequence<Tensor<F>>,
     param_sq: &Tensor<F>,
     update_sq: &Tensor<F>,
-    param_out: &mut Tensor<F>,
+    outputs: &mut Sequence<Tensor<F>>,
+    first: u32,
     lr: f32,
     #[define(F)] _dtype: StorageType,
 ) {
-    let i = ABSOLUTE_POS;
-    if i >= param.len() {
-        terminate!();
-    }
-    let w_norm = f32::cast_from(param_sq[0]).sqrt();
-    let u_norm = f32::cast_from(update_sq[0]).sqrt();
+    let count = params.len().comptime();
+    let tensor = CUBE_POS_Y as usize;
+    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+    let w_norm = f32::cast_from(param_sq[first as usize + tensor]).sqrt();
+    let u_norm = f32::cast_from(update_sq[first as usize + tensor]).sqrt();
     let mut ratio = f32::new(1.0);
     if w_norm > f32::new(0.0) && u_norm > f32::new(0.0) {
         ratio = w_norm / u_norm;
     }
-    param_out[i] = F::cast_from(f32::cast_from(param[i]) - lr * ratio * f32::cast_from(update[i]));
+    #[unroll]
+    for t in 0..count {
+        if tensor == t {
+            let param = &params[t];
+            let update = &updates[t];
+            let output = outputs.index_mut(t);
+            let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+            while i < param.len() {
+                output[i] =
+                    F::cast_from(f32::cast_from(param[i]) - lr * ratio * f32::cast_from(update[i]));
+                i += stride;
+            }
+        }
+    }
 }

@@ -2,6 +2,7 @@
 
 mod kernels;
 
+use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
@@ -11,8 +12,8 @@ use cubecl::prelude::*;
 use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
 
 use crate::{
-    AdamHyper, AdamOutput, DropoutSpec, FusedOps, LayerNormBackward, LayerNormForward,
-    SoftmaxForward,
+    AdamHyper, AdamKind, AdamOutput, AdamTensors, DropoutSpec, FusedOps, LayerNormBackward,
+    LayerNormForward, SoftmaxForward,
 };
 
 /// Units per cube of the row kernels (a power of two; rows shorter than this use fewer).
@@ -55,38 +56,105 @@ fn dropout_args(dropout: DropoutSpec) -> (u32, u32, f32, bool) {
     )
 }
 
-/// Cubes of the first pass of [`FusedOps::sum_squares`]: enough to fill a large GPU, few
-/// enough for one cube to sum their partials.
-const SUM_CUBES: usize = 1024;
+/// Most tensors one multi-tensor launch takes (each is unrolled into the kernel).
+const MAX_TENSORS_PER_LAUNCH: usize = 32;
+/// Most cubes a multi-tensor kernel gives one tensor: enough to fill a large GPU; more
+/// elements are strided over.
+const MAX_CUBES_PER_TENSOR: usize = 1024;
 
-/// [`FusedOps::adamw_step`] (`lamb` false) or [`FusedOps::lamb_update`] (`lamb` true).
+/// Splits `items` into launches of at most `per_launch`, and of one dtype each.
+fn launches<T>(items: Vec<T>, per_launch: usize, dtype: impl Fn(&T) -> DType) -> Vec<Vec<T>> {
+    let mut out: Vec<Vec<T>> = Vec::new();
+    for item in items {
+        match out.last_mut() {
+            Some(last) if last.len() < per_launch && dtype(&last[0]) == dtype(&item) => {
+                last.push(item)
+            }
+            _ => out.push(vec![item]),
+        }
+    }
+    out
+}
+
+/// How many tensors of `bindings_per_tensor` buffers each (plus `extra`) one launch can bind.
+fn tensors_per_launch<R: CubeRuntime>(
+    t: &CubeTensor<R>,
+    bindings_per_tensor: usize,
+    extra: usize,
+) -> usize {
+    // One binding is kept for the kernel's metadata.
+    let bindings = t.client.properties().hardware.max_bindings as usize;
+    (bindings.saturating_sub(extra + 1) / bindings_per_tensor).clamp(1, MAX_TENSORS_PER_LAUNCH)
+}
+
+/// The `[G, T]` grid of a multi-tensor kernel: G cubes per tensor, from the largest.
+fn multi_launch(largest: usize, tensors: usize) -> (CubeCount, CubeDim, usize) {
+    let cubes = largest.div_ceil(ROW_BLOCK).clamp(1, MAX_CUBES_PER_TENSOR);
+    (
+        CubeCount::Static(cubes as u32, tensors as u32, 1),
+        CubeDim::new_1d(ROW_BLOCK as u32),
+        cubes,
+    )
+}
+
+fn numel<R: CubeRuntime>(t: &CubeTensor<R>) -> usize {
+    t.shape().num_elements()
+}
+
+/// One launch of [`kernels::multi_adam_kernel`].
 fn adam_launch<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
-    param: CubeTensor<R>,
-    grad: CubeTensor<R>,
-    moment_1: CubeTensor<R>,
-    moment_2: CubeTensor<R>,
+    tensors: Vec<AdamTensors<CubeBackend<R, F, I, BT>>>,
     hyper: AdamHyper,
-    lamb: bool,
-) -> AdamOutput<CubeBackend<R, F, I, BT>> {
-    let param = into_contiguous(param);
-    let shape = param.shape();
-    let output = empty_like(&param, shape.clone());
-    let moment_1_out = empty_like(&param, shape.clone());
-    let moment_2_out = empty_like(&param, shape.clone());
-    let (count, dim) = elemwise_launch(&param, shape.num_elements());
+    kind: AdamKind,
+) -> Vec<AdamOutput<CubeBackend<R, F, I, BT>>> {
+    let tensors: Vec<_> = tensors
+        .into_iter()
+        .map(|t| AdamTensors::<CubeBackend<R, F, I, BT>> {
+            param: into_contiguous(t.param),
+            grad: into_contiguous(t.grad),
+            moment_1: into_contiguous(t.moment_1),
+            moment_2: into_contiguous(t.moment_2),
+        })
+        .collect();
+    let first = &tensors[0].param;
+    let (client, dtype) = (first.client.clone(), storage(first.dtype));
+    let outputs: Vec<_> = tensors
+        .iter()
+        .map(|t| {
+            let empty = || empty_like(&t.param, t.param.shape());
+            AdamOutput::<CubeBackend<R, F, I, BT>> {
+                param: empty(),
+                moment_1: empty(),
+                moment_2: empty(),
+            }
+        })
+        .collect();
+    let largest = tensors.iter().map(|t| numel(&t.param)).max().unwrap_or(0);
+    let (count, dim, _) = multi_launch(largest, tensors.len());
     let (c1, c2) = hyper.corrections();
-    let dtype = storage(param.dtype);
-    kernels::adam_kernel::launch::<R>(
-        &param.client,
+    let args = |f: &dyn Fn(&AdamTensors<CubeBackend<R, F, I, BT>>) -> &CubeTensor<R>| {
+        tensors
+            .iter()
+            .map(|t| f(t).clone().into_tensor_arg())
+            .collect()
+    };
+    let outs = |f: &dyn Fn(&AdamOutput<CubeBackend<R, F, I, BT>>) -> &CubeTensor<R>| {
+        outputs
+            .iter()
+            .map(|o| f(o).clone().into_tensor_arg())
+            .collect()
+    };
+    kernels::multi_adam_kernel::launch::<R>(
+        &client,
         count,
         dim,
-        param.clone().into_tensor_arg(),
-        into_contiguous(grad).into_tensor_arg(),
-        into_contiguous(moment_1).into_tensor_arg(),
-        into_contiguous(moment_2).into_tensor_arg(),
-        output.clone().into_tensor_arg(),
-        moment_1_out.clone().into_tensor_arg(),
-        moment_2_out.clone().into_tensor_arg(),
+        args(&|t| &t.param),
+        args(&|t| &t.grad),
+        args(&|t| &t.moment_1),
+        args(&|t| &t.moment_2),
+        outs(&|o| &o.param),
+        outs(&|o| &o.moment_1),
+        outs(&|o| &o.moment_2),
         hyper.lr as f32,
         hyper.weight_decay as f32,
         hyper.beta_1 as f32,
@@ -94,14 +162,10 @@ fn adam_launch<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
         hyper.epsilon as f32,
         c1 as f32,
         c2 as f32,
-        lamb,
+        kind == AdamKind::LambUpdate,
         dtype,
     );
-    AdamOutput {
-        param: output,
-        moment_1: moment_1_out,
-        moment_2: moment_2_out,
-    }
+    outputs
 }
 
 fn check_rows(n_elements: usize) {
@@ -326,80 +390,98 @@ where
         grad_scores
     }
 
-    fn adamw_step(
-        param: CubeTensor<R>,
-        grad: CubeTensor<R>,
-        moment_1: CubeTensor<R>,
-        moment_2: CubeTensor<R>,
+    fn adam_multi_tensor(
+        tensors: Vec<AdamTensors<Self>>,
         hyper: AdamHyper,
-    ) -> AdamOutput<Self> {
-        adam_launch(param, grad, moment_1, moment_2, hyper, false)
+        kind: AdamKind,
+    ) -> Vec<AdamOutput<Self>> {
+        let Some(first) = tensors.first() else {
+            return Vec::new();
+        };
+        let per_launch = tensors_per_launch(&first.param, 7, 0);
+        launches(tensors, per_launch, |t| t.param.dtype)
+            .into_iter()
+            .flat_map(|group| adam_launch(group, hyper, kind))
+            .collect()
     }
 
-    fn lamb_update(
-        param: CubeTensor<R>,
-        grad: CubeTensor<R>,
-        moment_1: CubeTensor<R>,
-        moment_2: CubeTensor<R>,
-        hyper: AdamHyper,
-    ) -> AdamOutput<Self> {
-        adam_launch(param, grad, moment_1, moment_2, hyper, true)
+    fn sum_squares_multi_tensor(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
+        assert!(!xs.is_empty(), "sum_squares_multi_tensor of no tensors");
+        let xs: Vec<_> = xs.into_iter().map(into_contiguous).collect();
+        let total = xs.len();
+        let largest = xs.iter().map(numel).max().unwrap_or(0);
+        let per_launch = tensors_per_launch(&xs[0], 1, 1);
+        // One partials buffer `[T, G]` for every launch: launch k writes rows from `first`.
+        let (_, dim, cubes) = multi_launch(largest, 1);
+        let partials = empty_like(&xs[0], Shape::new([total, cubes]));
+        let mut first = 0;
+        for group in launches(xs, per_launch, |x| x.dtype) {
+            let (count, _, _) = multi_launch(largest, group.len());
+            let len = group.len();
+            kernels::multi_sum_squares_kernel::launch::<R>(
+                &partials.client,
+                count,
+                dim,
+                group.iter().map(|x| x.clone().into_tensor_arg()).collect(),
+                partials.clone().into_tensor_arg(),
+                first as u32,
+                ROW_BLOCK as u32,
+                storage(group[0].dtype),
+            );
+            first += len;
+        }
+        let sums = Self::float_sum_dim(partials, 1);
+        Self::float_reshape(sums, Shape::new([total]))
     }
 
-    fn sum_squares(x: CubeTensor<R>) -> CubeTensor<R> {
-        let x = into_contiguous(x);
-        let n = x.shape().num_elements();
-        let cubes = n.div_ceil(ROW_BLOCK).clamp(1, SUM_CUBES);
-        let partials = empty_like(&x, Shape::new([cubes]));
-        let dtype = storage(x.dtype);
-        kernels::sum_squares_kernel::launch::<R>(
-            &x.client,
-            CubeCount::Static(cubes as u32, 1, 1),
-            CubeDim::new_1d(ROW_BLOCK as u32),
-            x.clone().into_tensor_arg(),
-            partials.clone().into_tensor_arg(),
-            ROW_BLOCK as u32,
-            true,
-            dtype,
-        );
-        let total = empty_like(&x, Shape::new([1]));
-        kernels::sum_squares_kernel::launch::<R>(
-            &x.client,
-            CubeCount::Static(1, 1, 1),
-            CubeDim::new_1d(ROW_BLOCK as u32),
-            partials.into_tensor_arg(),
-            total.clone().into_tensor_arg(),
-            ROW_BLOCK as u32,
-            false,
-            dtype,
-        );
-        total
-    }
-
-    fn lamb_apply(
-        param: CubeTensor<R>,
-        update: CubeTensor<R>,
+    fn lamb_apply_multi_tensor(
+        params: Vec<CubeTensor<R>>,
+        updates: Vec<CubeTensor<R>>,
         param_sq: CubeTensor<R>,
         update_sq: CubeTensor<R>,
         lr: f64,
-    ) -> CubeTensor<R> {
-        let param = into_contiguous(param);
-        let output = empty_like(&param, param.shape());
-        let n = param.shape().num_elements();
-        let (count, dim) = elemwise_launch(&param, n);
-        let dtype = storage(param.dtype);
-        kernels::lamb_apply_kernel::launch::<R>(
-            &param.client,
-            count,
-            dim,
-            param.clone().into_tensor_arg(),
-            into_contiguous(update).into_tensor_arg(),
-            into_contiguous(param_sq).into_tensor_arg(),
-            into_contiguous(update_sq).into_tensor_arg(),
-            output.clone().into_tensor_arg(),
-            lr as f32,
-            dtype,
-        );
-        output
+    ) -> Vec<CubeTensor<R>> {
+        let Some(first_param) = params.first() else {
+            return Vec::new();
+        };
+        let per_launch = tensors_per_launch(first_param, 3, 2);
+        let (param_sq, update_sq) = (into_contiguous(param_sq), into_contiguous(update_sq));
+        let pairs: Vec<_> = params
+            .into_iter()
+            .map(into_contiguous)
+            .zip(updates.into_iter().map(into_contiguous))
+            .collect();
+        let mut outputs = Vec::with_capacity(pairs.len());
+        let mut first = 0;
+        for group in launches(pairs, per_launch, |(p, _)| p.dtype) {
+            let largest = group.iter().map(|(p, _)| numel(p)).max().unwrap_or(0);
+            let (count, dim, _) = multi_launch(largest, group.len());
+            let outs: Vec<_> = group
+                .iter()
+                .map(|(p, _)| empty_like(p, p.shape()))
+                .collect();
+            kernels::multi_lamb_apply_kernel::launch::<R>(
+                &param_sq.client,
+                count,
+                dim,
+                group
+                    .iter()
+                    .map(|(p, _)| p.clone().into_tensor_arg())
+                    .collect(),
+                group
+                    .iter()
+                    .map(|(_, u)| u.clone().into_tensor_arg())
+                    .collect(),
+                param_sq.clone().into_tensor_arg(),
+                update_sq.clone().into_tensor_arg(),
+                outs.iter().map(|o| o.clone().into_tensor_arg()).collect(),
+                first as u32,
+                lr as f32,
+                storage(group[0].0.dtype),
+            );
+            first += group.len();
+            outputs.extend(outs);
+        }
+        outputs
     }
 }
