@@ -1,0 +1,11 @@
+//! Most of the workspace's integration tests, as one test binary: each binary links (and, at
+//! opt-level 3, monomorphises) Burn, the model and the trainer again, about 1.5 minutes of a
+//! 2-core build apiece. Two stay binaries of their own because they need NdArray's
+//! process-wide random generator to themselves: `determinism.rs`, and `data_parallel.rs`,
+//! whose runs must start from bit-identical initial weights (a concurrent test with dropout
+//! draws from the generator while a run initialises).
+
+mod fused_training;
+mod hf_parity;
+mod shard_training;
+mod train;
