@@ -35,8 +35,10 @@ pub mod reference;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
 
+#[cfg(feature = "cube")]
+pub use cube::counting::{CountingRuntime, HostSyncs};
 pub use dropout::{DropoutSpec, keep_mask, reseed_dropout};
 
 /// Which implementation of the fused ops a model uses.
@@ -338,7 +340,19 @@ pub trait FusedOps: Backend {
         assert!(!xs.is_empty(), "sum_squares_multi_tensor of no tensors");
         let sums = xs
             .into_iter()
-            .map(|x| float::<Self, 1>(x).square().sum())
+            .map(|x| {
+                let x = float::<Self, 1>(x);
+                let (device, dtype) = (x.device(), x.dtype());
+                // A plain sum of millions of f32 squares (an embedding table's) is off by about
+                // 1e-5 of its value; where the backend has f64 (NdArray), accumulate in it. The
+                // CubeCL kernel sums strided partials per unit, then a tree, which stays near
+                // f32's rounding.
+                if dtype != DType::F64 && Self::supports_dtype(&device, DType::F64) {
+                    x.cast(FloatDType::F64).square().sum().cast(dtype)
+                } else {
+                    x.square().sum()
+                }
+            })
             .collect();
         prim(Tensor::cat(sums, 0))
     }

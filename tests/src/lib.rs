@@ -99,16 +99,24 @@ pub fn assert_same_weights(a: &std::path::Path, b: &std::path::Path, tol: f64) -
         "the same tensors"
     );
     let mut worst = 0f64;
+    let mut failures = Vec::new();
     for (name, values) in &x {
         let diff = max_abs_diff(values, &y[name]);
         let bound = tol * max_abs(values).max(1.0);
-        assert!(
-            diff <= bound,
-            "{name}: {} and {} differ by {diff:e} (bound {bound:e})",
-            a.display(),
-            b.display()
-        );
+        if diff > bound {
+            failures.push(format!("{name}: differ by {diff:e} (bound {bound:e})"));
+        }
         worst = worst.max(diff);
     }
+    failures.sort();
+    assert!(
+        failures.is_empty(),
+        "{} and {} differ in {} of {} tensors:\n{}",
+        a.display(),
+        b.display(),
+        failures.len(),
+        x.len(),
+        failures.join("\n")
+    );
     worst
 }

@@ -12,14 +12,15 @@ use burn::module::ParamId;
 use burn::optim::GradientsParams;
 use burn::tensor::TensorData;
 use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensorOps;
 use ember_data::{Batch, InstanceLoader};
 use ember_model::{BertConfig, BertForPreTraining, Preset};
 use ember_tests::{assert_same_weights, max_abs, max_abs_diff};
-use ember_trainer::dist::{
-    ClipMode, Collective, CommError, CommThread, GradCallback, GradHooks, InProcess, ReduceOp,
-    Reducer, check_agreement, hook_group, ready_order,
+use ember_trainer::grads::{named_params, take_grads};
+use ember_trainer::parallel::{
+    BucketStorage, ClipMode, Collective, CommError, CommThread, Communicator, GradCallback,
+    GradHooks, InProcess, ReduceOp, Reducer, check_agreement, hook_group, ready_order,
 };
-use ember_trainer::grads::{named_params, take_host_grads};
 use ember_trainer::{
     PreparedData, RunOptions, TrainConfig, TrainError, bucket_plan, prepare_data,
     train_in_process_with_data, train_rank,
@@ -105,6 +106,14 @@ fn ranks_together_equal_one_rank_with_the_whole_batch() {
             let worst = assert_same_weights(&reference, &checkpoint, 1e-5);
             eprintln!("clip {clip}, {world_size} ranks: largest difference {worst:e}");
         }
+        // Device buckets (on NdArray: Burn tensors reduced by Burn ops), 2 ranks.
+        let mut device = one.clone();
+        device.train.batch_size = 2;
+        device.parallel.buckets = BucketStorage::Device;
+        device.train.out = dir.path().join(format!("{clip}-2-device"));
+        let checkpoint = run(&device, 2);
+        let worst = assert_same_weights(&reference, &checkpoint, 1e-5);
+        eprintln!("clip {clip}, 2 ranks, device buckets: largest difference {worst:e}");
     }
 }
 
@@ -153,10 +162,19 @@ fn plain_gradients(model: &BertForPreTraining<B>, batch: Batch<B>) -> HashMap<Pa
         .into_iter()
         .map(|(_, id)| id)
         .collect();
-    take_host_grads(model, &mut grads, &ids)
+    take_grads(model, &mut grads, &ids)
         .into_iter()
-        .map(|(id, data)| (id, data.into_vec::<f32>().unwrap()))
+        .map(|(id, g)| (id, host(g)))
         .collect()
+}
+
+/// A gradient of the inner backend as f32 values on the host.
+fn host(grad: burn::tensor::ops::FloatTensor<NdArray>) -> Vec<f32> {
+    burn::tensor::Tensor::<NdArray, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(grad))
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .unwrap()
 }
 
 #[test]
@@ -169,11 +187,12 @@ fn hooks_fire_deepest_layer_first_with_final_gradients() {
         .into_iter()
         .map(|(name, id)| (id, name))
         .collect();
-    let fired: Arc<Mutex<Vec<(usize, Vec<(ParamId, TensorData)>)>>> = Arc::default();
+    let fired: Arc<Mutex<Vec<(usize, Vec<(ParamId, Vec<f32>)>)>>> = Arc::default();
     let record = fired.clone();
     let hooks = GradHooks::new(
         &model,
         GradCallback(Arc::new(move |group, grads| {
+            let grads = grads.into_iter().map(|(id, g)| (id, host(g))).collect();
             record.lock().unwrap().push((group, grads))
         })),
         None,
@@ -200,7 +219,7 @@ fn hooks_fire_deepest_layer_first_with_final_gradients() {
 
     let plain = plain_gradients(&model, batch.clone());
     for (group, grads) in &fired {
-        let delivered: BTreeMap<&str, &TensorData> = grads
+        let delivered: BTreeMap<&str, &Vec<f32>> = grads
             .iter()
             .map(|(id, d)| (names[id].as_str(), d))
             .collect();
@@ -218,12 +237,7 @@ fn hooks_fire_deepest_layer_first_with_final_gradients() {
                 }
                 (false, None) => panic!("{name} was not delivered by hook {group}"),
                 (false, Some(data)) => {
-                    let ours: Vec<f64> = data
-                        .to_vec::<f32>()
-                        .unwrap()
-                        .iter()
-                        .map(|&x| f64::from(x))
-                        .collect();
+                    let ours: Vec<f64> = data.iter().map(|&x| f64::from(x)).collect();
                     let theirs: Vec<f64> = plain[id].iter().map(|&x| f64::from(x)).collect();
                     let diff = max_abs_diff(&ours, &theirs);
                     assert!(
@@ -256,7 +270,7 @@ fn hooks_fire_deepest_layer_first_with_final_gradients() {
 fn on_ranks<T: Send>(
     world_size: usize,
     timeout: Duration,
-    body: impl Fn(usize, Box<dyn Collective>) -> T + Sync,
+    body: impl Fn(usize, InProcess) -> T + Sync,
 ) -> Vec<T> {
     std::thread::scope(|scope| {
         let handles: Vec<_> = InProcess::group(world_size, timeout)
@@ -264,7 +278,7 @@ fn on_ranks<T: Send>(
             .enumerate()
             .map(|(rank, comm)| {
                 let body = &body;
-                scope.spawn(move || body(rank, Box::new(comm) as Box<dyn Collective>))
+                scope.spawn(move || body(rank, comm))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -311,29 +325,41 @@ fn clipping_modes_follow_their_formulas() {
     let local_norms: Vec<f64> = flat.iter().map(|r| norm(&r.concat())).collect();
     let max_norm = 0.5 * local_norms.iter().copied().fold(f64::INFINITY, f64::min);
 
-    for clip in [
+    // Host buckets, and device buckets (on NdArray: Burn tensors reduced by Burn ops).
+    for (clip, on_device) in [
         ClipMode::None,
         ClipMode::Global,
         ClipMode::LocalGlobal,
         ClipMode::Bucket,
-    ] {
+    ]
+    .into_iter()
+    .flat_map(|clip| [(clip, false), (clip, true)])
+    {
         let results = on_ranks(2, Duration::from_secs(60), |rank, comm| {
-            let comm = Arc::new(CommThread::spawn(comm));
-            let reducer = Reducer::new(plan.clone(), clip, max_norm, comm);
-            reducer.begin_micro_batch(true, true);
-            let grads: Vec<(ParamId, TensorData)> = plan
+            let comm = Arc::new(CommThread::spawn(if on_device {
+                Communicator::<NdArray>::Device(Box::new(comm))
+            } else {
+                Communicator::Host(Box::new(comm))
+            }));
+            let reducer = Reducer::new(plan.clone(), clip, max_norm, on_device, comm);
+            reducer.prepare_backward(true, true);
+            let grads = plan
                 .buckets
                 .iter()
                 .flat_map(|b| &b.params)
                 .map(|p| {
+                    let data = TensorData::new(rank_grads[rank][&p.id].clone(), p.shape.clone());
                     (
                         p.id,
-                        TensorData::new(rank_grads[rank][&p.id].clone(), p.shape.clone()),
+                        <NdArray as FloatTensorOps<NdArray>>::float_from_data(
+                            data,
+                            &Default::default(),
+                        ),
                     )
                 })
-                .collect();
-            reducer.deliver(grads);
-            let step = reducer.finish().unwrap();
+                .collect::<Vec<_>>();
+            reducer.mark_params_ready(grads);
+            let step = reducer.finalize_backward().unwrap();
             let buckets: Vec<Vec<f64>> = (0..k)
                 .map(|b| {
                     reducer
@@ -343,7 +369,7 @@ fn clipping_modes_follow_their_formulas() {
                         .collect()
                 })
                 .collect();
-            (step.grad_norm, buckets)
+            (step.grad_norm.value(), buckets)
         });
         // The formulas, by hand, in f64 (ClipMode's docs).
         let factor = |n: f64, c: f64| if n > c { c / (n + 1e-6) } else { 1.0 };
@@ -383,7 +409,8 @@ fn clipping_modes_follow_their_formulas() {
                 let diff = max_abs_diff(&buckets[b], &expected[b]);
                 assert!(
                     diff <= 1e-5 * scale,
-                    "{clip}, rank {rank}, bucket {b}: differs by {diff:e}"
+                    "{clip}, device buckets {on_device}, rank {rank}, bucket {b}: differs by \
+                     {diff:e} (scale {scale:e})"
                 );
             }
             let expected_norm = match clip {
@@ -423,7 +450,7 @@ fn ranks_that_disagree_are_refused_at_start_up() {
         bucket_plan::<B, _>(&model, &order, 0.25, 25.0),
     ];
     let errors = on_ranks(2, Duration::from_secs(30), |rank, comm| {
-        let comm = CommThread::spawn(comm);
+        let comm = CommThread::<NdArray>::host(Box::new(comm));
         check_agreement(&comm, "bucket plan", plans[rank].describe())
             .unwrap_err()
             .to_string()
@@ -448,7 +475,7 @@ fn ranks_that_disagree_are_refused_at_start_up() {
             &config,
             &Default::default(),
             RunOptions::default(),
-            comm,
+            Communicator::Host(Box::new(comm)),
             Some(shared_data()),
         )
         .unwrap_err();
@@ -546,18 +573,18 @@ fn a_rank_that_dies_or_stalls_stops_the_others_with_its_name() {
             |rank, comm| {
                 let comm: Box<dyn Collective> = if rank == 1 {
                     Box::new(Failing {
-                        inner: Some(comm),
+                        inner: Some(Box::new(comm)),
                         calls: 12,
                         stall: stall.then(|| released.clone()),
                     })
                 } else {
-                    comm
+                    Box::new(comm)
                 };
                 let result = train_rank::<B>(
                     &config,
                     &Default::default(),
                     RunOptions::default(),
-                    comm,
+                    Communicator::Host(comm),
                     Some(shared_data()),
                 );
                 if rank == 0 {

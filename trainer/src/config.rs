@@ -9,7 +9,7 @@ use ember_model::{BertConfig, Kernels, Preset};
 use serde::{Deserialize, Serialize};
 
 use crate::TrainError;
-use crate::dist::ClipMode;
+use crate::parallel::{BucketStorage, ClipMode};
 
 /// Everything a training run needs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -242,6 +242,9 @@ pub struct ParallelConfig {
     /// Seconds any collective may wait for the other ranks before the run stops with an
     /// error naming the missing rank. Default: 300.
     pub timeout_s: f64,
+    /// Where gradient buckets live: `auto` (the device on CUDA and wgpu, the host on the
+    /// CPU), `host` or `device` ([`BucketStorage`]; Note [Bucket storage]). Default: auto.
+    pub buckets: BucketStorage,
 }
 
 impl Default for ParallelConfig {
@@ -252,6 +255,7 @@ impl Default for ParallelConfig {
             first_bucket_mb: 1.0,
             grad_accum: 1,
             timeout_s: 300.0,
+            buckets: BucketStorage::Auto,
         }
     }
 }

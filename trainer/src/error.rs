@@ -52,7 +52,7 @@ pub enum TrainError {
     },
     /// A collective failed: another rank left or stalled, or the ranks disagree.
     #[error("data-parallel communication failed: {0}")]
-    Comm(#[from] crate::dist::CommError),
+    Comm(#[from] crate::parallel::CommError),
     /// Ranks started with different configurations or bucket plans.
     #[error(
         "rank {rank} disagrees with rank 0 on the {what}, line {line}: rank 0 has {theirs:?}, rank {rank} has {ours:?}"
@@ -71,7 +71,7 @@ pub enum TrainError {
     },
     /// Launch variables that cannot be used.
     #[error(transparent)]
-    Launch(#[from] crate::dist::LaunchError),
+    Launch(#[from] crate::parallel::LaunchError),
     /// An error of the data pipeline.
     #[error(transparent)]
     Data(#[from] DataError),

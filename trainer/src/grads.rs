@@ -173,29 +173,29 @@ pub fn named_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     collect.out
 }
 
-/// Moves the gradients of the parameters in `ids` out of `grads` to the host, as
-/// `(parameter, f32 data in the parameter's shape)`: how gradients that no hook delivered
-/// reach the reducer.
-pub fn take_host_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
+/// Moves the gradients of the parameters in `ids` out of `grads`, as `(parameter, gradient)`
+/// with the gradient a tensor of the inner backend in the parameter's shape, where it lies (no
+/// copy): how the gradients that no hook delivered reach the reducer.
+pub fn take_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: &M,
     grads: &mut GradientsParams,
     ids: &[ParamId],
-) -> Vec<(ParamId, burn::tensor::TensorData)> {
-    struct Take<'a> {
+) -> Vec<(ParamId, FloatTensor<B::InnerBackend>)> {
+    struct Take<'a, B: AutodiffBackend> {
         grads: &'a mut GradientsParams,
         ids: &'a [ParamId],
-        out: Vec<(ParamId, burn::tensor::TensorData)>,
+        out: Vec<(ParamId, FloatTensor<B::InnerBackend>)>,
     }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Take<'_> {
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Take<'_, B> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             if self.ids.contains(&param.id) {
                 if let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) {
-                    self.out.push((param.id, grad.into_data().convert::<f32>()));
+                    self.out.push((param.id, grad.into_primitive().tensor()));
                 }
             }
         }
     }
-    let mut take = Take {
+    let mut take = Take::<B> {
         grads,
         ids,
         out: Vec::new(),

@@ -24,11 +24,11 @@ use burn::tensor::backend::Backend;
 use clap::{Args, Subcommand};
 use ember_data::{HostBatch, InstanceLoader};
 use ember_model::{BertConfig, BertForPreTraining, Preset};
-use ember_trainer::dist::{
+use ember_trainer::grads::take_grads;
+use ember_trainer::parallel::{
     ClipMode, Collective, CommError, CommThread, Delayed, GradHooks, InProcess, LinkModel,
     ReadyOrder, ReduceOp, Reducer, ready_order,
 };
-use ember_trainer::grads::take_host_grads;
 use ember_trainer::{TrainConfig, bucket_plan, prepare_data};
 
 type B = Autodiff<NdArray>;
@@ -152,7 +152,7 @@ fn timed_run(
                         (_, Some(link)) => Box::new(Delayed::new(comm, link)),
                         (_, None) => Box::new(comm),
                     };
-                    let comm = Arc::new(CommThread::spawn(comm));
+                    let comm = Arc::new(CommThread::host(comm));
                     let model = &models[rank];
                     let (hooked, late) = (orders[rank].hooked_set(), &orders[rank].late);
                     let plan = bucket_plan::<B, _>(
@@ -167,23 +167,23 @@ fn timed_run(
                     } else {
                         ClipMode::None
                     };
-                    let reducer = Reducer::new(plan, clip, 0.0, comm.clone());
+                    let reducer = Reducer::new(plan, clip, 0.0, false, comm.clone());
                     let device = Default::default();
                     let (mut step_sum, mut backward_sum) = (0.0, 0.0);
                     for (i, host) in batches[rank].iter().enumerate() {
                         comm.call(|c| c.barrier()).unwrap();
                         let batch = host.to_device::<B>(&device);
                         let started = Instant::now();
-                        reducer.begin_micro_batch(true, true);
+                        reducer.prepare_backward(true, true);
                         let hooks = GradHooks::new(model, reducer.callback(), Some(&hooked));
                         let (_, loss) =
                             ember_trainer::eval::forward_loss_hooked(model, batch, &hooks);
                         let backward_started = Instant::now();
                         let mut grads = GradientsParams::from_grads(loss.total.backward(), model);
                         drop(hooks);
-                        reducer.deliver(take_host_grads(model, &mut grads, late));
+                        reducer.mark_params_ready(take_grads(model, &mut grads, late));
                         let backward = backward_started.elapsed().as_secs_f64();
-                        reducer.finish().unwrap();
+                        reducer.finalize_backward().unwrap();
                         let step = started.elapsed().as_secs_f64();
                         if i > 0 {
                             step_sum += step;

@@ -5,7 +5,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use ember_trainer::dist::LaunchEnv;
+use ember_trainer::parallel::LaunchEnv;
 use ember_trainer::{RunOptions, TrainConfig, TrainSummary};
 
 /// Flags of `launch`.
@@ -55,44 +55,101 @@ pub fn run(args: LaunchArgs) -> Result<()> {
     Ok(())
 }
 
-/// Trains as the rank `launch` describes on GPU `local_rank`, with NCCL collectives whose
-/// unique id travels by MPI.
-#[cfg(all(feature = "mpi", feature = "cuda"))]
+/// Trains as the rank `launch` describes on GPU `local_rank`, with NCCL collectives on the
+/// gradient buckets in GPU memory. NCCL's unique id travels from rank 0 over TCP at
+/// `MASTER_ADDR:MASTER_PORT` (torchrun; srun with both exported), or by MPI under mpirun
+/// (with the `mpi` feature). The communicator's rank and world size must equal the launcher's.
+#[cfg(feature = "cuda")]
 pub fn train_launched_cuda(
     config: &TrainConfig,
     options: RunOptions,
     launch: &LaunchEnv,
 ) -> Result<TrainSummary> {
-    use ember_trainer::dist::nccl::Nccl;
+    use ember_trainer::parallel::{Collective, Communicator};
     let timeout = std::time::Duration::from_secs_f64(config.parallel.timeout_s);
-    // MPI stays initialised until the run ends (dropping it finalises MPI).
-    let mut mpi = ember_trainer::dist::mpi::Mpi::init(timeout)?;
-    let nccl = Nccl::bootstrap(&mut mpi, launch.local_rank, timeout)?;
+    // MPI, when it carried the id, stays initialised until the run ends.
+    let (nccl, _mpi) = join_nccl(launch, timeout)?;
+    if (nccl.rank(), nccl.world_size()) != (launch.rank, launch.world_size) {
+        bail!(
+            "the {} says rank {} of {}, but the NCCL communicator is rank {} of {}",
+            launch.source,
+            launch.rank,
+            launch.world_size,
+            nccl.rank(),
+            nccl.world_size()
+        );
+    }
     let device = burn::backend::cuda::CudaDevice::new(launch.local_rank);
-    let summary = ember_trainer::train_rank::<burn::backend::Autodiff<burn::backend::Cuda>>(
+    Ok(ember_trainer::train_rank::<
+        burn::backend::Autodiff<burn::backend::Cuda>,
+    >(
         config,
         &device,
         options,
-        Box::new(nccl),
+        Communicator::Device(Box::new(nccl)),
         None,
-    )?;
-    drop(mpi);
-    Ok(summary)
+    )?)
 }
 
-/// Without MPI there is no way yet to pass NCCL's unique id.
-#[cfg(all(not(feature = "mpi"), feature = "cuda"))]
-pub fn train_launched_cuda(
-    _config: &TrainConfig,
-    _options: RunOptions,
+/// NCCL's communicator for the rank `launch` describes, with what must outlive it (MPI).
+#[cfg(feature = "cuda")]
+fn join_nccl(
     launch: &LaunchEnv,
-) -> Result<TrainSummary> {
-    bail!(
-        "rank {} of {}: multi-GPU runs pass NCCL's unique id through MPI; build with \
-         `--features cuda,mpi` and start with mpirun or srun",
+    timeout: std::time::Duration,
+) -> Result<(
+    ember_trainer::parallel::nccl::Nccl,
+    Option<Box<dyn std::any::Any>>,
+)> {
+    use ember_trainer::parallel::nccl::{Nccl, new_unique_id};
+    use ember_trainer::parallel::{LaunchSource, exchange_unique_id};
+    let tcp = match (&launch.master_addr, launch.master_port) {
+        (Some(addr), Some(port)) => Some((addr.clone(), port)),
+        _ => None,
+    };
+    let use_mpi =
+        cfg!(feature = "mpi") && (launch.source == LaunchSource::OpenMpi || tcp.is_none());
+    if use_mpi {
+        #[cfg(feature = "mpi")]
+        {
+            use ember_trainer::parallel::Collective;
+            let mut mpi = ember_trainer::parallel::mpi::Mpi::init(timeout)?;
+            if (mpi.rank(), mpi.world_size()) != (launch.rank, launch.world_size) {
+                bail!(
+                    "the {} says rank {} of {}, but MPI says rank {} of {}: start with mpirun \
+                     or srun, or set MASTER_ADDR and MASTER_PORT for the TCP rendezvous",
+                    launch.source,
+                    launch.rank,
+                    launch.world_size,
+                    mpi.rank(),
+                    mpi.world_size()
+                );
+            }
+            let nccl = Nccl::bootstrap(&mut mpi, launch.local_rank, timeout)?;
+            return Ok((nccl, Some(Box::new(mpi))));
+        }
+    }
+    let Some((addr, port)) = tcp else {
+        bail!(
+            "rank {} of {} (from the {}): NCCL's unique id goes from rank 0 over TCP at \
+             MASTER_ADDR:MASTER_PORT, which are not both set (torchrun sets them; under srun \
+             export them in the job script), or by MPI in a build with `--features cuda,mpi` \
+             started by mpirun",
+            launch.rank,
+            launch.world_size,
+            launch.source
+        );
+    };
+    let id = exchange_unique_id(&addr, port, launch.rank, launch.world_size, timeout, || {
+        new_unique_id().map_err(|e| e.to_string())
+    })?;
+    let nccl = Nccl::new(
+        launch.local_rank,
         launch.rank,
-        launch.world_size
-    )
+        launch.world_size,
+        &id,
+        timeout,
+    )?;
+    Ok((nccl, None))
 }
 
 /// Trains as the rank `launch` describes, through MPI.
@@ -103,8 +160,8 @@ pub fn train_launched(
     options: RunOptions,
     launch: &LaunchEnv,
 ) -> Result<TrainSummary> {
-    use ember_trainer::dist::Collective;
-    let comm = ember_trainer::dist::mpi::Mpi::init(std::time::Duration::from_secs_f64(
+    use ember_trainer::parallel::{Collective, Communicator};
+    let comm = ember_trainer::parallel::mpi::Mpi::init(std::time::Duration::from_secs_f64(
         config.parallel.timeout_s,
     ))?;
     if (comm.rank(), comm.world_size()) != (launch.rank, launch.world_size) {
@@ -120,7 +177,13 @@ pub fn train_launched(
     }
     Ok(ember_trainer::train_rank::<
         burn::backend::Autodiff<burn::backend::NdArray>,
-    >(config, device, options, Box::new(comm), None)?)
+    >(
+        config,
+        device,
+        options,
+        Communicator::Host(Box::new(comm)),
+        None,
+    )?)
 }
 
 /// Without MPI support, a launched rank cannot reach the others.

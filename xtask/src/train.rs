@@ -7,7 +7,7 @@ use burn::backend::{Autodiff, NdArray};
 use clap::Args;
 use ember_data::{Padding, SamplerKind};
 use ember_model::Preset;
-use ember_trainer::dist::{ClipMode, LaunchEnv};
+use ember_trainer::parallel::{BucketStorage, ClipMode, LaunchEnv};
 use ember_trainer::{OptimizerKind, RunOptions, TrainConfig};
 
 use crate::project_root;
@@ -85,9 +85,14 @@ pub struct TrainArgs {
     /// (parallel.timeout_s)
     #[arg(long)]
     collective_timeout: Option<f64>,
+    /// Where gradient buckets live: auto (the GPU on cuda and wgpu, the host on cpu), host or
+    /// device (parallel.buckets)
+    #[arg(long)]
+    buckets: Option<BucketStorage>,
     /// Where to train: cpu (Burn's NdArray), cuda (NVIDIA GPU `LOCAL_RANK`, needs the `cuda`
-    /// feature; several GPUs through mpirun with `cuda,mpi`) or wgpu (any Vulkan/Metal/DX12
-    /// GPU, or Mesa's lavapipe on the CPU; needs the `wgpu` feature; one process)
+    /// feature; several GPUs: one process each, under torchrun, srun or mpirun) or wgpu (any
+    /// Vulkan/Metal/DX12 GPU, or Mesa's lavapipe on the CPU; needs the `wgpu` feature; one
+    /// process, --nproc ranks sharing the adapter)
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda", "wgpu"])]
     device: String,
     /// Train on MLPerf HDF5 shards (a folder, or a stratified folder from `stratify`) instead
@@ -218,6 +223,9 @@ impl TrainArgs {
         if let Some(v) = self.collective_timeout {
             p.timeout_s = v;
         }
+        if let Some(v) = self.buckets {
+            p.buckets = v;
+        }
         Ok(config)
     }
 }
@@ -227,6 +235,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let device = Default::default();
     let options = RunOptions {
         progress: !args.no_progress,
+        ..RunOptions::default()
     };
     let launch = LaunchEnv::from_env(None)?;
     let summary = if args.device == "cuda" {
@@ -285,7 +294,10 @@ fn train_cuda(
     nproc: usize,
 ) -> Result<ember_trainer::TrainSummary> {
     if nproc > 1 {
-        bail!("--nproc runs CPU ranks as threads; on GPUs start one process per GPU with mpirun");
+        bail!(
+            "--nproc runs ranks as threads; on NVIDIA GPUs start one process per GPU (torchrun \
+             --nproc-per-node N, srun, or mpirun)"
+        );
     }
     if launch.world_size > 1 {
         return crate::launch::train_launched_cuda(config, options, launch)
@@ -304,12 +316,17 @@ fn train_wgpu(
     launch: &LaunchEnv,
     nproc: usize,
 ) -> Result<ember_trainer::TrainSummary> {
-    if nproc > 1 || launch.world_size > 1 {
-        bail!("--device wgpu trains in one process on one adapter");
+    if launch.world_size > 1 {
+        bail!("--device wgpu trains in one process on one adapter (--nproc ranks as threads)");
     }
     type Wgpu = burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
     let device = burn::backend::wgpu::WgpuDevice::DefaultDevice;
-    ember_trainer::train::<Autodiff<Wgpu>>(config, &device, options).context("training failed")
+    if nproc > 1 {
+        ember_trainer::train_in_process::<Autodiff<Wgpu>>(config, nproc, &device, options)
+            .context("training failed")
+    } else {
+        ember_trainer::train::<Autodiff<Wgpu>>(config, &device, options).context("training failed")
+    }
 }
 
 #[cfg(not(feature = "wgpu"))]

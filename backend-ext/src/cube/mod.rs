@@ -1,5 +1,6 @@
 //! [`FusedOps`] for `CubeBackend<R, F, I, BT>`: one CubeCL source for CUDA and wgpu.
 
+pub mod counting;
 mod kernels;
 
 use burn::tensor::ops::FloatTensorOps;

@@ -185,6 +185,7 @@ fn one_step_fused_equals_reference_on_ndarray() {
 
 #[test]
 fn one_step_fused_equals_reference_on_wgpu_kernels() {
-    type Wgpu = burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
-    one_step::<burn::backend::Autodiff<Wgpu>>(&burn::backend::wgpu::WgpuDevice::DefaultDevice);
+    one_step::<burn::backend::Autodiff<crate::Wgpu>>(
+        &burn::backend::wgpu::WgpuDevice::DefaultDevice,
+    );
 }

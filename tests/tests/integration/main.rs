@@ -5,7 +5,18 @@
 //! whose runs must start from bit-identical initial weights (a concurrent test with dropout
 //! draws from the generator while a run initialises).
 
+mod device_reducer;
 mod fused_training;
 mod hf_parity;
 mod shard_training;
 mod train;
+
+/// The wgpu backend of these tests (Mesa's lavapipe in CI): CubeCL's wgpu runtime wrapped in
+/// ember's host-synchronisation counter, which changes nothing else (one backend type for all
+/// wgpu tests, so that the binary monomorphises Burn's CubeCL ops once).
+pub type Wgpu = burn::backend::wgpu::CubeBackend<
+    ember_backend_ext::CountingRuntime<burn::backend::wgpu::WgpuRuntime>,
+    f32,
+    i32,
+    u32,
+>;

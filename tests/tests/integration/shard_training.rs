@@ -135,7 +135,7 @@ fn shard_settings_are_checked_before_training() {
 #[test]
 fn presort_exchange_through_in_process_collectives_equals_the_group_simulation() {
     use ember_data::{RankSampler, SamplerConfig, decode_refs, encode_refs};
-    use ember_trainer::dist::{Collective, InProcess};
+    use ember_trainer::parallel::{Collective, InProcess};
     use std::sync::Arc;
     // Two bins of 64 and 48 samples in 4 shards each, lengths varying inside each bin.
     let sizes = vec![vec![16; 4], vec![12; 4]];

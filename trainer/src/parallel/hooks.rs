@@ -1,5 +1,6 @@
 //! Gradient hooks: an identity autodiff op whose backward hands parameter gradients to a
-//! callback the moment they are final (see ARCHITECTURE.md, Trainer, and [`ForwardHook`]).
+//! callback the moment they are final (see docs/ARCHITECTURE.md, Trainer, and
+//! [`ForwardHook`]).
 
 use std::collections::{HashMap, HashSet};
 use std::marker::PhantomData;
@@ -20,15 +21,21 @@ use ember_backend_ext::FusedOps;
 use ember_data::Batch;
 use ember_model::{BertForPreTraining, ForwardHook};
 
-/// Gradients delivered by one hook: `(parameter, gradient)` pairs, gradients on the host in
-/// the parameter's row-major layout.
-pub type HookGradients = Vec<(ParamId, TensorData)>;
+/// Gradients delivered by one hook: `(parameter, gradient)` pairs, each gradient a tensor of
+/// the inner (non-autodiff) backend in the parameter's shape, where backward left it (on the
+/// device: delivering it reads nothing; Note [Bucket storage] in `buckets.rs`).
+pub type HookGradients<B> = Vec<(ParamId, FloatTensor<B>)>;
 
 /// What a hook calls in backward: `(group, gradients)`.
-#[derive(Clone)]
-pub struct GradCallback(pub Arc<dyn Fn(usize, HookGradients) + Send + Sync>);
+pub struct GradCallback<B: Backend>(pub Arc<dyn Fn(usize, HookGradients<B>) + Send + Sync>);
 
-impl std::fmt::Debug for GradCallback {
+impl<B: Backend> Clone for GradCallback<B> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for GradCallback<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("GradCallback")
     }
@@ -44,7 +51,7 @@ pub trait GradHookBackend: AutodiffBackend<InnerBackend: FusedOps> + FusedOps {
         x: FloatTensor<Self>,
         group: usize,
         params: Vec<(ParamId, FloatTensor<Self>)>,
-        callback: GradCallback,
+        callback: GradCallback<Self::InnerBackend>,
     ) -> FloatTensor<Self>;
 }
 
@@ -60,7 +67,7 @@ impl<C> std::fmt::Debug for HookBackward<C> {
 struct HookState<B: Backend, C: CheckpointStrategy> {
     group: usize,
     params: Vec<(ParamId, FloatTensor<Autodiff<B, C>>)>,
-    callback: GradCallback,
+    callback: GradCallback<B>,
 }
 
 impl<B: Backend, C: CheckpointStrategy> Clone for HookState<B, C> {
@@ -82,13 +89,6 @@ impl<B: Backend, C: CheckpointStrategy> std::fmt::Debug for HookState<B, C> {
     }
 }
 
-fn to_host<B: Backend>(grad: FloatTensor<B>) -> TensorData {
-    let shape = grad.shape();
-    let flat = B::float_reshape(grad, Shape::new([shape.num_elements()]));
-    let data = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(flat)).into_data();
-    TensorData::new(data.convert::<f32>().into_vec::<f32>().unwrap(), shape)
-}
-
 impl<B: Backend, C: CheckpointStrategy> Backward<B, 1> for HookBackward<C> {
     type State = HookState<B, C>;
 
@@ -105,7 +105,7 @@ impl<B: Backend, C: CheckpointStrategy> Backward<B, 1> for HookBackward<C> {
         } = ops.state;
         let delivered = params
             .iter()
-            .filter_map(|(id, tensor)| grads.get::<B>(tensor).map(|g| (*id, to_host::<B>(g))))
+            .filter_map(|(id, tensor)| grads.get::<B>(tensor).map(|g| (*id, g)))
             .collect();
         (callback.0)(group, delivered);
     }
@@ -116,7 +116,7 @@ impl<B: FusedOps, C: CheckpointStrategy> GradHookBackend for Autodiff<B, C> {
         x: FloatTensor<Self>,
         group: usize,
         params: Vec<(ParamId, FloatTensor<Self>)>,
-        callback: GradCallback,
+        callback: GradCallback<B>,
     ) -> FloatTensor<Self> {
         match HookBackward::<C>(PhantomData)
             .prepare::<C>([x.node.clone()])
@@ -170,7 +170,7 @@ pub struct GradHooks<B: GradHookBackend> {
     /// Parameters of each group (see [`hook_group`]), as the current autodiff tensors.
     groups: Vec<Vec<(ParamId, FloatTensor<B>)>>,
     num_layers: usize,
-    callback: GradCallback,
+    callback: GradCallback<B::InnerBackend>,
 }
 
 impl<B: GradHookBackend> GradHooks<B> {
@@ -178,7 +178,7 @@ impl<B: GradHookBackend> GradHooks<B> {
     /// gradients of the parameters in `deliver` (all of them when `None`).
     pub fn new(
         model: &BertForPreTraining<B>,
-        callback: GradCallback,
+        callback: GradCallback<B::InnerBackend>,
         deliver: Option<&HashSet<ParamId>>,
     ) -> Self
     where
@@ -279,7 +279,7 @@ pub fn ready_order<B: GradHookBackend>(model: &BertForPreTraining<B>, batch: Bat
 where
     BertForPreTraining<B>: AutodiffModule<B>,
 {
-    let fired: Arc<Mutex<Vec<(usize, HookGradients)>>> = Arc::default();
+    let fired: Arc<Mutex<Vec<(usize, HookGradients<B::InnerBackend>)>>> = Arc::default();
     let record = fired.clone();
     let callback = GradCallback(Arc::new(move |group, grads| {
         record.lock().unwrap().push((group, grads));
@@ -294,8 +294,9 @@ where
             .map(|(_, id)| id)
             .collect();
         let mut grads = grads;
-        crate::grads::take_host_grads(model, &mut grads, &ids)
+        crate::grads::take_grads(model, &mut grads, &ids)
             .into_iter()
+            .map(|(id, g)| (id, host_data::<B::InnerBackend>(g)))
             .collect()
     };
     let fired = std::mem::take(&mut *fired.lock().unwrap());
@@ -306,7 +307,9 @@ where
         let ids: Vec<ParamId> = grads
             .into_iter()
             .rev()
-            .filter(|(id, data)| final_grads.get(id) == Some(data))
+            .filter(|(id, grad)| {
+                final_grads.get(id) == Some(&host_data::<B::InnerBackend>(grad.clone()))
+            })
             .map(|(id, _)| id)
             .collect();
         on_time.extend(ids.iter().copied());
@@ -319,4 +322,16 @@ where
         .filter(|id| !on_time.contains(id))
         .collect();
     ReadyOrder { hooked, late }
+}
+
+/// A gradient's values on the host, as f32 in its shape (for the start-up probe).
+fn host_data<B: Backend>(grad: FloatTensor<B>) -> TensorData {
+    let shape = grad.shape();
+    let data = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::float_reshape(
+        grad,
+        Shape::new([shape.num_elements()]),
+    )))
+    .into_data()
+    .convert::<f32>();
+    TensorData::new(data.into_vec::<f32>().expect("f32 after convert"), shape)
 }

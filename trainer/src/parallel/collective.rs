@@ -1,14 +1,25 @@
-//! Collective communication behind one trait, and the in-process implementation (one thread
-//! per rank) that tests and single-machine CPU runs use.
+//! Collective communication behind two traits, and the in-process implementation (one thread
+//! per rank) that tests and single-machine runs use.
+//!
+//! [`Collective`] works on host memory: every implementation has it (in-process, MPI, NCCL
+//! staging through its device), and the trainer uses it for what is small or lives on the host
+//! anyway (configurations, sample references, losses and evaluation counts, start-up
+//! parameters). [`DeviceCollective`] allreduces a gradient bucket where it lives, on the
+//! device of the rank's backend: NCCL in place on the GPU buffer, the in-process hub by Burn
+//! ops on the shared device. See Note [Bucket storage] in `buckets.rs`.
 //!
 //! Every collective takes part in a numbered sequence: the n-th call on every rank is the same
 //! operation, as in MPI and NCCL. Ranks that disagree (one calls `allreduce` where another
 //! calls `broadcast`, or buffer sizes differ) get an error, not a hang; a rank that never
 //! arrives makes the others fail after the timeout with an error naming it.
 
+use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
 
 /// How an allreduce combines the ranks' buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,11 +79,11 @@ pub enum CommError {
     },
 }
 
-/// The collectives data-parallel training needs. Each call blocks until the operation has
-/// completed on this rank; implementations bound the wait by a timeout.
+/// The collectives data-parallel training needs, on host memory. Each call blocks until the
+/// operation has completed on this rank; implementations bound the wait by a timeout.
 ///
-/// Buffers are host memory: the in-process and MPI implementations work on them directly,
-/// NCCL stages them through device memory.
+/// The in-process and MPI implementations work on the buffers directly, NCCL stages them
+/// through device memory.
 pub trait Collective: Send {
     /// This process's (or thread's) rank, `0..world_size`.
     fn rank(&self) -> usize;
@@ -100,6 +111,25 @@ pub trait Collective: Send {
     /// # Errors
     /// As [`Collective::allreduce`].
     fn barrier(&mut self) -> Result<(), CommError>;
+}
+
+/// Collectives on device memory: a gradient bucket reduced on the device it was computed on,
+/// without a copy to the host. Implemented by NCCL (CUDA backends), the in-process hub (any
+/// backend: ranks that share a device, or NdArray, whose device is the host) and the one-rank
+/// job. Calls run on the rank's communication thread, in the same sequence as the host
+/// collectives of [`Collective`].
+pub trait DeviceCollective<B: Backend>: Collective {
+    /// Reduces the flat bucket `bucket` (`[n]`, on this rank's device) over all ranks and
+    /// returns the result, on the same device. NCCL reduces in place (the returned tensor
+    /// shares the buffer); the in-process hub returns a new tensor.
+    ///
+    /// # Errors
+    /// As [`Collective::allreduce`].
+    fn allreduce_device(
+        &mut self,
+        bucket: Tensor<B, 1>,
+        op: ReduceOp,
+    ) -> Result<Tensor<B, 1>, CommError>;
 }
 
 /// The one-rank job: every collective is the identity.
@@ -130,10 +160,23 @@ impl Collective for SingleRank {
     }
 }
 
+impl<B: Backend> DeviceCollective<B> for SingleRank {
+    fn allreduce_device(
+        &mut self,
+        bucket: Tensor<B, 1>,
+        _op: ReduceOp,
+    ) -> Result<Tensor<B, 1>, CommError> {
+        Ok(bucket)
+    }
+}
+
 enum Payload {
     F32(Vec<f32>),
     Bytes(Vec<u8>),
     Gathered(Vec<Vec<u8>>),
+    /// A device tensor (`Tensor<B, 1>` of the ranks' backend), type-erased so that one hub
+    /// serves host and device collectives in one numbered sequence.
+    Device(Box<dyn Any + Send + Sync>),
 }
 
 struct Slot {
@@ -391,104 +434,58 @@ impl Collective for InProcess {
     }
 }
 
-/// A network link's cost model (Hockney's α-β model): a message of n bytes takes
-/// `latency + n / bandwidth`. Ring algorithms (Patarasuk & Yuan 2009) move
-/// `2(W−1)/W · bytes` per rank for an allreduce, in `2(W−1)` latency-bound steps.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct LinkModel {
-    /// α, seconds per message.
-    pub latency_s: f64,
-    /// β⁻¹, bytes per second.
-    pub bandwidth_bytes_per_s: f64,
-}
-
-impl LinkModel {
-    /// Seconds a ring allreduce of `bytes` takes over `world_size` ranks.
-    pub fn allreduce_seconds(&self, bytes: usize, world_size: usize) -> f64 {
-        if world_size < 2 {
-            return 0.0;
+impl<B: Backend> DeviceCollective<B> for InProcess {
+    /// Sums the ranks' tensors with Burn ops on the device, in rank order (identical results on
+    /// every rank and run), on the communication thread of the last rank to arrive.
+    fn allreduce_device(
+        &mut self,
+        bucket: Tensor<B, 1>,
+        op: ReduceOp,
+    ) -> Result<Tensor<B, 1>, CommError> {
+        let world_size = self.hub.world_size;
+        let input = Payload::Device(Box::new(bucket));
+        let output = self.exchange("device allreduce", input, |seq, inputs| {
+            let tensors: Vec<Tensor<B, 1>> = inputs
+                .into_iter()
+                .map(|p| match p {
+                    Payload::Device(t) => *t
+                        .downcast::<Tensor<B, 1>>()
+                        .expect("the ranks of a group share one backend"),
+                    _ => unreachable!("checked by the operation's name"),
+                })
+                .collect();
+            same_lengths(seq, "device allreduce", tensors.iter().map(|t| t.dims()[0]))?;
+            // Note [CubeCL streams and in-place writes]: CubeCL 0.10 orders work across
+            // threads' streams by the stream a buffer was *allocated* on: a reader on another
+            // stream first submits the owner stream's queued work. A kernel that writes into a
+            // buffer in place from a third stream escapes that: readers do not wait for it,
+            // and it does not wait for their queued reads. So a buffer that crosses threads is
+            // never written in place: here `tensors` keeps every input alive, so the first
+            // sum (or the division of a single rank's bucket) gets a buffer of this thread's
+            // stream, which the later ops write into; the ranks scale the shared result out
+            // of place (`Buffer::scale`). The same holds for frees: see the wait below.
+            let mut sum = tensors[0].clone();
+            for t in &tensors[1..] {
+                sum = sum + t.clone();
+            }
+            let result = match op {
+                ReduceOp::Average => sum.div_scalar(world_size as f32),
+                ReduceOp::Sum => sum,
+            };
+            // Dropping the inputs here hands their memory back to the ranks' streams, whose
+            // next kernels may reuse it at once; this thread's reads of it must reach the
+            // device first. Waiting here blocks only the communication thread.
+            let _ = B::sync(&result.device());
+            drop(tensors);
+            Ok(Payload::Device(Box::new(result)))
+        })?;
+        match &*output {
+            Payload::Device(t) => Ok(t
+                .downcast_ref::<Tensor<B, 1>>()
+                .expect("the ranks of a group share one backend")
+                .clone()),
+            _ => unreachable!("a device allreduce produces a tensor"),
         }
-        let w = world_size as f64;
-        2.0 * (w - 1.0) * self.latency_s
-            + 2.0 * (w - 1.0) / w * bytes as f64 / self.bandwidth_bytes_per_s
-    }
-
-    /// Seconds a broadcast of `bytes` takes (pipelined: one latency per hop, one full copy).
-    pub fn broadcast_seconds(&self, bytes: usize, world_size: usize) -> f64 {
-        if world_size < 2 {
-            return 0.0;
-        }
-        (world_size as f64 - 1.0) * self.latency_s + bytes as f64 / self.bandwidth_bytes_per_s
-    }
-}
-
-/// Wraps a [`Collective`] so that each operation takes at least the time `link` predicts,
-/// sleeping (not spinning) for the difference: a shared-memory group then behaves like ranks
-/// joined by that network, without using CPU for the modelled transfer.
-pub struct Delayed<C: Collective> {
-    inner: C,
-    link: LinkModel,
-}
-
-impl<C: Collective> Delayed<C> {
-    /// `inner` delayed by `link`.
-    pub fn new(inner: C, link: LinkModel) -> Self {
-        Self { inner, link }
-    }
-
-    fn pad(started: Instant, seconds: f64) {
-        let target = Duration::from_secs_f64(seconds);
-        if let Some(rest) = target.checked_sub(started.elapsed()) {
-            std::thread::sleep(rest);
-        }
-    }
-}
-
-impl<C: Collective> Collective for Delayed<C> {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn allreduce(&mut self, data: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
-        let started = Instant::now();
-        self.inner.allreduce(data, op)?;
-        Self::pad(
-            started,
-            self.link
-                .allreduce_seconds(data.len() * 4, self.world_size()),
-        );
-        Ok(())
-    }
-    fn broadcast(&mut self, data: &mut [f32], root: usize) -> Result<(), CommError> {
-        let started = Instant::now();
-        self.inner.broadcast(data, root)?;
-        Self::pad(
-            started,
-            self.link
-                .broadcast_seconds(data.len() * 4, self.world_size()),
-        );
-        Ok(())
-    }
-    fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
-        let started = Instant::now();
-        let all = self.inner.allgather(data)?;
-        let total: usize = all.iter().map(Vec::len).sum();
-        Self::pad(
-            started,
-            self.link.broadcast_seconds(total, self.world_size()),
-        );
-        Ok(all)
-    }
-    fn barrier(&mut self) -> Result<(), CommError> {
-        let started = Instant::now();
-        self.inner.barrier()?;
-        Self::pad(started, self.link.allreduce_seconds(0, self.world_size()));
-        Ok(())
     }
 }
 
@@ -587,33 +584,5 @@ mod tests {
             "{}",
             results[0]
         );
-    }
-
-    #[test]
-    fn link_model_costs_follow_the_ring_formula() {
-        let link = LinkModel {
-            latency_s: 1e-5,
-            bandwidth_bytes_per_s: 1e9,
-        };
-        // 2(W−1)α + 2(W−1)/W · n/β with W = 4, n = 1e8: 6e-5 + 1.5 · 0.1.
-        let t = link.allreduce_seconds(100_000_000, 4);
-        assert!((t - (6e-5 + 0.15)).abs() < 1e-12, "{t}");
-        assert_eq!(link.allreduce_seconds(1_000, 1), 0.0);
-        let mut delayed: Vec<_> = InProcess::group(1, Duration::from_secs(1))
-            .into_iter()
-            .map(|c| {
-                Delayed::new(
-                    c,
-                    LinkModel {
-                        latency_s: 0.05,
-                        bandwidth_bytes_per_s: 1e9,
-                    },
-                )
-            })
-            .collect();
-        // One rank: the model says free, so no delay.
-        let started = Instant::now();
-        delayed[0].allreduce(&mut [1.0], ReduceOp::Sum).unwrap();
-        assert!(started.elapsed() < Duration::from_millis(40));
     }
 }

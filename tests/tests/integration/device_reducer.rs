@@ -1,0 +1,201 @@
+//! Device-resident gradient buckets on wgpu (Mesa's lavapipe in CI), through the real training
+//! loop: two in-process ranks with device buckets end three steps with the weights of two
+//! ranks with host buckets, for every clip mode, and of one rank with the whole batch where the
+//! clip mode makes that exact (`none`, `global`); and a step with device buckets never makes
+//! the host wait for the device, counted by the CubeCL runtime wrapper of `ember-backend-ext`.
+//!
+//! Tolerance: weights within 1e-5 (relative to the tensor's largest entry, at least 1): the
+//! device path sums the ranks' buckets and the norms in f32 on the device, the host path in
+//! f32 and f64 on the host.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use burn::backend::Autodiff;
+use burn::backend::wgpu::WgpuDevice;
+use ember_backend_ext::HostSyncs;
+use ember_tests::assert_same_weights;
+use ember_trainer::parallel::{BucketStorage, ClipMode};
+use ember_trainer::{PreparedData, RunOptions, TrainConfig, prepare_data};
+
+type B = Autodiff<crate::Wgpu>;
+
+/// The tiny model, no dropout, 3 steps of 4 samples of at most 64 tokens. One masked token
+/// per sample, so that each rank's mean loss weighs samples as the whole batch's mean does.
+fn config(out: &Path) -> TrainConfig {
+    let mut config = TrainConfig::default();
+    config.model.hidden_dropout_prob = Some(0.0);
+    config.model.attention_probs_dropout_prob = Some(0.0);
+    config.instances.max_seq_length = 64;
+    config.instances.max_predictions_per_seq = 1;
+    config.instances.dupe_factor = 1;
+    config.train.steps = 3;
+    config.train.eval_every = 3;
+    config.train.eval_samples = 8;
+    config.train.log_every = 1;
+    config.train.batch_size = 4;
+    // Small buckets, so that the plan has several and bucket clipping means something.
+    config.parallel.first_bucket_mb = 0.25;
+    config.parallel.bucket_cap_mb = 0.5;
+    config.train.out = out.to_path_buf();
+    config
+}
+
+fn data() -> Arc<PreparedData> {
+    static DATA: OnceLock<Arc<PreparedData>> = OnceLock::new();
+    DATA.get_or_init(|| Arc::new(prepare_data(&config(Path::new("unused"))).unwrap()))
+        .clone()
+}
+
+fn counter() -> u64 {
+    HostSyncs::now().total()
+}
+
+/// Trains `config` on `world_size` in-process ranks on lavapipe and returns the metrics'
+/// records.
+fn run(config: &TrainConfig, world_size: usize) -> (PathBuf, Vec<serde_json::Value>) {
+    let options = RunOptions {
+        host_sync_counter: Some(counter),
+        ..RunOptions::default()
+    };
+    let summary = ember_trainer::train_in_process_with_data::<B>(
+        config,
+        world_size,
+        &WgpuDevice::DefaultDevice,
+        options,
+        Some(data()),
+    )
+    .unwrap();
+    let records = std::fs::read_to_string(&summary.metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    (summary.checkpoint, records)
+}
+
+fn train_records(records: &[serde_json::Value]) -> Vec<&serde_json::Value> {
+    records.iter().filter(|r| r["event"] == "train").collect()
+}
+
+#[test]
+fn device_buckets_equal_host_buckets_and_one_rank_for_every_clip_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    for clip in [
+        ClipMode::None,
+        ClipMode::Global,
+        ClipMode::LocalGlobal,
+        ClipMode::Bucket,
+    ] {
+        let mut two = config(&dir.path().join(format!("{clip}-device")));
+        two.parallel.clip = clip;
+        two.train.batch_size = 2;
+        two.parallel.buckets = BucketStorage::Device;
+        let (device, records) = run(&two, 2);
+        assert_eq!(records[0]["bucket_storage"], "device");
+        let norms: Vec<f64> = train_records(&records)
+            .iter()
+            .map(|r| r["grad_norm"].as_f64().unwrap())
+            .collect();
+        if clip != ClipMode::None {
+            // Clipping must be active for the comparison to mean something.
+            assert!(
+                norms[0] > two.optimizer.max_grad_norm,
+                "{clip}: grad norm {norms:?}"
+            );
+        }
+
+        let mut host = two.clone();
+        host.parallel.buckets = BucketStorage::Host;
+        host.train.out = dir.path().join(format!("{clip}-host"));
+        let (host_checkpoint, records) = run(&host, 2);
+        assert_eq!(records[0]["bucket_storage"], "host");
+        let worst = assert_same_weights(&host_checkpoint, &device, 1e-5);
+        eprintln!("{clip}: device vs host buckets, largest difference {worst:e}");
+
+        if matches!(clip, ClipMode::None | ClipMode::Global) {
+            let mut one = two.clone();
+            one.train.batch_size = 4;
+            one.train.out = dir.path().join(format!("{clip}-one"));
+            let (reference, _) = run(&one, 1);
+            let worst = assert_same_weights(&reference, &device, 1e-5);
+            eprintln!("{clip}: 2 ranks vs 1 rank, largest difference {worst:e}");
+        }
+    }
+}
+
+#[test]
+fn a_step_with_device_buckets_never_waits_for_the_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut device = config(&dir.path().join("device"));
+    device.train.batch_size = 2;
+    device.parallel.clip = ClipMode::Global;
+    let (_, records) = run(&device, 2);
+    assert_eq!(
+        records[0]["bucket_storage"], "device",
+        "auto picks the device"
+    );
+    let steps = train_records(&records);
+    assert_eq!(steps.len(), 3);
+    for r in &steps {
+        assert_eq!(r["host_syncs_backward"], 0, "reads during backward: {r}");
+        assert_eq!(r["host_syncs_step"], 0, "reads in the step: {r}");
+    }
+
+    // The counter sees the host path's reads: a read per bucket during backward.
+    let mut host = device.clone();
+    host.parallel.buckets = BucketStorage::Host;
+    host.train.out = dir.path().join("host");
+    let (_, records) = run(&host, 2);
+    for r in train_records(&records) {
+        assert!(
+            r["host_syncs_backward"].as_u64().unwrap() > 0,
+            "the host path reads gradients in backward: {r}"
+        );
+    }
+}
+
+/// Note [CubeCL streams and in-place writes] in the trainer's `collective.rs`: each rank's
+/// bucket comes from a kernel (written in place) on the rank's thread, is reduced on a
+/// communication thread, and the result is read on the ranks' threads: every stage must see
+/// the previous one's writes.
+#[test]
+fn in_process_device_allreduce_sees_every_threads_writes() {
+    use burn::tensor::{Tensor, TensorData};
+    use ember_trainer::parallel::{CommThread, Communicator, InProcess, ReduceOp};
+    let device = WgpuDevice::DefaultDevice;
+    for op in [ReduceOp::Average, ReduceOp::Sum] {
+        let results: Vec<Vec<f32>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = InProcess::group(2, std::time::Duration::from_secs(30))
+                .into_iter()
+                .enumerate()
+                .map(|(rank, comm)| {
+                    let device = device.clone();
+                    scope.spawn(move || {
+                        // [1, 2, 3, 4] on rank 0, [3, 5, 7, 9] on rank 1, by in-place kernels.
+                        let bucket = Tensor::<crate::Wgpu, 1>::from_data(
+                            TensorData::from([1.0f32, 2.0, 3.0, 4.0]),
+                            &device,
+                        )
+                        .mul_scalar((rank + 1) as f32)
+                        .add_scalar(rank as f32);
+                        let thread =
+                            CommThread::<crate::Wgpu>::spawn(Communicator::Device(Box::new(comm)));
+                        let reduced = thread
+                            .submit_device(move |c| c.allreduce_device(bucket, op))
+                            .recv()
+                            .unwrap()
+                            .unwrap();
+                        reduced.add_scalar(1.0).into_data().to_vec::<f32>().unwrap()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let expected = match op {
+            ReduceOp::Average => vec![3.0, 4.5, 6.0, 7.5],
+            ReduceOp::Sum => vec![5.0, 8.0, 11.0, 14.0],
+        };
+        assert_eq!(results, vec![expected.clone(), expected], "{op:?}");
+    }
+}

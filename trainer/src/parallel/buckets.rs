@@ -1,0 +1,252 @@
+//! Where the reducer keeps its buckets, and the few operations it does on them.
+//!
+//! Note [Bucket storage]: a bucket is one flat f32 buffer holding the gradients of its
+//! parameters back to back ([`super::plan::Bucket`]). On a GPU it must stay on the device: the
+//! first version of the reducer read every gradient to host memory as its hook delivered it,
+//! which is a device synchronisation per layer inside backward (the GPU drains its queue and
+//! idles while the host copies) and leaves nothing for the allreduce to overlap. So:
+//!
+//! - **device buckets** ([`BucketStorage::Device`]): the hook hands over the gradient tensors
+//!   (handles, no copy); a complete bucket is concatenated on the device, its norm and clip
+//!   coefficient are computed there ([`FusedOps::sum_squares_multi_tensor`],
+//!   [`super::clip::clip_coefficient_device`]), the allreduce runs on the device buffer (NCCL in
+//!   place; the in-process hub by Burn ops), and each parameter's averaged gradient is a slice
+//!   of the bucket. Nothing reads device memory to the host until the step logs.
+//! - **host buckets** ([`BucketStorage::Host`]): gradients are copied into a `Vec<f32>` as they
+//!   arrive and reduced by a host collective (in-process, MPI). This is the CPU's case, where
+//!   the device *is* the host (NdArray: the copy is a memcpy, and MPI needs host memory), and
+//!   the reference the device path is tested against.
+//!
+//! [`BucketStorage::Auto`] picks device buckets when the communicator reduces device buffers
+//! (NCCL, in-process ranks on a GPU backend), host buckets otherwise.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{ElementConversion, Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive};
+use ember_backend_ext::FusedOps;
+use serde::{Deserialize, Serialize};
+
+use super::clip::{clip_coefficient, clip_coefficient_device};
+
+/// Where the reducer keeps gradient buckets (`parallel.buckets`; Note [Bucket storage]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BucketStorage {
+    /// Device buckets when the communicator reduces device buffers, else host buckets.
+    #[default]
+    Auto,
+    /// Host memory (`Vec<f32>`), reduced by host collectives.
+    Host,
+    /// The device of the rank's backend, reduced by device collectives.
+    Device,
+}
+
+impl BucketStorage {
+    /// Whether buckets live on the device, given whether the communicator has device
+    /// collectives.
+    ///
+    /// # Errors
+    /// A message for `parallel.buckets` when `Device` is asked of a host-only communicator.
+    pub fn on_device(self, device_collectives: bool) -> Result<bool, String> {
+        match self {
+            BucketStorage::Auto => Ok(device_collectives),
+            BucketStorage::Host => Ok(false),
+            BucketStorage::Device if device_collectives => Ok(true),
+            BucketStorage::Device => Err("device buckets need device collectives (NCCL, or \
+                 in-process ranks), but this run's communicator reduces host buffers only"
+                .into()),
+        }
+    }
+}
+
+impl std::fmt::Display for BucketStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BucketStorage::Auto => "auto",
+            BucketStorage::Host => "host",
+            BucketStorage::Device => "device",
+        })
+    }
+}
+
+impl std::str::FromStr for BucketStorage {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(BucketStorage::Auto),
+            "host" => Ok(BucketStorage::Host),
+            "device" => Ok(BucketStorage::Device),
+            other => Err(format!(
+                "unknown bucket storage {other:?} (expected auto, host or device)"
+            )),
+        }
+    }
+}
+
+/// A number the reducer computes: on the host (host buckets) or as a `[1]` tensor on the
+/// device (device buckets), read only when someone asks for its value.
+#[derive(Debug, Clone)]
+pub enum Scalar<B: Backend> {
+    /// On the host.
+    Host(f64),
+    /// On the device, `[1]`.
+    Device(Tensor<B, 1>),
+}
+
+impl<B: Backend> Scalar<B> {
+    /// The value; for [`Scalar::Device`] a read of the device (a host synchronisation).
+    pub fn value(&self) -> f64 {
+        match self {
+            Scalar::Host(x) => *x,
+            Scalar::Device(t) => t.clone().into_scalar().elem::<f64>(),
+        }
+    }
+
+    /// The square root.
+    pub(crate) fn sqrt(self) -> Self {
+        match self {
+            Scalar::Host(x) => Scalar::Host(x.sqrt()),
+            Scalar::Device(t) => Scalar::Device(t.sqrt()),
+        }
+    }
+
+    /// The sum of `values`, all of one kind.
+    pub(crate) fn sum(values: Vec<Self>) -> Self {
+        let mut host = 0.0;
+        let mut device = Vec::new();
+        for v in values {
+            match v {
+                Scalar::Host(x) => host += x,
+                Scalar::Device(t) => device.push(t),
+            }
+        }
+        if device.is_empty() {
+            Scalar::Host(host)
+        } else {
+            Scalar::Device(Tensor::cat(device, 0).sum())
+        }
+    }
+
+    /// The clip coefficient of a squared norm, where the norm lives (Note [Clip coefficient]).
+    pub(crate) fn clip_coefficient(&self, max_norm: f64) -> Self {
+        match self {
+            Scalar::Host(sq) => Scalar::Host(clip_coefficient(sq.sqrt(), max_norm)),
+            Scalar::Device(sq) => Scalar::Device(clip_coefficient_device(sq.clone(), max_norm)),
+        }
+    }
+}
+
+/// A bucket's flat buffer, `[numel]` f32.
+#[derive(Debug, Clone)]
+pub enum Buffer<B: Backend> {
+    /// Host memory.
+    Host(Vec<f32>),
+    /// A tensor on the device.
+    Device(Tensor<B, 1>),
+}
+
+impl<B: FusedOps> Buffer<B> {
+    /// The gradients of a bucket's parameters, in bucket order, as one flat buffer: on the
+    /// device by concatenation, or on the host (each gradient read from the device: the host
+    /// path's cost, Note [Bucket storage]).
+    pub(crate) fn flatten(on_device: bool, grads: Vec<FloatTensor<B>>) -> Self {
+        let flat = grads.into_iter().map(|g| {
+            let n = g.shape().num_elements();
+            Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::float_reshape(
+                g,
+                Shape::new([n]),
+            )))
+        });
+        if on_device {
+            Buffer::Device(Tensor::cat(flat.collect(), 0))
+        } else {
+            let mut values = Vec::new();
+            for g in flat {
+                let data = g.into_data().convert::<f32>();
+                values.extend_from_slice(data.as_slice::<f32>().expect("f32 after convert"));
+            }
+            Buffer::Host(values)
+        }
+    }
+
+    /// `self + other`, element-wise (gradient accumulation over micro-batches).
+    pub(crate) fn add(self, other: Self) -> Self {
+        match (self, other) {
+            (Buffer::Host(mut a), Buffer::Host(b)) => {
+                a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+                Buffer::Host(a)
+            }
+            (Buffer::Device(a), Buffer::Device(b)) => Buffer::Device(a + b),
+            _ => unreachable!("one reducer keeps its buckets in one place"),
+        }
+    }
+
+    /// The squared L2 norm, `Σ x²` (the multi-tensor norm kernel on CubeCL backends).
+    pub(crate) fn sq_norm(&self) -> Scalar<B> {
+        match self {
+            Buffer::Host(values) => Scalar::Host(
+                values
+                    .iter()
+                    .map(|&x| f64::from(x) * f64::from(x))
+                    .sum::<f64>(),
+            ),
+            Buffer::Device(t) => {
+                let sums = B::sum_squares_multi_tensor(vec![t.clone().into_primitive().tensor()]);
+                Scalar::Device(Tensor::from_primitive(TensorPrimitive::Float(sums)))
+            }
+        }
+    }
+
+    /// `self · coefficient`.
+    pub(crate) fn scale(self, coefficient: &Scalar<B>) -> Self {
+        match (self, coefficient) {
+            (Buffer::Host(mut values), Scalar::Host(c)) => {
+                if *c != 1.0 {
+                    let c = *c as f32;
+                    values.iter_mut().for_each(|x| *x *= c);
+                }
+                Buffer::Host(values)
+            }
+            (Buffer::Device(t), Scalar::Device(c)) => {
+                // Out of place: an averaged bucket may be shared with other ranks' threads
+                // (the in-process hub), whose pending reads an in-place write on this
+                // thread's stream would overtake (Note [CubeCL streams and in-place writes]).
+                let scaled = t.clone() * c.clone();
+                drop(t);
+                Buffer::Device(scaled)
+            }
+            _ => unreachable!("one reducer keeps its numbers in one place"),
+        }
+    }
+
+    /// The values on the host (a device read for device buffers): for tests and dumps.
+    pub fn to_vec(&self) -> Vec<f32> {
+        match self {
+            Buffer::Host(values) => values.clone(),
+            Buffer::Device(t) => t
+                .clone()
+                .into_data()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .expect("f32 after convert"),
+        }
+    }
+
+    /// The `[offset, offset + Π shape)` part as a tensor of `shape` on `device`: a slice of the
+    /// device buffer, or an upload of the host values.
+    pub(crate) fn part<const D: usize>(
+        &self,
+        offset: usize,
+        shape: [usize; D],
+        device: &B::Device,
+    ) -> Tensor<B, D> {
+        let n: usize = shape.iter().product();
+        match self {
+            Buffer::Host(values) => Tensor::from_data(
+                TensorData::new(values[offset..offset + n].to_vec(), shape),
+                device,
+            ),
+            Buffer::Device(t) => t.clone().slice([offset..offset + n]).reshape(shape),
+        }
+    }
+}

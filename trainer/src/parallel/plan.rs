@@ -1,0 +1,198 @@
+//! The bucket plan: which gradients are reduced together, in which order (PyTorch DDP's
+//! `_compute_bucket_assignment_by_size`; Li et al., "PyTorch Distributed: Experiences on
+//! Accelerating Data Parallel Training", VLDB 2020, §3.2).
+//!
+//! Parameters are taken in the order backward makes their gradients final (see
+//! [`super::hooks::ready_order`]) and cut into buckets by size: a small first bucket so that the
+//! first allreduce starts early, then buckets of `bucket_cap_mb`. Every rank must build the same
+//! plan; ranks compare [`BucketPlan::describe`] at start-up.
+
+use std::collections::HashMap;
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::tensor::Tensor;
+use burn::tensor::backend::AutodiffBackend;
+
+use crate::grads::named_params;
+
+/// One parameter's place in a bucket.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedParam {
+    /// Dotted path (`bert.encoder.layer.1.output.dense.weight`).
+    pub name: String,
+    /// The parameter.
+    pub id: ParamId,
+    /// Shape of the parameter (Burn's layout).
+    pub shape: Vec<usize>,
+    /// Offset of its first element in the bucket's flat buffer.
+    pub offset: usize,
+}
+
+impl PlannedParam {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// A contiguous run of parameters (in reverse model order) reduced as one flat f32 buffer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Bucket {
+    /// Its parameters, in the order they sit in the buffer.
+    pub params: Vec<PlannedParam>,
+    /// Total elements.
+    pub numel: usize,
+}
+
+impl Bucket {
+    /// Size of the flat f32 buffer in bytes.
+    pub fn bytes(&self) -> usize {
+        self.numel * 4
+    }
+}
+
+/// The assignment of parameters to buckets: identical on every rank for the same model and
+/// caps (checked at start-up, [`BucketPlan::describe`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BucketPlan {
+    /// Buckets in launch order.
+    pub buckets: Vec<Bucket>,
+}
+
+const MB: f64 = 1024.0 * 1024.0;
+
+impl BucketPlan {
+    /// Assigns `params` (`(path, id, shape)`, in the order their gradients become ready:
+    /// reverse model order, see [`super::hooks::ready_order`]) to buckets in that order.
+    /// A bucket is closed once it holds at least its cap: `first_bucket_mb` for the first,
+    /// `bucket_cap_mb` for the others (MiB of f32 gradients; PyTorch DDP's defaults are 1 and
+    /// 25). A parameter is never split, so a bucket can exceed its cap by its last parameter.
+    pub fn new(
+        params: &[(String, ParamId, Vec<usize>)],
+        first_bucket_mb: f64,
+        bucket_cap_mb: f64,
+    ) -> Self {
+        let mut buckets = Vec::new();
+        let mut current = Bucket {
+            params: Vec::new(),
+            numel: 0,
+        };
+        for (name, id, shape) in params {
+            let numel: usize = shape.iter().product();
+            current.params.push(PlannedParam {
+                name: name.clone(),
+                id: *id,
+                shape: shape.clone(),
+                offset: current.numel,
+            });
+            current.numel += numel;
+            let cap = if buckets.is_empty() {
+                first_bucket_mb
+            } else {
+                bucket_cap_mb
+            };
+            if current.bytes() as f64 >= cap * MB {
+                buckets.push(std::mem::replace(
+                    &mut current,
+                    Bucket {
+                        params: Vec::new(),
+                        numel: 0,
+                    },
+                ));
+            }
+        }
+        if !current.params.is_empty() {
+            buckets.push(current);
+        }
+        Self { buckets }
+    }
+
+    /// One line per parameter, `bucket <k> <name> <shape>`: what ranks compare at start-up
+    /// (parameter ids are per-process and left out).
+    pub fn describe(&self) -> String {
+        let mut text = String::new();
+        for (k, bucket) in self.buckets.iter().enumerate() {
+            for p in &bucket.params {
+                text.push_str(&format!("bucket {k} {} {:?}\n", p.name, p.shape));
+            }
+        }
+        text
+    }
+
+    /// FNV-1a hash of [`BucketPlan::describe`], for logs.
+    pub fn fingerprint(&self) -> u64 {
+        self.describe().bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        })
+    }
+
+    /// `"K buckets: a, b, … MiB"`.
+    pub fn summary(&self) -> String {
+        let sizes: Vec<String> = self
+            .buckets
+            .iter()
+            .map(|b| format!("{:.2}", b.bytes() as f64 / MB))
+            .collect();
+        format!("{} buckets: {} MiB", self.buckets.len(), sizes.join(", "))
+    }
+
+    /// Total number of gradient elements.
+    pub fn numel(&self) -> usize {
+        self.buckets.iter().map(|b| b.numel).sum()
+    }
+}
+
+/// The first line where two plan descriptions differ, for the start-up error.
+pub fn first_difference(ours: &str, theirs: &str) -> Option<(usize, String, String)> {
+    let (mut a, mut b) = (ours.lines(), theirs.lines());
+    for line in 1.. {
+        match (a.next(), b.next()) {
+            (None, None) => return None,
+            (x, y) if x == y => {}
+            (x, y) => {
+                return Some((
+                    line,
+                    x.unwrap_or("(end of plan)").to_string(),
+                    y.unwrap_or("(end of plan)").to_string(),
+                ));
+            }
+        }
+    }
+    unreachable!()
+}
+
+/// The bucket plan of a model: its float parameters in `order` (the order their gradients
+/// become ready, [`super::hooks::ready_order`]), bucketed by size as [`BucketPlan::new`].
+///
+/// # Panics
+/// If `order` lists a parameter `module` does not have, or one twice (a bug, not user input).
+pub fn bucket_plan<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    order: &[ParamId],
+    first_bucket_mb: f64,
+    bucket_cap_mb: f64,
+) -> BucketPlan {
+    struct Shapes(Vec<Vec<usize>>);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Shapes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push(param.shape().dims::<D>().to_vec());
+        }
+    }
+    let mut shapes = Shapes(Vec::new());
+    module.visit(&mut shapes);
+    let mut by_id: HashMap<_, (String, Vec<usize>)> = named_params::<B, M>(module)
+        .into_iter()
+        .zip(shapes.0)
+        .map(|((name, id), shape)| (id, (name, shape)))
+        .collect();
+    let params: Vec<(String, _, Vec<usize>)> = order
+        .iter()
+        .map(|id| {
+            let (name, shape) = by_id
+                .remove(id)
+                .expect("the order lists each parameter once");
+            (name, *id, shape)
+        })
+        .collect();
+    BucketPlan::new(&params, first_bucket_mb, bucket_cap_mb)
+}

@@ -1,0 +1,465 @@
+//! The reducer: PyTorch DDP's bucketed gradient allreduce, with the clipping modes of MLPerf
+//! BERT submissions, on device or host buckets (Note [Bucket storage]).
+//!
+//! One step reads as its lifecycle, as PyTorch's c10d reducer (`reducer.cpp`):
+//! [`Reducer::prepare_backward`] before each micro-batch's backward; gradients arrive from the
+//! hooks during backward ([`Reducer::callback`]) and after it ([`Reducer::mark_params_ready`]);
+//! a bucket whose gradients have all arrived is flattened (`mark_bucket_ready`) and, in the
+//! step's last micro-batch, clipped and handed to the communication thread in bucket order
+//! (`all_reduce_bucket`) while backward continues; [`Reducer::finalize_backward`] waits for
+//! the averaged buckets and applies the clip modes that need them all; and
+//! [`Reducer::gradients`] gives the optimizer each parameter's averaged gradient.
+
+use std::collections::HashMap;
+use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ops::FloatTensor;
+use ember_backend_ext::FusedOps;
+
+use super::buckets::{Buffer, Scalar};
+use super::clip::{ClipMode, bucket_clip_cap};
+use super::collective::{CommError, ReduceOp};
+use super::comm_thread::{CommThread, receive};
+use super::hooks::{GradCallback, HookGradients};
+use super::plan::BucketPlan;
+
+/// Timings of one step's communication, for benchmarks and logs.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepTimings {
+    /// From the end of backward ([`Reducer::finalize_backward`] called) until every bucket was
+    /// averaged.
+    pub wait_after_backward: Duration,
+    /// From the last bucket's launch until every bucket was averaged.
+    pub tail: Duration,
+}
+
+/// What [`Reducer::finalize_backward`] reports.
+#[derive(Debug, Clone)]
+pub struct ReducedStep<B: FusedOps> {
+    /// The norm the clip mode measured, before clipping: the averaged gradient's (`global`,
+    /// `none`) or this rank's local gradient's (`local-global`, `bucket`). On the device for
+    /// device buckets: reading it ([`Scalar::value`]) waits for the step.
+    pub grad_norm: Scalar<B>,
+    /// Communication timings.
+    pub timings: StepTimings,
+}
+
+/// A bucket's allreduce on the communication thread.
+type InFlight<B> = Receiver<Result<Buffer<B>, CommError>>;
+
+/// The reducer's state within one step.
+struct StepState<B: FusedOps> {
+    /// Gradients of the current micro-batch, per bucket in plan order, held until the bucket
+    /// is complete (then flattened into `buffers` and dropped).
+    pending: Vec<Vec<Option<FloatTensor<B>>>>,
+    /// Whether each parameter's gradient arrived in the current micro-batch.
+    seen: Vec<Vec<bool>>,
+    /// Gradients of the current micro-batch that arrived, per bucket.
+    arrived: Vec<usize>,
+    /// Each bucket's flat buffer: the sum over this step's micro-batches so far; `None` before
+    /// the bucket is first complete and while its allreduce is in flight.
+    buffers: Vec<Option<Buffer<B>>>,
+    /// The first micro-batch of a step replaces the buffers, later ones add to them.
+    first_micro_batch: bool,
+    /// The last micro-batch of a step: complete buckets launch.
+    last_micro_batch: bool,
+    /// Next bucket to launch (buckets launch strictly in order, as DDP's).
+    next_launch: usize,
+    /// Squared local norm of each launched bucket before clipping (`bucket` mode).
+    local_sq_norms: Vec<Scalar<B>>,
+    /// Allreduces in flight, in bucket order.
+    in_flight: Vec<(usize, InFlight<B>)>,
+    /// A gradient that arrived twice or for an unknown parameter: a bug, reported by
+    /// `finalize_backward`.
+    error: Option<String>,
+    /// When the last bucket was launched.
+    last_launch: Option<Instant>,
+}
+
+/// Buckets, clipping and asynchronous allreduce for one rank (see the module docs).
+pub struct Reducer<B: FusedOps> {
+    plan: Arc<BucketPlan>,
+    /// Parameter → (bucket, index in bucket).
+    index: Arc<HashMap<ParamId, (usize, usize)>>,
+    clip: ClipMode,
+    max_norm: f64,
+    on_device: bool,
+    state: Arc<Mutex<StepState<B>>>,
+    comm: Arc<CommThread<B>>,
+}
+
+/// Everything the hook callback needs, shared with the reducer.
+struct Shared<B: FusedOps> {
+    plan: Arc<BucketPlan>,
+    index: Arc<HashMap<ParamId, (usize, usize)>>,
+    clip: ClipMode,
+    max_norm: f64,
+    on_device: bool,
+    comm: Arc<CommThread<B>>,
+}
+
+impl<B: FusedOps> Reducer<B> {
+    /// A reducer for `plan` that communicates through `comm`, with buckets on the device when
+    /// `on_device` (which needs [`CommThread::has_device_collectives`]; see
+    /// [`super::BucketStorage::on_device`]).
+    ///
+    /// # Panics
+    /// If `on_device` is asked of a host-only communicator (the caller checks the setting).
+    pub fn new(
+        plan: BucketPlan,
+        clip: ClipMode,
+        max_norm: f64,
+        on_device: bool,
+        comm: Arc<CommThread<B>>,
+    ) -> Self {
+        assert!(
+            !on_device || comm.has_device_collectives(),
+            "device buckets need device collectives"
+        );
+        let mut index = HashMap::new();
+        for (k, bucket) in plan.buckets.iter().enumerate() {
+            for (i, p) in bucket.params.iter().enumerate() {
+                index.insert(p.id, (k, i));
+            }
+        }
+        let n = plan.buckets.len();
+        let state = StepState {
+            pending: plan
+                .buckets
+                .iter()
+                .map(|b| (0..b.params.len()).map(|_| None).collect())
+                .collect(),
+            seen: plan
+                .buckets
+                .iter()
+                .map(|b| vec![false; b.params.len()])
+                .collect(),
+            arrived: vec![0; n],
+            buffers: (0..n).map(|_| None).collect(),
+            first_micro_batch: true,
+            last_micro_batch: true,
+            next_launch: 0,
+            local_sq_norms: Vec::new(),
+            in_flight: Vec::new(),
+            error: None,
+            last_launch: None,
+        };
+        Self {
+            plan: Arc::new(plan),
+            index: Arc::new(index),
+            clip,
+            max_norm,
+            on_device,
+            state: Arc::new(Mutex::new(state)),
+            comm,
+        }
+    }
+
+    /// The bucket plan.
+    pub fn plan(&self) -> &BucketPlan {
+        &self.plan
+    }
+
+    /// Whether the buckets live on the device.
+    pub fn on_device(&self) -> bool {
+        self.on_device
+    }
+
+    fn lock(&self) -> MutexGuard<'_, StepState<B>> {
+        lock(&self.state)
+    }
+
+    fn shared(&self) -> Shared<B> {
+        Shared {
+            plan: self.plan.clone(),
+            index: self.index.clone(),
+            clip: self.clip,
+            max_norm: self.max_norm,
+            on_device: self.on_device,
+            comm: self.comm.clone(),
+        }
+    }
+
+    /// Starts a micro-batch. `first`: the first of its step (buffers are replaced, not added
+    /// to); `last`: the last (buckets launch as they fill). Gradient accumulation over K
+    /// micro-batches communicates only in the last one.
+    pub fn prepare_backward(&self, first: bool, last: bool) {
+        let mut state = self.lock();
+        state.first_micro_batch = first;
+        state.last_micro_batch = last;
+        state.arrived.iter_mut().for_each(|a| *a = 0);
+        for pending in &mut state.pending {
+            pending.iter_mut().for_each(|p| *p = None);
+        }
+        state.seen.iter_mut().for_each(|s| s.fill(false));
+        if first {
+            state.next_launch = 0;
+            state.local_sq_norms.clear();
+            state.error = None;
+            state.last_launch = None;
+            state.buffers.iter_mut().for_each(|b| *b = None);
+        }
+    }
+
+    /// The callback for [`super::GradHooks`]: marks the delivered gradients ready and launches
+    /// the buckets they complete.
+    pub fn callback(&self) -> GradCallback<B> {
+        let (shared, state) = (self.shared(), self.state.clone());
+        GradCallback(Arc::new(move |_group, grads| {
+            shared.mark_params_ready(&mut lock(&state), grads);
+        }))
+    }
+
+    /// Marks gradients that did not come through a hook ready (the late ones, after
+    /// backward; Note [Late gradients] in `hooks.rs`).
+    pub fn mark_params_ready(&self, grads: HookGradients<B>) {
+        self.shared().mark_params_ready(&mut self.lock(), grads);
+    }
+
+    /// After the last micro-batch's backward: launches what is left (every bucket in
+    /// `local-global` mode, after clipping by the local norm), waits for every averaged
+    /// bucket, and applies `global` clipping. Nothing here reads device memory.
+    ///
+    /// # Errors
+    /// [`CommError`] from any bucket's allreduce; [`CommError::Mismatch`] if a gradient
+    /// arrived twice or never (a bug in the hooks, not a user error).
+    pub fn finalize_backward(&self) -> Result<ReducedStep<B>, CommError> {
+        let backward_done = Instant::now();
+        let shared = self.shared();
+        let mut state = self.lock();
+        if let Some(error) = state.error.take() {
+            return Err(CommError::Mismatch {
+                seq: 0,
+                detail: error,
+            });
+        }
+        let missing = self.missing_names(&state);
+        if !missing.is_empty() {
+            return Err(CommError::Mismatch {
+                seq: 0,
+                detail: format!("gradients never arrived: {missing}"),
+            });
+        }
+        let mut local_norm = None;
+        if self.clip == ClipMode::LocalGlobal {
+            // NVIDIA's rule: the whole local gradient's norm, so every bucket waits for it.
+            let sq = Scalar::sum(
+                state
+                    .buffers
+                    .iter()
+                    .map(|b| b.as_ref().expect("every bucket is complete").sq_norm())
+                    .collect(),
+            );
+            let coefficient = sq.clip_coefficient(self.max_norm);
+            for buffer in &mut state.buffers {
+                let b = buffer.take().expect("every bucket is complete");
+                *buffer = Some(b.scale(&coefficient));
+            }
+            local_norm = Some(sq.sqrt());
+            while state.next_launch < self.plan.buckets.len() {
+                let k = state.next_launch;
+                shared.all_reduce_bucket(&mut state, k);
+            }
+        }
+        let in_flight = std::mem::take(&mut state.in_flight);
+        let last_launch = state.last_launch;
+        drop(state);
+        let mut results = Vec::with_capacity(in_flight.len());
+        for (k, rx) in in_flight {
+            results.push((k, receive(&rx)?));
+        }
+        let done = Instant::now();
+        let mut state = self.lock();
+        for (k, averaged) in results {
+            state.buffers[k] = Some(averaged);
+        }
+        let grad_norm = match self.clip {
+            ClipMode::LocalGlobal => local_norm.expect("measured above"),
+            ClipMode::Bucket => Scalar::sum(std::mem::take(&mut state.local_sq_norms)).sqrt(),
+            ClipMode::None | ClipMode::Global => {
+                let sq = Scalar::sum(
+                    state
+                        .buffers
+                        .iter()
+                        .map(|b| b.as_ref().expect("every bucket was averaged").sq_norm())
+                        .collect(),
+                );
+                if self.clip == ClipMode::Global {
+                    let coefficient = sq.clip_coefficient(self.max_norm);
+                    for buffer in &mut state.buffers {
+                        let b = buffer.take().expect("every bucket was averaged");
+                        *buffer = Some(b.scale(&coefficient));
+                    }
+                }
+                sq.sqrt()
+            }
+        };
+        Ok(ReducedStep {
+            grad_norm,
+            timings: StepTimings {
+                wait_after_backward: done - backward_done,
+                tail: last_launch.map_or(Duration::ZERO, |t| done.saturating_duration_since(t)),
+            },
+        })
+    }
+
+    /// Names of the parameters whose gradient has not arrived in this micro-batch, comma
+    /// separated (empty when all have).
+    fn missing_names(&self, state: &StepState<B>) -> String {
+        let names: Vec<&str> = self
+            .plan
+            .buckets
+            .iter()
+            .zip(&state.seen)
+            .flat_map(|(b, seen)| {
+                b.params
+                    .iter()
+                    .zip(seen)
+                    .filter(|(_, s)| !**s)
+                    .map(|(p, _)| p.name.as_str())
+            })
+            .collect();
+        names.join(", ")
+    }
+
+    /// The averaged (and clipped) gradients of the last [`Reducer::finalize_backward`], as
+    /// Burn gradients of `module`'s parameters on `device`: slices of the device buckets, or
+    /// uploads of the host ones.
+    pub fn gradients<AB: AutodiffBackend<InnerBackend = B>, M: AutodiffModule<AB>>(
+        &self,
+        module: &M,
+        device: &B::Device,
+    ) -> GradientsParams {
+        struct WriteBack<'a, B: FusedOps> {
+            plan: &'a BucketPlan,
+            index: &'a HashMap<ParamId, (usize, usize)>,
+            buffers: &'a [Option<Buffer<B>>],
+            device: &'a B::Device,
+            grads: GradientsParams,
+        }
+        impl<AB: AutodiffBackend<InnerBackend = B>, B: FusedOps> ModuleVisitor<AB> for WriteBack<'_, B> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+                let Some(&(k, i)) = self.index.get(&param.id) else {
+                    return;
+                };
+                let p = &self.plan.buckets[k].params[i];
+                let shape: [usize; D] = p.shape.clone().try_into().expect("the plan's shape");
+                let buffer = self.buffers[k].as_ref().expect("every bucket was averaged");
+                self.grads
+                    .register(param.id, buffer.part(p.offset, shape, self.device));
+            }
+        }
+        let state = self.lock();
+        let mut write = WriteBack::<B> {
+            plan: &self.plan,
+            index: &self.index,
+            buffers: &state.buffers,
+            device,
+            grads: GradientsParams::new(),
+        };
+        module.visit(&mut write);
+        write.grads
+    }
+
+    /// The flat buffer of bucket `k` as it stands (after [`Reducer::finalize_backward`]:
+    /// averaged), on the host: for tests.
+    ///
+    /// # Panics
+    /// If bucket `k` has no buffer (not complete, or in flight).
+    pub fn bucket_values(&self, k: usize) -> Vec<f32> {
+        self.lock().buffers[k]
+            .as_ref()
+            .expect("bucket k holds a buffer")
+            .to_vec()
+    }
+}
+
+fn lock<B: FusedOps>(state: &Mutex<StepState<B>>) -> MutexGuard<'_, StepState<B>> {
+    // A rank that panicked while holding the lock leaves nothing a later step reads.
+    state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl<B: FusedOps> Shared<B> {
+    /// Adds delivered gradients to their buckets; flattens the buckets they complete; in the
+    /// last micro-batch, launches complete buckets in order.
+    fn mark_params_ready(&self, state: &mut StepState<B>, grads: HookGradients<B>) {
+        for (id, grad) in grads {
+            let Some(&(k, i)) = self.index.get(&id) else {
+                state
+                    .error
+                    .get_or_insert_with(|| format!("a gradient for unplanned parameter {id}"));
+                continue;
+            };
+            if state.seen[k][i] {
+                let name = &self.plan.buckets[k].params[i].name;
+                state
+                    .error
+                    .get_or_insert_with(|| format!("the gradient of {name} arrived twice"));
+                continue;
+            }
+            state.seen[k][i] = true;
+            state.pending[k][i] = Some(grad);
+            state.arrived[k] += 1;
+            if state.arrived[k] == self.plan.buckets[k].params.len() {
+                self.mark_bucket_ready(state, k);
+            }
+        }
+        if state.last_micro_batch && self.clip != ClipMode::LocalGlobal {
+            // Complete in this micro-batch (earlier micro-batches' buffers exist already).
+            while state.next_launch < self.plan.buckets.len()
+                && state.arrived[state.next_launch]
+                    == self.plan.buckets[state.next_launch].params.len()
+            {
+                let k = state.next_launch;
+                self.all_reduce_bucket(state, k);
+            }
+        }
+    }
+
+    /// Bucket `k`'s gradients have all arrived in this micro-batch: flattens them into its
+    /// buffer (adding to the earlier micro-batches').
+    fn mark_bucket_ready(&self, state: &mut StepState<B>, k: usize) {
+        let grads = state.pending[k]
+            .iter_mut()
+            .map(|g| g.take().expect("the bucket is complete"))
+            .collect();
+        let flat = Buffer::flatten(self.on_device, grads);
+        let buffer = match state.buffers[k].take() {
+            Some(earlier) if !state.first_micro_batch => earlier.add(flat),
+            _ => flat,
+        };
+        state.buffers[k] = Some(buffer);
+    }
+
+    /// Clips bucket `k` (`bucket` mode) and hands it to the communication thread.
+    fn all_reduce_bucket(&self, state: &mut StepState<B>, k: usize) {
+        let mut buffer = state.buffers[k].take().expect("a complete bucket");
+        if self.clip == ClipMode::Bucket {
+            // Note [Clip coefficient]; the cap is max_norm/√K (ClipMode::Bucket).
+            let sq = buffer.sq_norm();
+            let cap = bucket_clip_cap(self.max_norm, self.plan.buckets.len());
+            buffer = buffer.scale(&sq.clip_coefficient(cap));
+            state.local_sq_norms.push(sq);
+        }
+        let rx = match buffer {
+            Buffer::Host(values) => self.comm.submit(move |c| {
+                let mut values = values;
+                c.allreduce(&mut values, ReduceOp::Average)
+                    .map(|()| Buffer::Host(values))
+            }),
+            Buffer::Device(tensor) => self.comm.submit_device(move |c| {
+                c.allreduce_device(tensor, ReduceOp::Average)
+                    .map(Buffer::Device)
+            }),
+        };
+        state.in_flight.push((k, rx));
+        state.last_launch = Some(Instant::now());
+        state.next_launch += 1;
+    }
+}

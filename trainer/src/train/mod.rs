@@ -1,0 +1,442 @@
+//! The training loop, top to bottom: config → data ([`data`]) → model, buckets and optimizer
+//! ([`setup`]) → loop (a step: forward with gradient hooks, backward, bucketed allreduce and
+//! clipping, optimizer, [`step`]; log and evaluate, [`output`]) → checkpoint. One function,
+//! [`train_rank`], is one data-parallel rank; a one-rank job is the same loop with a
+//! [`SingleRank`] communicator.
+
+mod data;
+mod output;
+mod setup;
+mod step;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::module::{AutodiffModule, Module};
+use serde::Serialize;
+use serde_json::json;
+use tracing::info;
+
+pub use data::{PreparedData, prepare_data};
+use data::{RankData, TrainBatches};
+use ember_backend_ext::FusedOps;
+use output::{RunLog, prepare_output_dir, write_atomically};
+use setup::Trainer;
+
+use crate::eval::{EvalResult, evaluate};
+use crate::parallel::{
+    CommError, CommThread, Communicator, GradHookBackend, InProcess, ReduceOp, SingleRank,
+    check_agreement,
+};
+use crate::{TrainConfig, TrainError};
+
+/// How a run reports while it runs.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RunOptions {
+    /// Draw an indicatif progress bar on stderr (rank 0 only).
+    pub progress: bool,
+    /// A counter of the host's waits for the device, such as
+    /// `|| ember_backend_ext::HostSyncs::now().total()` on a `CountingRuntime` backend: when
+    /// set, each `train` record of `metrics.jsonl` reports `host_syncs_backward` and
+    /// `host_syncs_step` for its step.
+    pub host_sync_counter: Option<fn() -> u64>,
+    /// Wait for the device before and after each backward, so that `backward_s` in the metrics
+    /// is the device's time (two host syncs more per micro-batch: for benchmarks).
+    pub sync_backward: bool,
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct TrainSummary {
+    /// Optimizer steps taken.
+    pub steps: u64,
+    /// Training loss (MLM + NSP) of each step, averaged over ranks, in order.
+    pub losses: Vec<f64>,
+    /// The last evaluation.
+    pub eval: EvalResult,
+    /// Masked-LM accuracy of always predicting the most frequent masked token.
+    pub unigram_baseline: f64,
+    /// The token the unigram baseline predicts.
+    pub unigram_token: String,
+    /// Whether the run stopped because it reached `train.target_mlm_accuracy`.
+    pub reached_target: bool,
+    /// Wall-clock seconds of the training loop (evaluations included, data preparation not).
+    pub train_seconds: f64,
+    /// Real (unpadded) tokens processed per second of training.
+    pub tokens_per_second: f64,
+    /// The Hugging Face safetensors checkpoint written at the end.
+    pub checkpoint: PathBuf,
+    /// The metrics file (JSON lines).
+    pub metrics: PathBuf,
+    /// Ranks that trained together.
+    pub world_size: usize,
+    /// Samples per optimizer step over all ranks and micro-batches.
+    pub global_batch_size: usize,
+    /// The gradient buckets, `"K buckets: a, b MiB"`.
+    pub buckets: String,
+    /// Whether the buckets lived on the device (Note [Bucket storage]).
+    pub device_buckets: bool,
+    /// Whether this is rank 0 (which wrote the checkpoint and metrics).
+    pub is_main_rank: bool,
+}
+
+/// The communicator of in-process ranks (or of a one-rank job) for backend `B`: with device
+/// collectives on the CubeCL backends, whose tensors live in device memory, or when
+/// `parallel.buckets = "device"` asks for them; host collectives on NdArray, whose device is
+/// the host (Note [Bucket storage]).
+fn local_communicator<
+    B: GradHookBackend,
+    C: crate::parallel::DeviceCollective<B::InnerBackend> + 'static,
+>(
+    config: &TrainConfig,
+    comm: C,
+) -> Communicator<B::InnerBackend> {
+    use crate::parallel::BucketStorage;
+    let device = match config.parallel.buckets {
+        BucketStorage::Auto => <B::InnerBackend as FusedOps>::HAS_KERNELS,
+        BucketStorage::Host => false,
+        BucketStorage::Device => true,
+    };
+    if device {
+        Communicator::Device(Box::new(comm))
+    } else {
+        Communicator::Host(Box::new(comm))
+    }
+}
+
+/// Pre-trains BERT as `config` says, on `device`, as a single process, and writes
+/// `metrics.jsonl`, `model.safetensors`, `config.json` (Hugging Face) and `train_config.toml`
+/// to `train.out`.
+///
+/// # Errors
+/// Every bad input is reported before the first step: [`TrainError::InvalidSetting`],
+/// [`TrainError::SeqLenTooLong`], [`TrainError::Output`] (folder not writable),
+/// [`TrainError::Data`] (corpus, vocabulary, batch larger than the data). During the run:
+/// [`TrainError::Diverged`] on a non-finite loss (checked when the step is logged),
+/// [`TrainError::Output`] if a write fails.
+pub fn train<B: GradHookBackend>(
+    config: &TrainConfig,
+    device: &B::Device,
+    options: RunOptions,
+) -> Result<TrainSummary, TrainError> {
+    let comm = local_communicator::<B, _>(config, SingleRank);
+    train_rank::<B>(config, device, options, comm, None)
+}
+
+/// Trains with `world_size` data-parallel ranks as threads of this process (each with its
+/// own model replica on `device`, meeting through [`InProcess`] collectives), and returns
+/// rank 0's summary. The result equals one rank with `world_size` times the batch.
+///
+/// # Errors
+/// As [`train`]. When a rank fails, the others stop with [`TrainError::Comm`] naming it; the
+/// error returned is the first rank's own failure, not the others' reaction to it.
+pub fn train_in_process<B: GradHookBackend>(
+    config: &TrainConfig,
+    world_size: usize,
+    device: &B::Device,
+    options: RunOptions,
+) -> Result<TrainSummary, TrainError> {
+    train_in_process_with_data::<B>(config, world_size, device, options, None)
+}
+
+/// [`train_in_process`] on data prepared by the caller (`None`: prepared here), so that
+/// several runs can share one [`prepare_data`].
+///
+/// # Errors
+/// As [`train_in_process`].
+pub fn train_in_process_with_data<B: GradHookBackend>(
+    config: &TrainConfig,
+    world_size: usize,
+    device: &B::Device,
+    options: RunOptions,
+    data: Option<Arc<PreparedData>>,
+) -> Result<TrainSummary, TrainError> {
+    if world_size == 0 {
+        return Err(TrainError::InvalidSetting {
+            field: "nproc",
+            reason: "must be at least 1".into(),
+        });
+    }
+    config.validate()?;
+    let data = match data {
+        Some(data) => data,
+        None => Arc::new(prepare_data(config)?),
+    };
+    let timeout = Duration::from_secs_f64(config.parallel.timeout_s);
+    let results: Vec<Result<TrainSummary, TrainError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = InProcess::group(world_size, timeout)
+            .into_iter()
+            .map(|comm| {
+                let data = data.clone();
+                let comm = local_communicator::<B, _>(config, comm);
+                scope.spawn(move || train_rank::<B>(config, device, options, comm, Some(data)))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| {
+                h.join().unwrap_or_else(|_| {
+                    Err(TrainError::Comm(CommError::Backend {
+                        backend: "in-process",
+                        message: format!("rank {rank} panicked"),
+                    }))
+                })
+            })
+            .collect()
+    });
+    let mut errors = Vec::new();
+    let mut summary = None;
+    for (rank, result) in results.into_iter().enumerate() {
+        match result {
+            Ok(s) if rank == 0 => summary = Some(s),
+            Ok(_) => {}
+            Err(e) => errors.push(e),
+        }
+    }
+    // A rank's own failure first; the others' communication errors are its echo.
+    if let Some(i) = errors
+        .iter()
+        .position(|e| !matches!(e, TrainError::Comm(_)))
+    {
+        return Err(errors.swap_remove(i));
+    }
+    match errors.into_iter().next() {
+        Some(e) => Err(e),
+        None => Ok(summary.expect("rank 0 returned a summary")),
+    }
+}
+
+/// One data-parallel rank of a training run: the whole loop, with `comm` connecting it to
+/// the other ranks ([`SingleRank`] for a job of one). Rank 0 writes the metrics, the
+/// checkpoint and the progress bar; every rank evaluates its share of the held-out set.
+///
+/// `data` lets in-process ranks share one [`PreparedData`]; `None` prepares it here.
+///
+/// # Errors
+/// As [`train`], plus [`TrainError::Comm`] when another rank fails or stalls past
+/// `parallel.timeout_s`, and [`TrainError::RankMismatch`] when the ranks' configurations or
+/// bucket plans differ (checked before the first step).
+pub fn train_rank<B: GradHookBackend>(
+    config: &TrainConfig,
+    device: &B::Device,
+    options: RunOptions,
+    comm: Communicator<B::InnerBackend>,
+    data: Option<Arc<PreparedData>>,
+) -> Result<TrainSummary, TrainError> {
+    // Config and output.
+    config.validate()?;
+    let comm = Arc::new(CommThread::spawn(comm));
+    let (rank, world_size) = (comm.rank(), comm.world_size());
+    let out = &config.train.out;
+    if rank == 0 {
+        prepare_output_dir(out)?;
+    }
+    check_agreement(&comm, "configuration", config.to_toml())?;
+
+    // Data, model, buckets, optimizer.
+    let data = match data {
+        Some(data) => data,
+        None => Arc::new(prepare_data(config)?),
+    };
+    let mut rank_data = RankData::new(config, &data, &comm)?;
+    let (mut trainer, mut model) = Trainer::<B>::new(
+        config,
+        device,
+        data.tokenizer.vocab_size(),
+        &rank_data.eval,
+        &comm,
+    )?;
+    let global_batch_size = config.train.batch_size * config.parallel.grad_accum * world_size;
+    let mut log = start_run(config, options, &comm, &trainer, &model, &rank_data)?;
+
+    // The loop.
+    let mut last_eval = None;
+    let mut reached_target = false;
+    let mut step = 0;
+    while step < config.train.steps {
+        let micro_batches = rank_data
+            .batches
+            .next_step(config.parallel.grad_accum, &comm)?;
+        let record;
+        (model, record) = trainer.step(model, step, micro_batches, device, &options)?;
+        step += 1;
+        log.record(record, &comm)?;
+        if step % config.train.eval_every == 0 || step == config.train.steps {
+            let result = evaluate_sharded(&model, &rank_data.eval, device, &comm)?;
+            log.eval(step, &result)?;
+            last_eval = Some(result);
+            if config
+                .train
+                .target_mlm_accuracy
+                .is_some_and(|t| result.mlm_accuracy >= t)
+            {
+                reached_target = true;
+                break;
+            }
+        }
+    }
+    log.flush(&comm)?;
+    let train_seconds = log.started.elapsed().as_secs_f64();
+    let eval = last_eval.expect("the last step always evaluates");
+
+    // Checkpoint (rank 0): Hugging Face layout, each file written to a temporary name and
+    // renamed.
+    let checkpoint = out.join("model.safetensors");
+    if rank == 0 {
+        model.valid().save_hf_safetensors(&checkpoint)?;
+        write_atomically(&out.join("config.json"), &trainer.bert_config.to_hf_json())?;
+        write_atomically(&out.join("train_config.toml"), &config.to_toml())?;
+    }
+    log.end(json!({
+        "event": "end", "steps": step, "reached_target": reached_target,
+        "mlm_accuracy": eval.mlm_accuracy, "unigram_baseline": rank_data.unigram_baseline,
+        "train_seconds": train_seconds, "checkpoint": checkpoint,
+    }))?;
+    // Each rank's sampler state (shards): where its data order stopped, for
+    // `RankSampler::restore` (the trainer does not resume runs yet).
+    if let TrainBatches::Shards(loader) = &rank_data.batches {
+        std::fs::create_dir_all(out).map_err(|e| TrainError::Output {
+            path: out.clone(),
+            reason: e.to_string(),
+        })?;
+        let state = serde_json::to_string_pretty(&loader.sampler().state())
+            .expect("a sampler state serialises");
+        write_atomically(&out.join(format!("sampler_state.rank{rank}.json")), &state)?;
+    }
+    // No rank leaves before rank 0 has written the checkpoint: a rank's exit is how the
+    // others learn of failures.
+    comm.call(|c| c.barrier())?;
+
+    Ok(TrainSummary {
+        steps: step,
+        losses: std::mem::take(&mut log.losses),
+        eval,
+        unigram_baseline: rank_data.unigram_baseline,
+        unigram_token: rank_data.unigram_token.clone(),
+        reached_target,
+        train_seconds,
+        tokens_per_second: log.tokens as f64 / train_seconds,
+        checkpoint,
+        metrics: out.join("metrics.jsonl"),
+        world_size,
+        global_batch_size,
+        buckets: trainer.reducer.plan().summary(),
+        device_buckets: trainer.reducer.on_device(),
+        is_main_rank: rank == 0,
+    })
+}
+
+/// Logs what the run derived from its configuration (STYLE.md 12: global batch, tokens per
+/// step, bucket plan) and opens the run's log with its `start` record.
+fn start_run<B: GradHookBackend>(
+    config: &TrainConfig,
+    options: RunOptions,
+    comm: &CommThread<B::InnerBackend>,
+    trainer: &Trainer<B>,
+    model: &ember_model::BertForPreTraining<B>,
+    rank_data: &RankData,
+) -> Result<RunLog<B::InnerBackend>, TrainError> {
+    let (rank, world_size) = (comm.rank(), comm.world_size());
+    let global_batch_size = config.train.batch_size * config.parallel.grad_accum * world_size;
+    let plan = trainer.reducer.plan();
+    let buckets = plan.summary();
+    let storage = if trainer.reducer.on_device() {
+        "device"
+    } else {
+        "host"
+    };
+    info!(
+        rank,
+        world_size,
+        collective = comm.name(),
+        buckets = %buckets,
+        bucket_storage = storage,
+        bucket_plan_hash = format!("{:016x}", plan.fingerprint()),
+        clip = %config.parallel.clip,
+        "rank ready"
+    );
+    if rank == 0 {
+        info!(
+            preset = %config.model.preset,
+            parameters = model.num_params(),
+            train_instances = rank_data.num_train,
+            eval_instances = rank_data.eval.len(),
+            world_size,
+            global_batch_size,
+            max_seq_length = config.instances.max_seq_length,
+            mean_tokens_per_sample = format!("{:.1}", rank_data.mean_len),
+            tokens_per_step = format!("{:.0}", rank_data.mean_len * global_batch_size as f64),
+            optimizer = ?config.optimizer.name,
+            peak_lr = config.optimizer.lr,
+            warmup_steps = config.warmup_steps(),
+            steps = config.train.steps,
+            "starting pre-training"
+        );
+        info!(
+            unigram_token = %rank_data.unigram_token,
+            unigram_baseline = format!("{:.4}", rank_data.unigram_baseline),
+            "masked-LM accuracy of always predicting the most frequent masked token"
+        );
+    }
+    RunLog::start(
+        config,
+        comm,
+        options.progress,
+        json!({
+            "event": "start", "preset": config.model.preset.name(),
+            "parameters": model.num_params(), "train_instances": rank_data.num_train,
+            "eval_instances": rank_data.eval.len(), "world_size": world_size,
+            "global_batch_size": global_batch_size,
+            "max_seq_length": config.instances.max_seq_length, "buckets": buckets,
+            "bucket_storage": storage, "clip": config.parallel.clip.to_string(),
+            "unigram_token": rank_data.unigram_token,
+            "unigram_baseline": rank_data.unigram_baseline,
+        }),
+    )
+}
+
+/// Evaluates the held-out set split over the ranks (batch i on rank i mod W) and sums the
+/// counts over ranks, so every rank gets the whole set's result.
+fn evaluate_sharded<B: GradHookBackend>(
+    model: &ember_model::BertForPreTraining<B>,
+    eval_loader: &ember_data::InstanceLoader,
+    device: &B::Device,
+    comm: &CommThread<B::InnerBackend>,
+) -> Result<EvalResult, TrainError> {
+    let (rank, world_size) = (comm.rank(), comm.world_size());
+    let mine = eval_loader
+        .sequential_batches()
+        .enumerate()
+        .filter(|(i, _)| i % world_size == rank)
+        .map(|(_, b)| b);
+    let local = evaluate(&model.valid(), mine, device);
+    if world_size == 1 {
+        return Ok(local);
+    }
+    // Counts are integers (exact in f32 below 2^24); loss sums lose only f32 rounding.
+    let (n, s) = (local.num_predictions as f64, local.num_samples as f64);
+    let sums = [
+        (local.mlm_accuracy * n).round(),
+        local.mlm_loss * n,
+        n,
+        (local.nsp_accuracy * s).round(),
+        local.nsp_loss * s,
+        s,
+    ]
+    .map(|x| x as f32);
+    let sums = comm.call(move |c| {
+        let mut sums = sums;
+        c.allreduce(&mut sums, ReduceOp::Sum).map(|()| sums)
+    })?;
+    let per = |x: f32, n: f32| if n > 0.0 { f64::from(x / n) } else { 0.0 };
+    Ok(EvalResult {
+        mlm_accuracy: per(sums[0], sums[2]),
+        mlm_loss: per(sums[1], sums[2]),
+        nsp_accuracy: per(sums[3], sums[5]),
+        nsp_loss: per(sums[4], sums[5]),
+        num_predictions: sums[2].round() as usize,
+        num_samples: sums[5].round() as usize,
+    })
+}

@@ -1,0 +1,176 @@
+//! A rank's model and what trains it: initialisation, the start-up probe of gradient order,
+//! the bucket plan the ranks agree on, rank 0's parameters, the reducer, the optimizer and the
+//! schedule.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorData};
+use ember_data::InstanceLoader;
+use ember_model::{BertConfig, BertForPreTraining};
+
+use crate::optim::PreTrainingOptimizer;
+use crate::parallel::{
+    BucketPlan, CommThread, GradHookBackend, Reducer, bucket_plan, check_agreement, ready_order,
+};
+use crate::schedule::WarmupPolyDecay;
+use crate::{TrainConfig, TrainError};
+
+/// Serialises model initialisation across in-process ranks: Burn's NdArray random generator
+/// is process-wide, so ranks initialising at once would interleave their draws. (Rank 0's
+/// parameters are broadcast anyway; this makes rank 0's equal a one-rank run's.)
+static INIT_LOCK: Mutex<()> = Mutex::new(());
+
+/// What trains one rank's model replica.
+pub(crate) struct Trainer<B: GradHookBackend> {
+    pub bert_config: BertConfig,
+    pub reducer: Reducer<B::InnerBackend>,
+    /// Parameters whose gradients the hooks deliver; the others (`late`) are delivered after
+    /// backward (Note [Late gradients] in `parallel/hooks.rs`).
+    pub hooked: HashSet<ParamId>,
+    pub late: Vec<ParamId>,
+    pub optimizer: PreTrainingOptimizer<BertForPreTraining<B>, B>,
+    pub schedule: WarmupPolyDecay,
+}
+
+impl<B: GradHookBackend> Trainer<B> {
+    /// Initialises the model (seeded), finds which gradients the hooks can deliver with one
+    /// probe backward on the first held-out batch, plans the buckets, checks that every rank
+    /// has the same plan, takes rank 0's parameters, and builds reducer and optimizer. Returns
+    /// the trainer and the model.
+    ///
+    /// # Errors
+    /// [`TrainError::Model`] for a bad model configuration; [`TrainError::InvalidSetting`] for
+    /// `parallel.buckets = device` without device collectives; [`TrainError::RankMismatch`]
+    /// for ranks with different plans; [`TrainError::Comm`].
+    pub(crate) fn new(
+        config: &TrainConfig,
+        device: &B::Device,
+        vocab_size: usize,
+        eval: &InstanceLoader,
+        comm: &Arc<CommThread<B::InnerBackend>>,
+    ) -> Result<(Self, BertForPreTraining<B>), TrainError> {
+        let bert_config = config.bert_config(vocab_size);
+        bert_config.validate()?;
+        let on_device = config
+            .parallel
+            .buckets
+            .on_device(comm.has_device_collectives())
+            .map_err(|reason| TrainError::InvalidSetting {
+                field: "parallel.buckets",
+                reason,
+            })?;
+        let model = init_model::<B>(config, &bert_config, device);
+        let probe = eval
+            .sequential_batches()
+            .next()
+            .expect("the evaluation set is not empty");
+        let order = ready_order(&model, probe.to_device::<B>(device));
+        let plan = bucket_plan::<B, _>(
+            &model,
+            &order.params(),
+            config.parallel.first_bucket_mb,
+            config.parallel.bucket_cap_mb,
+        );
+        check_agreement(comm, "bucket plan", plan.describe())?;
+        let model = broadcast_parameters::<B, _>(model, &plan, comm)?;
+        let reducer = Reducer::new(
+            plan,
+            config.parallel.clip,
+            config.optimizer.max_grad_norm,
+            on_device,
+            comm.clone(),
+        );
+        let fused = config.model.kernels.fused::<B>();
+        let optimizer = PreTrainingOptimizer::new(&config.optimizer, &model, fused);
+        let schedule = WarmupPolyDecay::new(
+            config.optimizer.lr,
+            config.warmup_steps(),
+            config.train.steps,
+            &config.schedule,
+        );
+        let trainer = Self {
+            bert_config,
+            reducer,
+            hooked: order.hooked_set(),
+            late: order.late,
+            optimizer,
+            schedule,
+        };
+        Ok((trainer, model))
+    }
+}
+
+/// The model of `bert_config`, initialised from `train.seed` with every parameter drawn now.
+fn init_model<B: GradHookBackend>(
+    config: &TrainConfig,
+    bert_config: &BertConfig,
+    device: &B::Device,
+) -> BertForPreTraining<B> {
+    let _guard = INIT_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    B::seed(device, config.train.seed);
+    ember_backend_ext::reseed_dropout(config.train.seed);
+    let model = bert_config
+        .init_for_pretraining(device)
+        .with_kernels(config.model.kernels);
+    // Burn initialises parameters lazily, at their first use: draw them all now, in module
+    // order, while this rank holds the generator.
+    struct Materialize;
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Materialize {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let _ = param.val();
+        }
+    }
+    model.visit(&mut Materialize);
+    model
+}
+
+/// Replaces `module`'s parameters with rank 0's (PyTorch DDP does the same at construction),
+/// one bucket-sized broadcast at a time, through host memory (once, at start-up).
+fn broadcast_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: M,
+    plan: &BucketPlan,
+    comm: &CommThread<B::InnerBackend>,
+) -> Result<M, TrainError> {
+    if comm.world_size() == 1 {
+        return Ok(module);
+    }
+    let mut values: HashMap<ParamId, Vec<f32>> = HashMap::new();
+    struct Read<'a>(&'a mut HashMap<ParamId, Vec<f32>>);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Read<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let data = param.val().into_data().convert::<f32>();
+            self.0
+                .insert(param.id, data.into_vec::<f32>().expect("f32 data"));
+        }
+    }
+    module.visit(&mut Read(&mut values));
+    for bucket in &plan.buckets {
+        let mut flat = Vec::with_capacity(bucket.numel);
+        for p in &bucket.params {
+            flat.extend_from_slice(&values[&p.id]);
+        }
+        let flat = comm.call(move |c| {
+            let mut flat = flat;
+            c.broadcast(&mut flat, 0).map(|()| flat)
+        })?;
+        for p in &bucket.params {
+            values.insert(p.id, flat[p.offset..p.offset + p.numel()].to_vec());
+        }
+    }
+    struct Write(HashMap<ParamId, Vec<f32>>);
+    impl<B: AutodiffBackend> ModuleMapper<B> for Write {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let Some(values) = self.0.remove(&param.id) else {
+                return param;
+            };
+            param.map(|tensor| {
+                let shape = tensor.shape();
+                Tensor::from_data(TensorData::new(values, shape), &tensor.device()).require_grad()
+            })
+        }
+    }
+    Ok(module.map(&mut Write(values)))
+}
