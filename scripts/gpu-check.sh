@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
-# GPU check of ember-backend-ext's kernels on an NVIDIA GPU, time-boxed to a few minutes.
+# GPU check on an NVIDIA GPU, in parts that each stay within a few minutes.
 #
-#   scripts/gpu-check.sh build   # here (no GPU needed): builds the CUDA binaries into gpu-check/
-#   scripts/gpu-check.sh run     # on the GPU machine: kernel tests on CUDA (f32), the kernel
-#                                # benchmark (f32, then bf16), one table per part; logs in $OUT
-#                                # (or gpu-check/out)
+#   scripts/gpu-check.sh build          # here (no GPU needed): builds the CUDA binaries into gpu-check/
+#   scripts/gpu-check.sh run [PART...]  # on the GPU machine; PART: step, kernels, bench-kernels
+#                                       # (default: all three, in that order); logs in $OUT (or
+#                                       # gpu-check/out), one table per part
 #
-# The GPU machine needs the NVIDIA driver only: cubecl-cuda and cudarc load libcuda/nvrtc at
-# run time. Test binary: backend-ext/tests/kernels.rs (its `cuda::` module); benchmark:
-# `xtask bench kernels`.
+# Parts:
+#   step           `xtask bench step --check`: the device reducer against the host path on the
+#                  tiny model (NCCL with a world of one, 3 steps, weights within 1e-5), then
+#                  BERT-base and BERT-large training steps at sequence length 128: step time,
+#                  backward time and host synchronisations per step, device vs host buckets.
+#   kernels        the kernel tests on CUDA (backend-ext/tests/kernels.rs, its `cuda::` module).
+#   bench-kernels  `xtask bench kernels`, f32 then bf16.
+#
+# The GPU machine needs the NVIDIA driver, and NCCL for `step`: cubecl-cuda and cudarc load
+# libcuda, nvrtc and libnccl at run time. The script adds the libraries of the machine's
+# Python `nvidia-*` packages (nvidia-nccl-cu13 among them) to LD_LIBRARY_PATH when it finds them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=gpu-check
@@ -23,24 +31,51 @@ build)
     cp target/debug/xtask "$dir/xtask"
     strip "$dir/kernels" "$dir/xtask"
     ls -la "$dir"
+    du -ch "$dir/kernels" "$dir/xtask" | tail -1
     ;;
 run)
+    shift
+    parts=("$@")
+    [ ${#parts[@]} -gt 0 ] || parts=(step kernels bench-kernels)
     out="${OUT:-$dir/out}"
     mkdir -p "$out"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt" || true
-    echo "== kernel tests on CUDA (f32): forward and backward vs the reference composition"
+    # NCCL, nvrtc and the CUDA runtime from the Python wheels, if the system has none.
+    for lib in /opt/torch/.venv/lib/python3*/site-packages/nvidia/*/lib /usr/local/lib/python3*/dist-packages/nvidia/*/lib; do
+        [ -d "$lib" ] && LD_LIBRARY_PATH="$lib:${LD_LIBRARY_PATH:-}"
+    done
+    export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
     status=0
-    timeout 240 "$dir/kernels" cuda:: --test-threads 1 2>&1 | tee "$out/kernels.log" || status=$?
-    echo "== kernel benchmark, f32"
-    timeout 150 "$dir/xtask" bench kernels --device cuda --dtype f32 --iters 20 2>&1 | tee "$out/bench-f32.md" || status=$?
-    echo "== kernel benchmark, bf16"
-    timeout 120 "$dir/xtask" bench kernels --device cuda --dtype bf16 --iters 20 2>&1 | tee "$out/bench-bf16.md" || status=$?
-    echo "== summary"
-    grep -E "^test |test result" "$out/kernels.log" || true
+    for part in "${parts[@]}"; do
+        start=$SECONDS
+        case "$part" in
+        step)
+            echo "== bench step: device reducer check, then BERT-base/large steps (seq 128)"
+            timeout 300 "$dir/xtask" bench step --device cuda --check --presets base,large \
+                --batch-size 64,32 --seq-len 128 --steps 4 2>&1 | tee "$out/step.md" || status=$?
+            ;;
+        kernels)
+            echo "== kernel tests on CUDA (f32): forward and backward vs the reference composition"
+            timeout 200 "$dir/kernels" cuda:: --test-threads 1 2>&1 | tee "$out/kernels.log" || status=$?
+            grep -E "^test |test result" "$out/kernels.log" || true
+            ;;
+        bench-kernels)
+            echo "== kernel benchmark, f32"
+            timeout 120 "$dir/xtask" bench kernels --device cuda --dtype f32 --iters 10 2>&1 | tee "$out/bench-f32.md" || status=$?
+            echo "== kernel benchmark, bf16"
+            timeout 90 "$dir/xtask" bench kernels --device cuda --dtype bf16 --iters 10 2>&1 | tee "$out/bench-bf16.md" || status=$?
+            ;;
+        *)
+            echo "unknown part $part (step, kernels, bench-kernels)" >&2
+            status=2
+            ;;
+        esac
+        echo "== $(( SECONDS - start )) s: $part"
+    done
     exit $status
     ;;
 *)
-    echo "usage: $0 build|run" >&2
+    echo "usage: $0 build | run [step|kernels|bench-kernels ...]" >&2
     exit 2
     ;;
 esac

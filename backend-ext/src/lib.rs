@@ -39,6 +39,18 @@ use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
 
 #[cfg(feature = "cube")]
 pub use cube::counting::{CountingRuntime, HostSyncs};
+
+/// Burn's CUDA backend (`burn::backend::Cuda`) with its host synchronisations counted
+/// ([`CountingRuntime`], [`HostSyncs`]).
+#[cfg(feature = "cuda")]
+pub type CountingCuda<F = f32, I = i32> =
+    burn_cubecl::CubeBackend<CountingRuntime<cubecl::cuda::CudaRuntime>, F, I, u8>;
+
+/// Burn's wgpu backend (`burn::backend::wgpu::CubeBackend<WgpuRuntime, ..>`) with its host
+/// synchronisations counted ([`CountingRuntime`], [`HostSyncs`]).
+#[cfg(feature = "wgpu")]
+pub type CountingWgpu<F = f32, I = i32> =
+    burn_cubecl::CubeBackend<CountingRuntime<cubecl::wgpu::WgpuRuntime>, F, I, u32>;
 pub use dropout::{DropoutSpec, keep_mask, reseed_dropout};
 
 /// Which implementation of the fused ops a model uses.

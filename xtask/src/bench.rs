@@ -39,6 +39,9 @@ pub enum BenchCommand {
     Overlap(OverlapArgs),
     /// The fused ops of ember-backend-ext against the reference composition, at BERT shapes.
     Kernels(crate::bench_kernels::KernelArgs),
+    /// Training steps through the whole trainer on one rank: step and backward time, host
+    /// synchronisations per step, device against host gradient buckets.
+    Step(crate::bench_step::StepArgs),
 }
 
 /// Flags of `bench overlap`.
@@ -77,6 +80,7 @@ pub fn run(command: BenchCommand) -> Result<()> {
     match command {
         BenchCommand::Overlap(args) => overlap(args),
         BenchCommand::Kernels(args) => crate::bench_kernels::run(args),
+        BenchCommand::Step(args) => crate::bench_step::run(args),
     }
 }
 

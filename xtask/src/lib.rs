@@ -7,10 +7,13 @@
 //! - `launch`: runs `mpirun -np N` on this binary.
 //! - `prepare-data`: text → MLPerf HDF5 shards; `stratify`: shards → length bins;
 //!   `balance-report`: padding efficiency and rank imbalance of each sampler.
-//! - `bench overlap`: how much of the gradient allreduce the bucketed hooks hide.
+//! - `bench overlap`: how much of the gradient allreduce the bucketed hooks hide; `bench
+//!   kernels`: the fused ops against their reference; `bench step`: a training step's time and
+//!   host synchronisations, device against host buckets.
 
 mod bench;
 mod bench_kernels;
+mod bench_step;
 mod data;
 mod launch;
 mod train;

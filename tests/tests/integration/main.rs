@@ -14,9 +14,4 @@ mod train;
 /// The wgpu backend of these tests (Mesa's lavapipe in CI): CubeCL's wgpu runtime wrapped in
 /// ember's host-synchronisation counter, which changes nothing else (one backend type for all
 /// wgpu tests, so that the binary monomorphises Burn's CubeCL ops once).
-pub type Wgpu = burn::backend::wgpu::CubeBackend<
-    ember_backend_ext::CountingRuntime<burn::backend::wgpu::WgpuRuntime>,
-    f32,
-    i32,
-    u32,
->;
+pub type Wgpu = ember_backend_ext::CountingWgpu;

@@ -1,0 +1,316 @@
+//! `cargo xtask bench step`: training steps through the whole trainer (gradient hooks,
+//! reducer, optimizer) on one rank, timed, with the host synchronisations of each step counted,
+//! for device and host gradient buckets. On CUDA the rank reduces through NCCL with a world of
+//! one (the same code path as a cluster rank: device buckets, NCCL in place on its own stream).
+//!
+//! Per model and bucket storage, two runs of `--steps` steps after one warm-up step:
+//! - the step time is the wall time between two logged steps with `train.log_every = 1`: each
+//!   log reads the step's loss, so the device has finished the step when the clock is read;
+//! - the host synchronisations are counted by `ember-backend-ext`'s `CountingRuntime` (reads
+//!   of device memory and waits for the device), during backward (from its start to the step's
+//!   wait for its buckets) and over the whole step, the log's own read excluded;
+//! - backward time comes from a second run that waits for the device before and after
+//!   backward (`RunOptions::sync_backward`), so that it is the device's time.
+//!
+//! `--check` first trains the tiny model for 3 steps with device and with host buckets and
+//! compares the weights (1e-5): the device reducer against the host path on this device.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use burn::backend::Autodiff;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+use clap::Args;
+use ember_model::{BertConfig, BertForPreTraining, Preset};
+use ember_trainer::parallel::{BucketStorage, Communicator, GradHookBackend};
+use ember_trainer::{PreparedData, RunOptions, TrainConfig, prepare_data, train_rank};
+
+/// Flags of `bench step`.
+#[derive(Args, Debug)]
+pub struct StepArgs {
+    /// Backend: cpu (NdArray), wgpu or cuda (need the features of the same name)
+    #[arg(long, default_value = "cuda", value_parser = ["cpu", "wgpu", "cuda"])]
+    device: String,
+    /// Models to time
+    #[arg(long, value_delimiter = ',', default_value = "base,large")]
+    presets: Vec<Preset>,
+    /// Samples per step, one per preset or one for all
+    #[arg(long, value_delimiter = ',', default_value = "64,32")]
+    batch_size: Vec<usize>,
+    /// Sequence length (every sample padded to it)
+    #[arg(long, default_value_t = 128)]
+    seq_len: usize,
+    /// Masked positions per sample
+    #[arg(long, default_value_t = 20)]
+    max_predictions: usize,
+    /// Timed steps per run, after one warm-up step
+    #[arg(long, default_value_t = 5)]
+    steps: u64,
+    /// Bucket storages to time
+    #[arg(long, value_delimiter = ',', default_value = "device,host")]
+    buckets: Vec<BucketStorage>,
+    /// First compare device and host buckets on the tiny model (3 steps, weights within 1e-5)
+    #[arg(long)]
+    check: bool,
+}
+
+pub fn run(args: StepArgs) -> Result<()> {
+    match args.device.as_str() {
+        "cpu" => bench::<Autodiff<burn::backend::NdArray>>(
+            &args,
+            &Default::default(),
+            &|| Communicator::Device(Box::new(ember_trainer::parallel::SingleRank)),
+            None,
+        ),
+        "wgpu" => bench_wgpu(&args),
+        "cuda" => bench_cuda(&args),
+        other => bail!("unknown device {other}"),
+    }
+}
+
+#[cfg(feature = "wgpu")]
+fn bench_wgpu(args: &StepArgs) -> Result<()> {
+    bench::<Autodiff<ember_backend_ext::CountingWgpu>>(
+        args,
+        &burn::backend::wgpu::WgpuDevice::DefaultDevice,
+        &|| Communicator::Device(Box::new(ember_trainer::parallel::SingleRank)),
+        Some(|| ember_backend_ext::HostSyncs::now().total()),
+    )
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn bench_wgpu(_: &StepArgs) -> Result<()> {
+    bail!("--device wgpu needs a build with the `wgpu` feature (cargo xtask --features wgpu ...)")
+}
+
+#[cfg(feature = "cuda")]
+fn bench_cuda(args: &StepArgs) -> Result<()> {
+    use ember_trainer::parallel::nccl::{Nccl, new_unique_id};
+    // NCCL with a world of one: the cluster's code path on one GPU.
+    let nccl = || -> Result<Nccl> {
+        let id = new_unique_id()?;
+        Ok(Nccl::new(
+            0,
+            0,
+            1,
+            &id,
+            std::time::Duration::from_secs(300),
+        )?)
+    };
+    if let Err(e) = nccl() {
+        bail!("NCCL with a world of one failed (is libnccl.so.2 on LD_LIBRARY_PATH?): {e:#}");
+    }
+    println!("collectives: NCCL, world of one");
+    bench::<Autodiff<ember_backend_ext::CountingCuda>>(
+        args,
+        &burn::backend::cuda::CudaDevice::new(0),
+        &|| Communicator::Device(Box::new(nccl().expect("NCCL formed above"))),
+        Some(|| ember_backend_ext::HostSyncs::now().total()),
+    )
+}
+
+#[cfg(not(feature = "cuda"))]
+fn bench_cuda(_: &StepArgs) -> Result<()> {
+    bail!("--device cuda needs a build with the `cuda` feature (cargo xtask --features cuda ...)")
+}
+
+/// A run's configuration: `preset`, `batch_size` samples of `seq_len` tokens, `steps` steps,
+/// each one logged, evaluation only at the end on a few samples.
+fn config(
+    preset: Preset,
+    batch_size: usize,
+    args: &StepArgs,
+    steps: u64,
+    out: &Path,
+) -> TrainConfig {
+    let mut config = TrainConfig::default();
+    config.model.preset = preset;
+    config.instances.max_seq_length = args.seq_len;
+    config.instances.max_predictions_per_seq = args.max_predictions;
+    config.instances.dupe_factor = 1;
+    config.train.batch_size = batch_size;
+    config.train.steps = steps;
+    config.train.log_every = 1;
+    config.train.eval_every = steps;
+    config.train.eval_samples = batch_size.min(64);
+    config.train.out = out.to_path_buf();
+    config
+}
+
+fn bench<B: GradHookBackend>(
+    args: &StepArgs,
+    device: &B::Device,
+    comm: &dyn Fn() -> Communicator<B::InnerBackend>,
+    counter: Option<fn() -> u64>,
+) -> Result<()> {
+    let dir = tempfile::tempdir().context("a temporary folder for the runs")?;
+    let train = |config: &TrainConfig, data: &Arc<PreparedData>, options: RunOptions| {
+        train_rank::<B>(config, device, options, comm(), Some(data.clone()))
+            .context("training failed")
+    };
+    let data = Arc::new(prepare_data(&config(
+        Preset::Tiny,
+        1,
+        args,
+        1,
+        Path::new("unused"),
+    ))?);
+    let mut failed = false;
+    if args.check {
+        let mut tiny = config(Preset::Tiny, 8, args, 3, &dir.path().join("check-device"));
+        tiny.model.hidden_dropout_prob = Some(0.0);
+        tiny.model.attention_probs_dropout_prob = Some(0.0);
+        tiny.parallel.buckets = BucketStorage::Device;
+        let device_run = train(&tiny, &data, RunOptions::default())?;
+        tiny.parallel.buckets = BucketStorage::Host;
+        tiny.train.out = dir.path().join("check-host");
+        let host_run = train(&tiny, &data, RunOptions::default())?;
+        let worst = largest_difference(&device_run.checkpoint, &host_run.checkpoint)?;
+        failed = worst > 1e-5;
+        println!(
+            "reducer check (tiny, 3 steps of {} samples): device vs host buckets, largest \
+             weight difference {worst:.2e}: {}",
+            tiny.train.batch_size,
+            if failed {
+                "FAIL (bound 1e-5)"
+            } else {
+                "pass (bound 1e-5)"
+            }
+        );
+    }
+    println!();
+    println!(
+        "| model | batch × seq | buckets | step ms | backward ms | samples/s | host syncs in backward | host syncs per step |"
+    );
+    println!("|---|---|---|---:|---:|---:|---:|---:|");
+    for (i, &preset) in args.presets.iter().enumerate() {
+        let batch_size = *args
+            .batch_size
+            .get(i)
+            .or(args.batch_size.last())
+            .context("--batch-size needs a value")?;
+        for &buckets in &args.buckets {
+            let name = format!("{preset}-{buckets}");
+            let mut run = config(
+                preset,
+                batch_size,
+                args,
+                args.steps + 1,
+                &dir.path().join(&name),
+            );
+            run.parallel.buckets = buckets;
+            let counted = train(
+                &run,
+                &data,
+                RunOptions {
+                    host_sync_counter: counter,
+                    ..RunOptions::default()
+                },
+            )?;
+            let records = train_records(&counted.metrics)?;
+            run.train.out = dir.path().join(format!("{name}-timed"));
+            let timed = train(
+                &run,
+                &data,
+                RunOptions {
+                    sync_backward: true,
+                    ..RunOptions::default()
+                },
+            )?;
+            let timed_records = train_records(&timed.metrics)?;
+            // Step 1 warms up (kernel compilation, autotuning): left out.
+            let step_s = mean(records.windows(2).map(|w| {
+                w[1]["elapsed_s"].as_f64().unwrap_or(0.0)
+                    - w[0]["elapsed_s"].as_f64().unwrap_or(0.0)
+            }));
+            let backward_s = mean(
+                timed_records
+                    .iter()
+                    .skip(1)
+                    .map(|r| r["backward_s"].as_f64().unwrap_or(f64::NAN)),
+            );
+            let syncs = |key: &str| match counter {
+                Some(_) => records
+                    .iter()
+                    .skip(1)
+                    .map(|r| r[key].as_u64().unwrap_or(0))
+                    .max()
+                    .unwrap_or(0)
+                    .to_string(),
+                None => "–".to_string(),
+            };
+            println!(
+                "| {preset} | {batch_size} × {} | {buckets} | {:.1} | {:.1} | {:.1} | {} | {} |",
+                args.seq_len,
+                step_s * 1e3,
+                backward_s * 1e3,
+                batch_size as f64 / step_s,
+                syncs("host_syncs_backward"),
+                syncs("host_syncs_step"),
+            );
+        }
+    }
+    if failed {
+        bail!("the device reducer differs from the host path");
+    }
+    Ok(())
+}
+
+fn mean(values: impl Iterator<Item = f64>) -> f64 {
+    let values: Vec<f64> = values.collect();
+    values.iter().sum::<f64>() / values.len().max(1) as f64
+}
+
+/// The `train` records of a run's metrics.
+fn train_records(metrics: &Path) -> Result<Vec<serde_json::Value>> {
+    let text = std::fs::read_to_string(metrics)
+        .with_context(|| format!("reading {}", metrics.display()))?;
+    Ok(text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|r| r["event"] == "train")
+        .collect())
+}
+
+/// The largest absolute difference between the weights of two checkpoints of one model.
+fn largest_difference(a: &Path, b: &Path) -> Result<f64> {
+    let (x, y) = (weights(a)?, weights(b)?);
+    let mut worst = 0f64;
+    for (name, values) in &x {
+        let other = y
+            .get(name)
+            .with_context(|| format!("{name} is missing from {}", b.display()))?;
+        for (p, q) in values.iter().zip(other) {
+            worst = worst.max(f64::from((p - q).abs()));
+        }
+    }
+    Ok(worst)
+}
+
+/// Every parameter of a run's checkpoint (with the `config.json` beside it), by path.
+fn weights(checkpoint: &Path) -> Result<HashMap<String, Vec<f32>>> {
+    type Cpu = burn::backend::NdArray;
+    let folder = checkpoint
+        .parent()
+        .context("a checkpoint lies in a folder")?;
+    let config = BertConfig::load_json(&folder.join("config.json"))?;
+    let model: BertForPreTraining<Cpu> = config
+        .init_for_pretraining(&Default::default())
+        .load_hf_safetensors(checkpoint)?;
+    struct Read(Vec<Vec<f32>>);
+    impl<B: Backend> ModuleVisitor<B> for Read {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let data = param.val().into_data().convert::<f32>();
+            self.0
+                .push(data.into_vec::<f32>().expect("f32 after convert"));
+        }
+    }
+    let mut read = Read(Vec::new());
+    model.visit(&mut read);
+    let names = ember_trainer::grads::named_params::<Cpu, _>(&model);
+    Ok(names.into_iter().map(|(n, _)| n).zip(read.0).collect())
+}
