@@ -10,11 +10,11 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
 /// Called at the layer boundaries of [`BertForPreTraining::forward_hooked`]
-/// (and [`BertModel::forward_hooked`]). Both methods default to the identity.
+/// (and [`BertModel::forward_hooked`]). Every method defaults to what the plain forward does.
 ///
 /// In backward, whatever a hook inserts at `layer_input(i, ..)` runs after every op of encoder
 /// layer `i`, and at `heads_input` after every op of the pooler and both heads (deepest first:
-/// heads, layer N−1, …, layer 0).
+/// heads, layer N−1, …, layer 0). `decoder_weight` gives the MLM decoder its matrix.
 ///
 /// [`BertForPreTraining::forward_hooked`]: crate::BertForPreTraining::forward_hooked
 /// [`BertModel::forward_hooked`]: crate::BertModel::forward_hooked
@@ -30,6 +30,20 @@ pub trait ForwardHook<B: Backend> {
     /// returns what they consume.
     fn heads_input(&self, sequence_output: Tensor<B, 3>) -> Tensor<B, 3> {
         sequence_output
+    }
+
+    /// The MLM decoder's matrix, `[H, V]`: the word-embedding table `[V, H]` (tied)
+    /// transposed. `transformed` (`[N, H]`) is the MLM transform's output, which the decoder
+    /// multiplies; a trainer's op can take it as a parent so that its backward runs right
+    /// after the decoder's (Burn orders backward by graph depth), which is when the decoder's
+    /// share of the tied gradient is complete.
+    fn decoder_weight(
+        &self,
+        word_embeddings: Tensor<B, 2>,
+        transformed: &Tensor<B, 2>,
+    ) -> Tensor<B, 2> {
+        let _ = transformed;
+        word_embeddings.transpose()
     }
 }
 

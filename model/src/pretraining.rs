@@ -157,9 +157,12 @@ impl<B: FusedOps> BertForPreTraining<B> {
             .transform
             .layer_norm
             .forward(gelu(predictions.transform.dense.forward(masked_states)));
-        let decoder_weight = self.bert.embeddings.word_embeddings.weight.val(); // [V, H], tied
-        let mlm_logits = transformed.matmul(decoder_weight.transpose())
-            + predictions.bias.val().unsqueeze::<2>(); // [N, V]
+        // [H, V]: the word embeddings (tied), transposed.
+        let decoder = hook.decoder_weight(
+            self.bert.embeddings.word_embeddings.weight.val(),
+            &transformed,
+        );
+        let mlm_logits = transformed.matmul(decoder) + predictions.bias.val().unsqueeze::<2>(); // [N, V]
 
         PreTrainingOutput {
             mlm_logits,

@@ -120,3 +120,23 @@ pub fn assert_same_weights(a: &std::path::Path, b: &std::path::Path, tol: f64) -
     );
     worst
 }
+
+/// The training configuration of the data-parallel tests: the tiny model without dropout, 3
+/// steps of sequences of at most 64 tokens, every step logged, output in `out`.
+/// `max_predictions_per_seq = 1` gives every sample exactly one masked token, so each rank's
+/// mean loss weighs its samples as the whole batch's mean does: the per-rank means then average
+/// to the global mean exactly, and N ranks can equal one rank with the whole batch.
+pub fn data_parallel_config(out: &std::path::Path) -> ember_trainer::TrainConfig {
+    let mut config = ember_trainer::TrainConfig::default();
+    config.model.hidden_dropout_prob = Some(0.0);
+    config.model.attention_probs_dropout_prob = Some(0.0);
+    config.instances.max_seq_length = 64;
+    config.instances.max_predictions_per_seq = 1;
+    config.instances.dupe_factor = 1;
+    config.train.steps = 3;
+    config.train.eval_every = 3;
+    config.train.eval_samples = 16;
+    config.train.log_every = 1;
+    config.train.out = out.to_path_buf();
+    config
+}

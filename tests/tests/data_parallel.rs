@@ -18,8 +18,9 @@ use ember_model::{BertConfig, BertForPreTraining, Preset};
 use ember_tests::{assert_same_weights, max_abs, max_abs_diff};
 use ember_trainer::grads::{named_params, take_grads};
 use ember_trainer::parallel::{
-    BucketStorage, ClipMode, Collective, CommError, CommThread, Communicator, GradCallback,
-    GradHooks, InProcess, ReduceOp, Reducer, check_agreement, hook_group, ready_order,
+    BucketStorage, ClipMode, Collective, CommError, CommThread, Communicator, DECODER_WEIGHT,
+    GradCallback, GradHooks, InProcess, ReduceOp, Reducer, TiedEmbedding, WORD_EMBEDDINGS,
+    check_agreement, hook_group, ready_order,
 };
 use ember_trainer::{
     PreparedData, RunOptions, TrainConfig, TrainError, bucket_plan, prepare_data,
@@ -36,22 +37,8 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Tiny model, no dropout, short sequences. `max_predictions_per_seq = 1` gives every sample
-/// exactly one masked token, so each rank's mean loss weighs its samples as the whole batch's
-/// mean does: the per-rank means then average to the global mean exactly.
 fn small_config(out: &Path) -> TrainConfig {
-    let mut config = TrainConfig::default();
-    config.model.hidden_dropout_prob = Some(0.0);
-    config.model.attention_probs_dropout_prob = Some(0.0);
-    config.instances.max_seq_length = 64;
-    config.instances.max_predictions_per_seq = 1;
-    config.instances.dupe_factor = 1;
-    config.train.steps = 3;
-    config.train.eval_every = 3;
-    config.train.eval_samples = 16;
-    config.train.log_every = 1;
-    config.train.out = out.to_path_buf();
-    config
+    ember_tests::data_parallel_config(out)
 }
 
 fn shared_data() -> Arc<PreparedData> {
@@ -106,6 +93,13 @@ fn ranks_together_equal_one_rank_with_the_whole_batch() {
             let worst = assert_same_weights(&reference, &checkpoint, 1e-5);
             eprintln!("clip {clip}, {world_size} ranks: largest difference {worst:e}");
         }
+        // The tied embedding's gradient as one (`auto` splits it with several ranks).
+        let mut whole = one.clone();
+        whole.train.batch_size = 2;
+        whole.parallel.tied_embedding = TiedEmbedding::Whole;
+        whole.train.out = dir.path().join(format!("{clip}-2-whole"));
+        let worst = assert_same_weights(&reference, &run(&whole, 2), 1e-5);
+        eprintln!("clip {clip}, 2 ranks, tied embedding whole: largest difference {worst:e}");
         // Device buckets (on NdArray: Burn tensors reduced by Burn ops), 2 ranks.
         let mut device = one.clone();
         device.train.batch_size = 2;
@@ -115,6 +109,30 @@ fn ranks_together_equal_one_rank_with_the_whole_batch() {
         let worst = assert_same_weights(&reference, &checkpoint, 1e-5);
         eprintln!("clip {clip}, 2 ranks, device buckets: largest difference {worst:e}");
     }
+}
+
+/// Note [Tied embedding split]: with the split, local-global clipping measures the same local
+/// norm (the shares' cross term added), so it ends where the unsplit reduction ends.
+#[test]
+fn a_split_tied_embedding_changes_no_clip_mode_but_bucket() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let mut whole = small_config(&dir.path().join("whole"));
+    whole.parallel.clip = ClipMode::LocalGlobal;
+    whole.train.batch_size = 2;
+    whole.parallel.tied_embedding = TiedEmbedding::Whole;
+    let reference = run(&whole, 2);
+    let norm = first_grad_norm(&dir.path().join("whole/metrics.jsonl"));
+    assert!(norm > whole.optimizer.max_grad_norm, "grad norm {norm}");
+    let mut split = whole.clone();
+    split.parallel.tied_embedding = TiedEmbedding::Split;
+    split.train.out = dir.path().join("split");
+    assert_same_weights(&reference, &run(&split, 2), 1e-5);
+    let split_norm = first_grad_norm(&dir.path().join("split/metrics.jsonl"));
+    assert!(
+        (split_norm - norm).abs() <= 1e-5 * norm,
+        "local norm {split_norm} vs {norm}"
+    );
 }
 
 #[test]
@@ -168,6 +186,28 @@ fn plain_gradients(model: &BertForPreTraining<B>, batch: Batch<B>) -> HashMap<Pa
         .collect()
 }
 
+/// What hooks delivered: `(group, [(parameter, gradient on the host)])` in firing order.
+type Fired = Arc<Mutex<Vec<(usize, Vec<(ParamId, Vec<f32>)>)>>>;
+
+/// Hooks on `model` that record what they deliver (the tied table split with `decoder`).
+fn recording_hooks(
+    model: &BertForPreTraining<B>,
+    decoder: Option<ParamId>,
+) -> (GradHooks<B>, Fired) {
+    let fired: Fired = Arc::default();
+    let record = fired.clone();
+    let hooks = GradHooks::new(
+        model,
+        GradCallback(Arc::new(move |group, grads| {
+            let grads = grads.into_iter().map(|(id, g)| (id, host(g))).collect();
+            record.lock().unwrap().push((group, grads))
+        })),
+        None,
+    )
+    .with_decoder(decoder);
+    (hooks, fired)
+}
+
 /// A gradient of the inner backend as f32 values on the host.
 fn host(grad: burn::tensor::ops::FloatTensor<NdArray>) -> Vec<f32> {
     burn::tensor::Tensor::<NdArray, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(grad))
@@ -187,16 +227,7 @@ fn hooks_fire_deepest_layer_first_with_final_gradients() {
         .into_iter()
         .map(|(name, id)| (id, name))
         .collect();
-    let fired: Arc<Mutex<Vec<(usize, Vec<(ParamId, Vec<f32>)>)>>> = Arc::default();
-    let record = fired.clone();
-    let hooks = GradHooks::new(
-        &model,
-        GradCallback(Arc::new(move |group, grads| {
-            let grads = grads.into_iter().map(|(id, g)| (id, host(g))).collect();
-            record.lock().unwrap().push((group, grads))
-        })),
-        None,
-    );
+    let (hooks, fired) = recording_hooks(&model, None);
     let output = model.forward_hooked(
         batch.input_ids.clone(),
         batch.segment_ids.clone(),
@@ -250,7 +281,7 @@ fn hooks_fire_deepest_layer_first_with_final_gradients() {
         }
     }
     // The probe the trainer runs finds the same split.
-    let order = ready_order(&model, batch);
+    let order = ready_order(&model, batch, None);
     assert_eq!(
         order.hooked.iter().map(|(g, _)| *g).collect::<Vec<_>>(),
         vec![0, 1, 2, 3]
@@ -304,7 +335,7 @@ fn clipping_modes_follow_their_formulas() {
         .map(|(_, id)| id)
         .collect();
     // Small caps, so the plan has several buckets.
-    let plan = bucket_plan::<B, _>(&model, &order, 0.25, 0.5);
+    let plan = bucket_plan::<B, _>(&model, &order, None, 0.25, 0.5);
     let k = plan.buckets.len();
     assert!(k >= 4, "{}", plan.summary());
     // Each rank's gradient, bucket by bucket, as f64.
@@ -446,8 +477,8 @@ fn ranks_that_disagree_are_refused_at_start_up() {
         .map(|(_, id)| id)
         .collect();
     let plans = [
-        bucket_plan::<B, _>(&model, &order, 1.0, 25.0),
-        bucket_plan::<B, _>(&model, &order, 0.25, 25.0),
+        bucket_plan::<B, _>(&model, &order, None, 1.0, 25.0),
+        bucket_plan::<B, _>(&model, &order, None, 0.25, 25.0),
     ];
     let errors = on_ranks(2, Duration::from_secs(30), |rank, comm| {
         let comm = CommThread::<NdArray>::host(Box::new(comm));
@@ -608,4 +639,84 @@ fn a_rank_that_dies_or_stalls_stops_the_others_with_its_name() {
             started.elapsed()
         );
     }
+}
+
+/// Note [Tied embedding split]: the decoder op delivers the decoder's share of the tied
+/// table's gradient among the heads' gradients (before any encoder layer's), the table's own
+/// gradient is then the lookup's share, and the two add up to the gradient of plain backward.
+#[test]
+fn the_tied_tables_two_shares_add_up_to_its_gradient() {
+    let _serial = serial();
+    let model = tiny_model(2);
+    let batch = batches(1, 4).remove(0);
+    let table = named_params::<B, _>(&model)
+        .into_iter()
+        .find(|(name, _)| name == WORD_EMBEDDINGS)
+        .unwrap()
+        .1;
+    let decoder = ParamId::new();
+    let (hooks, fired) = recording_hooks(&model, Some(decoder));
+    let (_, loss) = ember_trainer::eval::forward_loss_hooked(&model, batch.clone(), &hooks);
+    let mut grads = GradientsParams::from_grads(loss.total.backward(), &model);
+    drop(hooks);
+    let lookup = host(take_grads(&model, &mut grads, &[table]).remove(0).1);
+    let fired = std::mem::take(&mut *fired.lock().unwrap());
+    // First the decoder op (group 0), then the heads' hook (group 0), then layers 1, 0.
+    assert_eq!(
+        fired.iter().map(|(g, _)| *g).collect::<Vec<_>>(),
+        vec![0, 0, 1, 2]
+    );
+    assert_eq!(fired[0].1.len(), 1);
+    assert_eq!(fired[0].1[0].0, decoder);
+    let share = &fired[0].1[0].1;
+    let whole = &plain_gradients(&model, batch.clone())[&table];
+    let sum: Vec<f64> = share
+        .iter()
+        .zip(&lookup)
+        .map(|(a, b)| f64::from(*a) + f64::from(*b))
+        .collect();
+    let whole: Vec<f64> = whole.iter().map(|&x| f64::from(x)).collect();
+    let diff = max_abs_diff(&sum, &whole);
+    assert!(
+        diff <= 1e-6 * max_abs(&whole),
+        "shares differ from the whole by {diff:e}"
+    );
+    // The lookup's share lives in the batch's rows only.
+    let hidden = lookup.len() / 30522;
+    let ids: std::collections::BTreeSet<usize> =
+        batch_ids(&batch).into_iter().map(|i| i as usize).collect();
+    for (row, values) in lookup.chunks(hidden).enumerate() {
+        if !ids.contains(&row) {
+            assert!(
+                values.iter().all(|&x| x == 0.0),
+                "row {row} is not in the batch"
+            );
+        }
+    }
+    // The start-up probe plans the decoder's share with the heads, the table after backward.
+    let order = ready_order(&model, batch, Some(decoder));
+    assert_eq!(order.hooked[0], (0, vec![decoder]));
+    assert!(order.late.contains(&table));
+    let plan = bucket_plan::<B, _>(&model, &order.params(), Some(decoder), 1.0, 25.0);
+    assert_eq!(plan.buckets[0].params[0].name, DECODER_WEIGHT);
+    assert!(
+        plan.buckets
+            .iter()
+            .all(|b| b.params.iter().all(|p| p.id != table)),
+        "the table is reduced by rows"
+    );
+    assert!(plan.describe().ends_with(&format!(
+        "rows of {WORD_EMBEDDINGS} [30522, 128] after bucket {}\n",
+        plan.buckets.len() - 1
+    )));
+}
+
+fn batch_ids(batch: &Batch<B>) -> Vec<i64> {
+    batch
+        .input_ids
+        .clone()
+        .into_data()
+        .convert::<i64>()
+        .into_vec::<i64>()
+        .unwrap()
 }

@@ -9,7 +9,7 @@ use ember_model::{BertConfig, Kernels, Preset};
 use serde::{Deserialize, Serialize};
 
 use crate::TrainError;
-use crate::parallel::{BucketStorage, ClipMode};
+use crate::parallel::{BucketStorage, ClipMode, TiedEmbedding};
 
 /// Everything a training run needs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -245,6 +245,11 @@ pub struct ParallelConfig {
     /// Where gradient buckets live: `auto` (the device on CUDA and wgpu, the host on the
     /// CPU), `host` or `device` ([`BucketStorage`]; Note [Bucket storage]). Default: auto.
     pub buckets: BucketStorage,
+    /// How the tied word embedding's gradient is reduced: `auto` (split with more than one
+    /// rank), `split` (the decoder's share with the heads' bucket, the batch's rows of the
+    /// lookup's share after backward) or `whole` (after backward, as PyTorch DDP)
+    /// ([`TiedEmbedding`]; Note [Tied embedding split]). Default: auto.
+    pub tied_embedding: TiedEmbedding,
 }
 
 impl Default for ParallelConfig {
@@ -256,6 +261,7 @@ impl Default for ParallelConfig {
             grad_accum: 1,
             timeout_s: 300.0,
             buckets: BucketStorage::Auto,
+            tied_embedding: TiedEmbedding::Auto,
         }
     }
 }

@@ -119,23 +119,7 @@ fn a_world_mismatch_is_refused_on_both_sides() {
     let port = free_port();
     let rank0 = spawn(0, 2, port, Duration::from_secs(20));
     std::thread::sleep(Duration::from_millis(200));
-    let rank1 = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "rendezvous_child",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env(CHILD, "20000")
-        .env("RANK", "1")
-        .env("WORLD_SIZE", "3")
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", port.to_string())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let rank1 = spawn(1, 3, port, Duration::from_secs(20));
     let (zero, one) = (outcome(rank0), outcome(rank1));
     for o in [&zero, &one] {
         assert!(o.starts_with("ERR "), "{o}");

@@ -5,12 +5,14 @@
 //! `MATMUL_NUM_THREADS=1`), time a training step's forward and backward (no optimizer) three
 //! ways: (a) with no communication at all, (b) with every bucket allreduced after backward
 //! (serial), (c) with buckets launched from the hooks during backward (overlap). The fraction
-//! of communication hidden is (b − c) / (b − a).
+//! of communication hidden is (b − c) / (b − a); each time is the median over the timed steps
+//! of the slower rank. Measured without the compute's noise: the communication left after
+//! backward (the step's wait for its buckets) in (c), against all of it in (b).
 //!
 //! On two cores the same CPU does compute and the in-process copies, so the second table runs
 //! the collectives through a link model ([`Delayed`]): each allreduce takes the α-β time of
-//! a ring over a link of the given bandwidth, sleeping instead of computing, which is how a
-//! network-bound cluster behaves. By default the bandwidth is chosen so that the serial
+//! a ring over a link of the given bandwidth, sleeping instead of summing (the values are not
+//! needed for timing), which is how a network-bound cluster behaves. By default the bandwidth is chosen so that the serial
 //! allreduce of all gradients takes 40% of the measured backward time.
 
 use std::sync::Arc;
@@ -18,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use burn::backend::{Autodiff, NdArray};
-use burn::module::Module;
+use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use clap::{Args, Subcommand};
@@ -27,7 +29,7 @@ use ember_model::{BertConfig, BertForPreTraining, Preset};
 use ember_trainer::grads::take_grads;
 use ember_trainer::parallel::{
     ClipMode, Collective, CommError, CommThread, Delayed, GradHooks, InProcess, LinkModel,
-    ReadyOrder, ReduceOp, Reducer, ready_order,
+    ReadyOrder, ReduceOp, Reducer, TiedEmbedding, ready_order,
 };
 use ember_trainer::{TrainConfig, bucket_plan, prepare_data};
 
@@ -56,8 +58,8 @@ pub struct OverlapArgs {
     /// Sequence length of the samples
     #[arg(long, default_value_t = 128)]
     seq_len: usize,
-    /// Timed steps per configuration (after one warm-up step)
-    #[arg(long, default_value_t = 3)]
+    /// Timed steps per configuration (after one warm-up step); the tables give medians
+    #[arg(long, default_value_t = 5)]
     steps: usize,
     /// Link bandwidth in GB/s for the link model [default: serial allreduce = 40% of backward]
     #[arg(long)]
@@ -74,6 +76,9 @@ pub struct OverlapArgs {
     /// Also print the bucket plans of BERT-base and BERT-large (initialises both)
     #[arg(long)]
     plans: bool,
+    /// How the tied word embedding's gradient is reduced: split, whole, or both (compared)
+    #[arg(long, value_delimiter = ',', default_value = "split,whole")]
+    tied: Vec<TiedEmbedding>,
 }
 
 pub fn run(command: BenchCommand) -> Result<()> {
@@ -84,8 +89,9 @@ pub fn run(command: BenchCommand) -> Result<()> {
     }
 }
 
-/// A collective whose allreduce does nothing: the "no communication" baseline (a). Barriers
-/// still synchronise the ranks between steps.
+/// A collective whose allreduce does nothing: the "no communication" baseline (a), and under
+/// the link model the network (which sleeps for the transfer instead of summing on the
+/// cores that compute). Barriers, allgathers and broadcasts are real.
 struct NoAllreduce(InProcess);
 
 impl Collective for NoAllreduce {
@@ -123,9 +129,25 @@ enum Mode {
 }
 
 /// Mean seconds per step and mean seconds of backward alone, rank 0.
+/// Medians over the timed steps, of the slower rank.
 struct Timing {
     step: f64,
     backward: f64,
+    /// From the end of backward until every bucket was averaged: the communication that
+    /// backward did not hide.
+    wait: f64,
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n == 0 {
+        f64::NAN
+    } else if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
 }
 
 fn model(preset: Preset) -> BertForPreTraining<B> {
@@ -142,10 +164,10 @@ fn timed_run(
     args: &OverlapArgs,
     models: &[BertForPreTraining<B>],
     batches: &[Vec<HostBatch>],
-    orders: &[ReadyOrder],
+    orders: &[(ReadyOrder, Option<ParamId>)],
 ) -> Timing {
     let comms = InProcess::group(2, Duration::from_secs(600));
-    let timings: Vec<Timing> = std::thread::scope(|scope| {
+    let timings: Vec<Vec<(f64, f64, f64)>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
             .into_iter()
             .enumerate()
@@ -153,15 +175,19 @@ fn timed_run(
                 scope.spawn(move || {
                     let comm: Box<dyn Collective> = match (mode, link) {
                         (Mode::Compute, _) => Box::new(NoAllreduce(comm)),
-                        (_, Some(link)) => Box::new(Delayed::new(comm, link)),
+                        // The link's time alone: the modelled network reduces, not the
+                        // cores that compute (the values are not needed for timing).
+                        (_, Some(link)) => Box::new(Delayed::new(NoAllreduce(comm), link)),
                         (_, None) => Box::new(comm),
                     };
                     let comm = Arc::new(CommThread::host(comm));
                     let model = &models[rank];
-                    let (hooked, late) = (orders[rank].hooked_set(), &orders[rank].late);
+                    let (order, decoder) = &orders[rank];
+                    let (hooked, late) = (order.hooked_set(), &order.late);
                     let plan = bucket_plan::<B, _>(
                         model,
-                        &orders[rank].params(),
+                        &order.params(),
+                        *decoder,
                         args.first_bucket_mb,
                         args.bucket_cap_mb,
                     );
@@ -173,13 +199,15 @@ fn timed_run(
                     };
                     let reducer = Reducer::new(plan, clip, 0.0, false, comm.clone());
                     let device = Default::default();
-                    let (mut step_sum, mut backward_sum) = (0.0, 0.0);
+                    let mut samples = Vec::new();
                     for (i, host) in batches[rank].iter().enumerate() {
                         comm.call(|c| c.barrier()).unwrap();
                         let batch = host.to_device::<B>(&device);
                         let started = Instant::now();
+                        reducer.begin_step(host.input_ids.iter().copied());
                         reducer.prepare_backward(true, true);
-                        let hooks = GradHooks::new(model, reducer.callback(), Some(&hooked));
+                        let hooks = GradHooks::new(model, reducer.callback(), Some(&hooked))
+                            .with_decoder(*decoder);
                         let (_, loss) =
                             ember_trainer::eval::forward_loss_hooked(model, batch, &hooks);
                         let backward_started = Instant::now();
@@ -187,27 +215,35 @@ fn timed_run(
                         drop(hooks);
                         reducer.mark_params_ready(take_grads(model, &mut grads, late));
                         let backward = backward_started.elapsed().as_secs_f64();
-                        reducer.finalize_backward().unwrap();
+                        let wait = reducer
+                            .finalize_backward()
+                            .unwrap()
+                            .timings
+                            .wait_after_backward
+                            .as_secs_f64();
                         let step = started.elapsed().as_secs_f64();
                         if i > 0 {
-                            step_sum += step;
-                            backward_sum += backward;
+                            samples.push((step, backward, wait));
                         }
                     }
-                    let n = (batches[rank].len() - 1) as f64;
-                    Timing {
-                        step: step_sum / n,
-                        backward: backward_sum / n,
-                    }
+                    samples
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    // The step ends when the slower rank ends.
+    // A step ends when the slower rank ends.
+    let slower = |f: fn(&(f64, f64, f64)) -> f64| {
+        median(
+            (0..timings[0].len())
+                .map(|i| timings.iter().map(|t| f(&t[i])).fold(0.0, f64::max))
+                .collect(),
+        )
+    };
     Timing {
-        step: timings.iter().map(|t| t.step).fold(0.0, f64::max),
-        backward: timings.iter().map(|t| t.backward).fold(0.0, f64::max),
+        step: slower(|s| s.0),
+        backward: slower(|s| s.1),
+        wait: slower(|s| s.2),
     }
 }
 
@@ -222,10 +258,11 @@ fn overlap(args: OverlapArgs) -> Result<()> {
         for preset in [Preset::Base, Preset::Large] {
             let m = model(preset);
             let probe = probe_batch(16);
-            let order = ready_order(&m, probe);
+            let order = ready_order(&m, probe, None);
             let plan = bucket_plan::<B, _>(
                 &m,
                 &order.params(),
+                None,
                 args.first_bucket_mb,
                 args.bucket_cap_mb,
             );
@@ -256,74 +293,119 @@ fn overlap(args: OverlapArgs) -> Result<()> {
         })
         .collect();
     let models = [model(args.preset), model(args.preset)];
-    // Parameter ids are per model: each rank's model gets its own probe.
-    let orders: Vec<ReadyOrder> = models
-        .iter()
-        .map(|m| ready_order(m, batches[0][0].to_device::<B>(&Default::default())))
-        .collect();
-    let late = orders[0].late.clone();
-    let plan = bucket_plan::<B, _>(
-        &models[0],
-        &orders[0].params(),
-        args.first_bucket_mb,
-        args.bucket_cap_mb,
-    );
-    let late_bytes: usize = plan
-        .buckets
-        .iter()
-        .flat_map(|b| &b.params)
-        .filter(|p| late.contains(&p.id))
-        .map(|p| p.numel() * 4)
-        .sum();
-    println!(
-        "{}: {} parameters, {}; {:.1} MiB ({:.0}%) of gradients are final only after backward (tied word embedding, reshaped LayerNorm parameters)",
-        args.preset,
-        models[0].num_params(),
-        plan.summary(),
-        late_bytes as f64 / 1048576.0,
-        100.0 * late_bytes as f64 / (plan.numel() * 4) as f64
-    );
-    let run = |mode, link| timed_run(mode, link, &args, &models, &batches, &orders);
-    let a = run(Mode::Compute, None);
-    let bytes = plan.numel() * 4;
-    let bandwidth = args
-        .bandwidth_gbps
-        .map(|g| g * 1e9)
-        .unwrap_or_else(|| bytes as f64 / (0.4 * a.backward));
-    let link = LinkModel {
-        latency_s: args.latency_us * 1e-6,
-        bandwidth_bytes_per_s: bandwidth,
+    // The rows of the tied table a split reduces: the union of both ranks' tokens.
+    let rows = |step: usize| {
+        let ids: std::collections::BTreeSet<i64> = batches
+            .iter()
+            .flat_map(|b| b[step].input_ids.iter().copied())
+            .collect();
+        ids.len()
     };
-    println!(
-        "batch {} × {} tokens per rank, 2 ranks, 1 compute thread each; backward alone {:.3} s",
-        args.batch_size, args.seq_len, a.backward
-    );
-    println!();
-    println!(
-        "| collectives | (a) no comm s | (b) serial s | (c) overlap s | serial comm / backward | hidden (b−c)/(b−a) |"
-    );
-    println!("|---|---|---|---|---|---|");
-    for (name, link) in [
-        ("in-process (shared memory, same 2 cores)".to_string(), None),
-        (
-            format!(
-                "link model {:.2} GB/s, {} µs",
-                bandwidth / 1e9,
-                args.latency_us
-            ),
-            Some(link),
-        ),
-    ] {
-        let b = run(Mode::Serial, link);
-        let c = run(Mode::Overlap, link);
-        println!(
-            "| {name} | {:.3} | {:.3} | {:.3} | {:.2} | {:.2} |",
-            a.step,
-            b.step,
-            c.step,
-            (b.step - a.step) / a.backward,
-            (b.step - c.step) / (b.step - a.step)
+    let mean_rows = (1..=args.steps).map(rows).sum::<usize>() as f64 / args.steps as f64;
+    let mut link = None;
+    let mut a_backward = 0.0;
+    for (t, &tied) in args.tied.iter().enumerate() {
+        let split = tied.split(2);
+        // Parameter ids are per model: each rank's model gets its own probe.
+        let orders: Vec<(ReadyOrder, Option<ParamId>)> = models
+            .iter()
+            .map(|m| {
+                let decoder = split.then(ParamId::new);
+                let probe = batches[0][0].to_device::<B>(&Default::default());
+                (ready_order(m, probe, decoder), decoder)
+            })
+            .collect();
+        let (order, decoder) = &orders[0];
+        let plan = bucket_plan::<B, _>(
+            &models[0],
+            &order.params(),
+            *decoder,
+            args.first_bucket_mb,
+            args.bucket_cap_mb,
         );
+        // A bucket holding a gradient that is final only after backward launches after it.
+        let late = &order.late;
+        let late_bytes: f64 = plan
+            .buckets
+            .iter()
+            .filter(|b| b.params.iter().any(|p| late.contains(&p.id)))
+            .map(|b| b.bytes() as f64)
+            .sum::<f64>()
+            + plan
+                .tied
+                .as_ref()
+                .map_or(0.0, |t| mean_rows * (t.table.shape[1] * 4) as f64);
+        let total_bytes = plan.numel() as f64 * 4.0
+            + plan
+                .tied
+                .as_ref()
+                .map_or(0.0, |t| mean_rows * (t.table.shape[1] * 4) as f64);
+        println!(
+            "{}, tied embedding {tied}: {} parameters, {}; {:.1} MiB ({:.0}%) of the reduced \
+             bytes are reduced after backward{}",
+            args.preset,
+            models[0].num_params(),
+            plan.summary(),
+            late_bytes / 1048576.0,
+            100.0 * late_bytes / total_bytes,
+            if split {
+                format!(" ({mean_rows:.0} rows of the table per step on average)")
+            } else {
+                " (tied word embedding, reshaped LayerNorm parameters)".into()
+            }
+        );
+        let run = |mode, link| timed_run(mode, link, &args, &models, &batches, &orders);
+        let a = run(Mode::Compute, None);
+        // One link for every mode: the serial allreduce of all of the whole mode's gradients
+        // takes 40% of the first mode's backward.
+        let link = *link.get_or_insert_with(|| {
+            a_backward = a.backward;
+            let bytes = plan.numel() as f64 * 4.0;
+            LinkModel {
+                latency_s: args.latency_us * 1e-6,
+                bandwidth_bytes_per_s: args
+                    .bandwidth_gbps
+                    .map(|g| g * 1e9)
+                    .unwrap_or_else(|| bytes / (0.4 * a.backward)),
+            }
+        });
+        if t == 0 {
+            println!(
+                "batch {} × {} tokens per rank, 2 ranks, 1 compute thread each; backward alone \
+                 {a_backward:.3} s",
+                args.batch_size, args.seq_len
+            );
+            println!();
+            println!(
+                "| tied embedding | collectives | (a) no comm s | (b) serial s | (c) overlap s | serial comm / backward | hidden (b−c)/(b−a) | exposed after backward (c) / (b) |"
+            );
+            println!("|---|---|---|---|---|---|---|---|");
+        }
+        for (name, link) in [
+            ("in-process (shared memory, same 2 cores)".to_string(), None),
+            (
+                format!(
+                    "link model {:.2} GB/s, {} µs",
+                    link.bandwidth_bytes_per_s / 1e9,
+                    args.latency_us
+                ),
+                Some(link),
+            ),
+        ] {
+            let b = run(Mode::Serial, link);
+            let c = run(Mode::Overlap, link);
+            println!(
+                "| {tied} | {name} | {:.3} | {:.3} | {:.3} | {:.2} | {:.2} | {:.3} / {:.3} s = {:.2} |",
+                a.step,
+                b.step,
+                c.step,
+                b.wait / a.backward,
+                (b.step - c.step) / (b.step - a.step),
+                c.wait,
+                b.wait,
+                c.wait / b.wait
+            );
+        }
     }
     Ok(())
 }

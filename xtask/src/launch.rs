@@ -80,8 +80,13 @@ pub fn train_launched_cuda(
         );
     }
     let device = burn::backend::cuda::CudaDevice::new(launch.local_rank);
+    // Burn's CUDA backend with its host synchronisations counted (reported in the metrics).
+    let options = RunOptions {
+        host_sync_counter: Some(|| ember_backend_ext::HostSyncs::now().total()),
+        ..options
+    };
     Ok(ember_trainer::train_rank::<
-        burn::backend::Autodiff<burn::backend::Cuda>,
+        burn::backend::Autodiff<ember_backend_ext::CountingCuda>,
     >(
         config,
         &device,

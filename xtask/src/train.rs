@@ -7,7 +7,7 @@ use burn::backend::{Autodiff, NdArray};
 use clap::Args;
 use ember_data::{Padding, SamplerKind};
 use ember_model::Preset;
-use ember_trainer::parallel::{BucketStorage, ClipMode, LaunchEnv};
+use ember_trainer::parallel::{BucketStorage, ClipMode, LaunchEnv, TiedEmbedding};
 use ember_trainer::{OptimizerKind, RunOptions, TrainConfig};
 
 use crate::project_root;
@@ -89,6 +89,11 @@ pub struct TrainArgs {
     /// device (parallel.buckets)
     #[arg(long)]
     buckets: Option<BucketStorage>,
+    /// How the tied word embedding's gradient is reduced: auto (split with several ranks),
+    /// split (the decoder's share with the heads, the batch's rows after backward) or whole
+    /// (parallel.tied_embedding)
+    #[arg(long)]
+    tied_embedding: Option<TiedEmbedding>,
     /// Where to train: cpu (Burn's NdArray), cuda (NVIDIA GPU `LOCAL_RANK`, needs the `cuda`
     /// feature; several GPUs: one process each, under torchrun, srun or mpirun) or wgpu (any
     /// Vulkan/Metal/DX12 GPU, or Mesa's lavapipe on the CPU; needs the `wgpu` feature; one
@@ -226,6 +231,9 @@ impl TrainArgs {
         if let Some(v) = self.buckets {
             p.buckets = v;
         }
+        if let Some(v) = self.tied_embedding {
+            p.tied_embedding = v;
+        }
         Ok(config)
     }
 }
@@ -304,7 +312,11 @@ fn train_cuda(
             .context("training failed");
     }
     let device = burn::backend::cuda::CudaDevice::new(launch.local_rank);
-    ember_trainer::train::<Autodiff<burn::backend::Cuda>>(config, &device, options)
+    let options = RunOptions {
+        host_sync_counter: Some(host_syncs),
+        ..options
+    };
+    ember_trainer::train::<Autodiff<ember_backend_ext::CountingCuda>>(config, &device, options)
         .context("training failed")
 }
 
@@ -319,8 +331,13 @@ fn train_wgpu(
     if launch.world_size > 1 {
         bail!("--device wgpu trains in one process on one adapter (--nproc ranks as threads)");
     }
-    type Wgpu = burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+    // Burn's wgpu backend with its host synchronisations counted (reported in the metrics).
+    type Wgpu = ember_backend_ext::CountingWgpu;
     let device = burn::backend::wgpu::WgpuDevice::DefaultDevice;
+    let options = RunOptions {
+        host_sync_counter: Some(host_syncs),
+        ..options
+    };
     if nproc > 1 {
         ember_trainer::train_in_process::<Autodiff<Wgpu>>(config, nproc, &device, options)
             .context("training failed")
@@ -351,4 +368,11 @@ fn train_cuda(
     bail!(
         "--device cuda needs a build with the `cuda` feature: cargo run --release -p xtask --features cuda -- train --device cuda"
     )
+}
+
+/// The calling thread's host synchronisations (GPU backends run on `CountingRuntime`, so that
+/// the metrics report them per step: `host_syncs_backward`, `host_syncs_step`).
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+fn host_syncs() -> u64 {
+    ember_backend_ext::HostSyncs::now().total()
 }

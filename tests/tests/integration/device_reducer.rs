@@ -20,24 +20,15 @@ use ember_trainer::{PreparedData, RunOptions, TrainConfig, prepare_data};
 
 type B = Autodiff<crate::Wgpu>;
 
-/// The tiny model, no dropout, 3 steps of 4 samples of at most 64 tokens. One masked token
-/// per sample, so that each rank's mean loss weighs samples as the whole batch's mean does.
+/// The data-parallel tests' configuration ([`ember_tests::data_parallel_config`]) with 4
+/// samples a step and small buckets, so that the plan has several and bucket clipping means
+/// something.
 fn config(out: &Path) -> TrainConfig {
-    let mut config = TrainConfig::default();
-    config.model.hidden_dropout_prob = Some(0.0);
-    config.model.attention_probs_dropout_prob = Some(0.0);
-    config.instances.max_seq_length = 64;
-    config.instances.max_predictions_per_seq = 1;
-    config.instances.dupe_factor = 1;
-    config.train.steps = 3;
-    config.train.eval_every = 3;
+    let mut config = ember_tests::data_parallel_config(out);
     config.train.eval_samples = 8;
-    config.train.log_every = 1;
     config.train.batch_size = 4;
-    // Small buckets, so that the plan has several and bucket clipping means something.
     config.parallel.first_bucket_mb = 0.25;
     config.parallel.bucket_cap_mb = 0.5;
-    config.train.out = out.to_path_buf();
     config
 }
 

@@ -219,6 +219,42 @@ impl<B: FusedOps> Buffer<B> {
         }
     }
 
+    /// `⟨d, l⟩`: the dot product of the rows `ids` of the `[V, H]` part `d` of this buffer at
+    /// `offset` with `lookup` (`[n · H]`, row i of it belonging to `ids[i]`; `rows` holds the
+    /// same ids on the device).
+    pub(crate) fn rows_dot(
+        &self,
+        offset: usize,
+        [v, h]: [usize; 2],
+        ids: &[i64],
+        rows: &Tensor<B, 1, burn::tensor::Int>,
+        lookup: &Buffer<B>,
+    ) -> Scalar<B> {
+        match (self, lookup) {
+            (Buffer::Host(d), Buffer::Host(l)) => Scalar::Host(
+                ids.iter()
+                    .zip(l.chunks_exact(h))
+                    .map(|(&id, l)| {
+                        let d = &d[offset + id as usize * h..][..h];
+                        d.iter()
+                            .zip(l)
+                            .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                            .sum::<f64>()
+                    })
+                    .sum(),
+            ),
+            (Buffer::Device(d), Buffer::Device(l)) => {
+                let d = d
+                    .clone()
+                    .slice([offset..offset + v * h])
+                    .reshape([v, h])
+                    .select(0, rows.clone()); // [n, H]
+                Scalar::Device((d * l.clone().reshape([ids.len(), h])).sum())
+            }
+            _ => unreachable!("one reducer keeps its buckets in one place"),
+        }
+    }
+
     /// The values on the host (a device read for device buffers): for tests and dumps.
     pub fn to_vec(&self) -> Vec<f32> {
         match self {

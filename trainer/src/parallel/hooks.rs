@@ -53,6 +53,59 @@ pub trait GradHookBackend: AutodiffBackend<InnerBackend: FusedOps> + FusedOps {
         params: Vec<(ParamId, FloatTensor<Self>)>,
         callback: GradCallback<Self::InnerBackend>,
     ) -> FloatTensor<Self>;
+
+    /// Returns `weight` (`[V, H]`) transposed, `[H, V]`: the MLM decoder's matrix. In
+    /// backward, calls `callback(0, [(decoder, g)])` with the decoder's share `g` (`[V, H]`) of
+    /// the tied weight's gradient and passes nothing on to `weight` (Note [Tied embedding
+    /// split]). `after` (the MLM transform's output) is a parent only for the order of
+    /// backward: the op runs right after the decoder's matmul.
+    fn decoder_hook(
+        weight: FloatTensor<Self>,
+        after: FloatTensor<Self>,
+        decoder: ParamId,
+        callback: GradCallback<Self::InnerBackend>,
+    ) -> FloatTensor<Self>;
+}
+
+/// The decoder op of Note [Tied embedding split].
+struct DecoderBackward<C>(PhantomData<C>);
+
+impl<C> std::fmt::Debug for DecoderBackward<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DecoderBackward")
+    }
+}
+
+struct DecoderState<B: Backend> {
+    decoder: ParamId,
+    callback: GradCallback<B>,
+}
+
+impl<B: Backend> Clone for DecoderState<B> {
+    fn clone(&self) -> Self {
+        Self {
+            decoder: self.decoder,
+            callback: self.callback.clone(),
+        }
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for DecoderState<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecoderState")
+            .field("decoder", &self.decoder)
+            .finish()
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> Backward<B, 2> for DecoderBackward<C> {
+    type State = DecoderState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node); // [H, V]
+        let share = B::float_swap_dims(grad, 0, 1); // [V, H]
+        (ops.state.callback.0)(0, vec![(ops.state.decoder, share)]);
+    }
 }
 
 /// The hook op; `C` only names the autodiff tensor type (`FloatTensor<Autodiff<B, C>>`).
@@ -134,6 +187,23 @@ impl<B: FusedOps, C: CheckpointStrategy> GradHookBackend for Autodiff<B, C> {
             OpsKind::UnTracked(prep) => prep.finish(x.primitive),
         }
     }
+
+    fn decoder_hook(
+        weight: FloatTensor<Self>,
+        after: FloatTensor<Self>,
+        decoder: ParamId,
+        callback: GradCallback<B>,
+    ) -> FloatTensor<Self> {
+        let transposed = B::float_swap_dims(weight.primitive, 0, 1);
+        match DecoderBackward::<C>(PhantomData)
+            .prepare::<C>([weight.node.clone(), after.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(DecoderState { decoder, callback }, transposed),
+            OpsKind::UnTracked(prep) => prep.finish(transposed),
+        }
+    }
 }
 
 /// Which hook group a parameter path belongs to, in the order groups become final in
@@ -171,6 +241,8 @@ pub struct GradHooks<B: GradHookBackend> {
     groups: Vec<Vec<(ParamId, FloatTensor<B>)>>,
     num_layers: usize,
     callback: GradCallback<B::InnerBackend>,
+    /// The decoder's share of the tied gradient goes to this id (Note [Tied embedding split]).
+    decoder: Option<ParamId>,
 }
 
 impl<B: GradHookBackend> GradHooks<B> {
@@ -217,7 +289,15 @@ impl<B: GradHookBackend> GradHooks<B> {
             groups: collect.groups,
             num_layers,
             callback,
+            decoder: None,
         }
+    }
+
+    /// Splits the tied word embedding's gradient (Note [Tied embedding split]): the decoder's
+    /// share is delivered in backward as the gradient of `decoder`, when `Some`.
+    pub fn with_decoder(mut self, decoder: Option<ParamId>) -> Self {
+        self.decoder = decoder;
+        self
     }
 
     fn hook(&self, x: Tensor<B, 3>, group: usize) -> Tensor<B, 3> {
@@ -238,6 +318,23 @@ impl<B: GradHookBackend> ForwardHook<B> for GradHooks<B> {
 
     fn heads_input(&self, sequence_output: Tensor<B, 3>) -> Tensor<B, 3> {
         self.hook(sequence_output, 0)
+    }
+
+    fn decoder_weight(
+        &self,
+        word_embeddings: Tensor<B, 2>,
+        transformed: &Tensor<B, 2>,
+    ) -> Tensor<B, 2> {
+        let Some(decoder) = self.decoder else {
+            return word_embeddings.transpose();
+        };
+        let out = B::decoder_hook(
+            word_embeddings.into_primitive().tensor(),
+            transformed.clone().into_primitive().tensor(),
+            decoder,
+            self.callback.clone(),
+        );
+        Tensor::from_primitive(TensorPrimitive::Float(out))
     }
 }
 
@@ -274,8 +371,14 @@ impl ReadyOrder {
 
 /// Runs one forward and backward of `model` on `batch` with hooks that record what they
 /// deliver, and compares each delivered gradient with the final one: equal means the hook
-/// saw it final. Backward does not change the model.
-pub fn ready_order<B: GradHookBackend>(model: &BertForPreTraining<B>, batch: Batch<B>) -> ReadyOrder
+/// saw it final. With `decoder`, the tied word embedding's gradient is split (Note [Tied
+/// embedding split]): `decoder` is delivered by the decoder op, final by construction.
+/// Backward does not change the model.
+pub fn ready_order<B: GradHookBackend>(
+    model: &BertForPreTraining<B>,
+    batch: Batch<B>,
+    decoder: Option<ParamId>,
+) -> ReadyOrder
 where
     BertForPreTraining<B>: AutodiffModule<B>,
 {
@@ -284,7 +387,7 @@ where
     let callback = GradCallback(Arc::new(move |group, grads| {
         record.lock().unwrap().push((group, grads));
     }));
-    let hooks = GradHooks::new(model, callback, None);
+    let hooks = GradHooks::new(model, callback, None).with_decoder(decoder);
     let (_, loss) = crate::eval::forward_loss_hooked(model, batch, &hooks);
     let grads = GradientsParams::from_grads(loss.total.backward(), model);
     drop(hooks);
@@ -308,7 +411,8 @@ where
             .into_iter()
             .rev()
             .filter(|(id, grad)| {
-                final_grads.get(id) == Some(&host_data::<B::InnerBackend>(grad.clone()))
+                Some(*id) == decoder
+                    || final_grads.get(id) == Some(&host_data::<B::InnerBackend>(grad.clone()))
             })
             .map(|(id, _)| id)
             .collect();

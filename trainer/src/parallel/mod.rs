@@ -19,6 +19,7 @@ pub mod nccl;
 pub mod plan;
 pub mod reducer;
 pub mod rendezvous;
+pub mod tied;
 
 pub use buckets::{BucketStorage, Buffer, Scalar};
 pub use clip::{ClipMode, bucket_clip_cap, clip_coefficient, clip_coefficient_device};
@@ -29,9 +30,12 @@ pub use hooks::{
 };
 pub use launch::{LaunchEnv, LaunchError, LaunchSource};
 pub use link::{Delayed, LinkModel};
-pub use plan::{Bucket, BucketPlan, PlannedParam, bucket_plan, first_difference};
+pub use plan::{
+    Bucket, BucketPlan, PlannedParam, TiedEmbedding, TiedSplit, bucket_plan, first_difference,
+};
 pub use reducer::{ReducedStep, Reducer, StepTimings};
 pub use rendezvous::{RendezvousError, exchange_unique_id};
+pub use tied::{DECODER_WEIGHT, WORD_EMBEDDINGS};
 
 use burn::tensor::backend::Backend;
 

@@ -70,25 +70,24 @@ pub trait CudaMemory: CubeRuntime {
     ) -> Result<(u64, Box<dyn Any + Send>), CommError>;
 }
 
-impl CudaMemory for cubecl::cuda::CudaRuntime {
-    fn device_ptr(
-        client: &ComputeClient<Self>,
-        handle: Handle,
-    ) -> Result<(u64, Box<dyn Any + Send>), CommError> {
-        let resource = client.get_resource(handle).map_err(nccl_error)?;
-        Ok((resource.resource().ptr, Box::new(resource)))
-    }
+/// The same body for each runtime: `GpuResource`, cubecl-cuda's resource type, has public
+/// fields but no public path, so only code that names the runtime sees it.
+macro_rules! cuda_memory {
+    ($runtime:ty) => {
+        impl CudaMemory for $runtime {
+            fn device_ptr(
+                client: &ComputeClient<Self>,
+                handle: Handle,
+            ) -> Result<(u64, Box<dyn Any + Send>), CommError> {
+                let resource = client.get_resource(handle).map_err(nccl_error)?;
+                Ok((resource.resource().ptr, Box::new(resource)))
+            }
+        }
+    };
 }
 
-impl CudaMemory for ember_backend_ext::CountingRuntime<cubecl::cuda::CudaRuntime> {
-    fn device_ptr(
-        client: &ComputeClient<Self>,
-        handle: Handle,
-    ) -> Result<(u64, Box<dyn Any + Send>), CommError> {
-        let resource = client.get_resource(handle).map_err(nccl_error)?;
-        Ok((resource.resource().ptr, Box::new(resource)))
-    }
-}
+cuda_memory!(cubecl::cuda::CudaRuntime);
+cuda_memory!(ember_backend_ext::CountingRuntime<cubecl::cuda::CudaRuntime>);
 
 /// `len` f32 of device memory at `ptr`, which CubeCL owns: what NCCL reduces in place.
 struct BucketMemory {

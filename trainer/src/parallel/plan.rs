@@ -9,10 +9,12 @@
 
 use std::collections::HashMap;
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::Backend;
+use serde::{Deserialize, Serialize};
 
+use super::tied::{DECODER_WEIGHT, WORD_EMBEDDINGS};
 use crate::grads::named_params;
 
 /// One parameter's place in a bucket.
@@ -57,6 +59,68 @@ impl Bucket {
 pub struct BucketPlan {
     /// Buckets in launch order.
     pub buckets: Vec<Bucket>,
+    /// The tied word embedding, when its gradient is split (Note [Tied embedding split]).
+    pub tied: Option<TiedSplit>,
+}
+
+/// The tied word embedding in a plan that splits its gradient (Note [Tied embedding split]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TiedSplit {
+    /// The table, `[V, H]`: its gradient (the lookup's share) is reduced by rows, after the
+    /// last bucket. In no bucket (`offset` is 0).
+    pub table: PlannedParam,
+    /// The decoder's share of the gradient: a planned parameter of its own, in the heads'
+    /// bucket.
+    pub decoder: ParamId,
+}
+
+/// Whether the tied word embedding's gradient is split (`parallel.tied_embedding`; Note [Tied
+/// embedding split]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TiedEmbedding {
+    /// Split with more than one rank (one rank has nothing to reduce).
+    #[default]
+    Auto,
+    /// The decoder's share in the heads' bucket, the lookup's rows after backward.
+    Split,
+    /// The whole gradient in the last bucket, after backward (PyTorch DDP's behaviour).
+    Whole,
+}
+
+impl TiedEmbedding {
+    /// Whether to split with `world_size` ranks.
+    pub fn split(self, world_size: usize) -> bool {
+        match self {
+            TiedEmbedding::Auto => world_size > 1,
+            TiedEmbedding::Split => true,
+            TiedEmbedding::Whole => false,
+        }
+    }
+}
+
+impl std::fmt::Display for TiedEmbedding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TiedEmbedding::Auto => "auto",
+            TiedEmbedding::Split => "split",
+            TiedEmbedding::Whole => "whole",
+        })
+    }
+}
+
+impl std::str::FromStr for TiedEmbedding {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(TiedEmbedding::Auto),
+            "split" => Ok(TiedEmbedding::Split),
+            "whole" => Ok(TiedEmbedding::Whole),
+            other => Err(format!(
+                "unknown tied-embedding mode {other:?} (expected auto, split or whole)"
+            )),
+        }
+    }
 }
 
 const MB: f64 = 1024.0 * 1024.0;
@@ -104,7 +168,26 @@ impl BucketPlan {
         if !current.params.is_empty() {
             buckets.push(current);
         }
-        Self { buckets }
+        Self {
+            buckets,
+            tied: None,
+        }
+    }
+
+    /// Where the decoder's share of a split tied gradient sits: `(bucket, offset)`.
+    pub fn decoder_place(&self) -> Option<(usize, usize)> {
+        let decoder = self.tied.as_ref()?.decoder;
+        self.buckets.iter().enumerate().find_map(|(k, b)| {
+            b.params
+                .iter()
+                .find(|p| p.id == decoder)
+                .map(|p| (k, p.offset))
+        })
+    }
+
+    /// Buckets a step reduces: the planned ones, and the tied table's rows when split.
+    pub fn num_reductions(&self) -> usize {
+        self.buckets.len() + usize::from(self.tied.is_some())
     }
 
     /// One line per parameter, `bucket <k> <name> <shape>`: what ranks compare at start-up
@@ -116,6 +199,14 @@ impl BucketPlan {
                 text.push_str(&format!("bucket {k} {} {:?}\n", p.name, p.shape));
             }
         }
+        if let Some(tied) = &self.tied {
+            text.push_str(&format!(
+                "rows of {} {:?} after bucket {}\n",
+                tied.table.name,
+                tied.table.shape,
+                self.buckets.len().saturating_sub(1)
+            ));
+        }
         text
     }
 
@@ -126,14 +217,22 @@ impl BucketPlan {
         })
     }
 
-    /// `"K buckets: a, b, … MiB"`.
+    /// `"K buckets: a, b, … MiB"` (and `", then the rows of <table>"` when split).
     pub fn summary(&self) -> String {
         let sizes: Vec<String> = self
             .buckets
             .iter()
             .map(|b| format!("{:.2}", b.bytes() as f64 / MB))
             .collect();
-        format!("{} buckets: {} MiB", self.buckets.len(), sizes.join(", "))
+        let rows = match &self.tied {
+            Some(tied) => format!(", then the batch's rows of {}", tied.table.name),
+            None => String::new(),
+        };
+        format!(
+            "{} buckets: {} MiB{rows}",
+            self.buckets.len(),
+            sizes.join(", ")
+        )
     }
 
     /// Total number of gradient elements.
@@ -163,17 +262,23 @@ pub fn first_difference(ours: &str, theirs: &str) -> Option<(usize, String, Stri
 
 /// The bucket plan of a model: its float parameters in `order` (the order their gradients
 /// become ready, [`super::hooks::ready_order`]), bucketed by size as [`BucketPlan::new`].
+/// With `decoder`, the tied word embedding's gradient is split (Note [Tied embedding split]):
+/// `decoder` (listed in `order` where the decoder op delivers it) is planned as a parameter
+/// of the table's shape named `cls.predictions.decoder.weight`, and the table itself is left
+/// out of the buckets ([`BucketPlan::tied`]).
 ///
 /// # Panics
-/// If `order` lists a parameter `module` does not have, or one twice (a bug, not user input).
-pub fn bucket_plan<B: AutodiffBackend, M: AutodiffModule<B>>(
+/// If `order` lists a parameter `module` does not have, or one twice, or `decoder` is given
+/// for a module without the tied table (bugs, not user input).
+pub fn bucket_plan<B: Backend, M: Module<B>>(
     module: &M,
     order: &[ParamId],
+    decoder: Option<ParamId>,
     first_bucket_mb: f64,
     bucket_cap_mb: f64,
 ) -> BucketPlan {
     struct Shapes(Vec<Vec<usize>>);
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Shapes {
+    impl<B: Backend> ModuleVisitor<B> for Shapes {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             self.0.push(param.shape().dims::<D>().to_vec());
         }
@@ -185,8 +290,23 @@ pub fn bucket_plan<B: AutodiffBackend, M: AutodiffModule<B>>(
         .zip(shapes.0)
         .map(|((name, id), shape)| (id, (name, shape)))
         .collect();
+    let tied = decoder.map(|decoder| {
+        let (&id, (name, shape)) = by_id
+            .iter()
+            .find(|(_, (name, _))| name == WORD_EMBEDDINGS)
+            .expect("a BERT model has the tied word-embedding table");
+        let table = PlannedParam {
+            name: name.clone(),
+            id,
+            shape: shape.clone(),
+            offset: 0,
+        };
+        by_id.insert(decoder, (DECODER_WEIGHT.to_string(), shape.clone()));
+        TiedSplit { table, decoder }
+    });
     let params: Vec<(String, _, Vec<usize>)> = order
         .iter()
+        .filter(|id| tied.as_ref().is_none_or(|t| **id != t.table.id))
         .map(|id| {
             let (name, shape) = by_id
                 .remove(id)
@@ -194,5 +314,7 @@ pub fn bucket_plan<B: AutodiffBackend, M: AutodiffModule<B>>(
             (name, *id, shape)
         })
         .collect();
-    BucketPlan::new(&params, first_bucket_mb, bucket_cap_mb)
+    let mut plan = BucketPlan::new(&params, first_bucket_mb, bucket_cap_mb);
+    plan.tied = tied;
+    plan
 }

@@ -28,6 +28,7 @@ use super::collective::{CommError, ReduceOp};
 use super::comm_thread::{CommThread, receive};
 use super::hooks::{GradCallback, HookGradients};
 use super::plan::BucketPlan;
+use super::tied::TiedRows;
 
 /// Timings of one step's communication, for benchmarks and logs.
 #[derive(Debug, Clone, Copy, Default)]
@@ -80,6 +81,8 @@ struct StepState<B: FusedOps> {
     error: Option<String>,
     /// When the last bucket was launched.
     last_launch: Option<Instant>,
+    /// The tied table's rows, when its gradient is split (Note [Tied embedding split]).
+    tied: Option<TiedRows<B>>,
 }
 
 /// Buckets, clipping and asynchronous allreduce for one rank (see the module docs).
@@ -149,6 +152,7 @@ impl<B: FusedOps> Reducer<B> {
             in_flight: Vec::new(),
             error: None,
             last_launch: None,
+            tied: plan.tied.as_ref().map(TiedRows::new),
         };
         Self {
             plan: Arc::new(plan),
@@ -186,11 +190,24 @@ impl<B: FusedOps> Reducer<B> {
         }
     }
 
+    /// Starts a step whose batches hold `token_ids` (all micro-batches' `input_ids`): when the
+    /// tied table's gradient is split, starts the exchange of the rows to reduce (Note [Tied
+    /// embedding split]); else does nothing.
+    pub fn begin_step(&self, token_ids: impl IntoIterator<Item = i64>) {
+        let mut state = self.lock();
+        if let Some(tied) = state.tied.as_mut() {
+            tied.begin_step(&self.comm, token_ids);
+        }
+    }
+
     /// Starts a micro-batch. `first`: the first of its step (buffers are replaced, not added
     /// to); `last`: the last (buckets launch as they fill). Gradient accumulation over K
     /// micro-batches communicates only in the last one.
     pub fn prepare_backward(&self, first: bool, last: bool) {
         let mut state = self.lock();
+        if let Some(tied) = state.tied.as_mut() {
+            tied.prepare_backward(first);
+        }
         state.first_micro_batch = first;
         state.last_micro_batch = last;
         state.arrived.iter_mut().for_each(|a| *a = 0);
@@ -249,53 +266,41 @@ impl<B: FusedOps> Reducer<B> {
         let mut local_norm = None;
         if self.clip == ClipMode::LocalGlobal {
             // NVIDIA's rule: the whole local gradient's norm, so every bucket waits for it.
-            let sq = Scalar::sum(
-                state
-                    .buffers
-                    .iter()
-                    .map(|b| b.as_ref().expect("every bucket is complete").sq_norm())
-                    .collect(),
-            );
+            let sq = self.sq_norm(&state);
             let coefficient = sq.clip_coefficient(self.max_norm);
-            for buffer in &mut state.buffers {
-                let b = buffer.take().expect("every bucket is complete");
-                *buffer = Some(b.scale(&coefficient));
-            }
+            scale_all(&mut state, &coefficient);
             local_norm = Some(sq.sqrt());
             while state.next_launch < self.plan.buckets.len() {
                 let k = state.next_launch;
                 shared.all_reduce_bucket(&mut state, k);
             }
+            shared.all_reduce_rows(&mut state);
         }
         let in_flight = std::mem::take(&mut state.in_flight);
+        let rows_in_flight = state.tied.as_mut().and_then(|t| t.in_flight.take());
         let last_launch = state.last_launch;
         drop(state);
         let mut results = Vec::with_capacity(in_flight.len());
         for (k, rx) in in_flight {
             results.push((k, receive(&rx)?));
         }
+        let rows = rows_in_flight.map(|rx| receive(&rx)).transpose()?;
         let done = Instant::now();
         let mut state = self.lock();
         for (k, averaged) in results {
             state.buffers[k] = Some(averaged);
         }
+        if let (Some(tied), Some(rows)) = (state.tied.as_mut(), rows) {
+            tied.buffer = Some(rows);
+        }
         let grad_norm = match self.clip {
             ClipMode::LocalGlobal => local_norm.expect("measured above"),
             ClipMode::Bucket => Scalar::sum(std::mem::take(&mut state.local_sq_norms)).sqrt(),
             ClipMode::None | ClipMode::Global => {
-                let sq = Scalar::sum(
-                    state
-                        .buffers
-                        .iter()
-                        .map(|b| b.as_ref().expect("every bucket was averaged").sq_norm())
-                        .collect(),
-                );
+                let sq = self.sq_norm(&state);
                 if self.clip == ClipMode::Global {
                     let coefficient = sq.clip_coefficient(self.max_norm);
-                    for buffer in &mut state.buffers {
-                        let b = buffer.take().expect("every bucket was averaged");
-                        *buffer = Some(b.scale(&coefficient));
-                    }
+                    scale_all(&mut state, &coefficient);
                 }
                 sq.sqrt()
             }
@@ -312,6 +317,11 @@ impl<B: FusedOps> Reducer<B> {
     /// Names of the parameters whose gradient has not arrived in this micro-batch, comma
     /// separated (empty when all have).
     fn missing_names(&self, state: &StepState<B>) -> String {
+        let tied = state
+            .tied
+            .as_ref()
+            .filter(|t| !t.arrived)
+            .map(|_| super::tied::WORD_EMBEDDINGS);
         let names: Vec<&str> = self
             .plan
             .buckets
@@ -324,8 +334,29 @@ impl<B: FusedOps> Reducer<B> {
                     .filter(|(_, s)| !**s)
                     .map(|(p, _)| p.name.as_str())
             })
+            .chain(tied)
             .collect();
         names.join(", ")
+    }
+
+    /// The squared norm of the whole gradient in the buckets (and the tied rows, with the
+    /// cross term of the table's two shares: Note [Tied embedding split]).
+    fn sq_norm(&self, state: &StepState<B>) -> Scalar<B> {
+        let mut parts: Vec<Scalar<B>> = state
+            .buffers
+            .iter()
+            .map(|b| b.as_ref().expect("every bucket is complete").sq_norm())
+            .collect();
+        if let Some(tied) = &state.tied {
+            let (k, offset) = self
+                .plan
+                .decoder_place()
+                .expect("a split plan holds the decoder's share");
+            parts.push(tied.buffer.as_ref().expect("the rows arrived").sq_norm());
+            let decoder_bucket = state.buffers[k].as_ref().expect("every bucket is complete");
+            parts.push(tied.cross_term(decoder_bucket, offset));
+        }
+        Scalar::sum(parts)
     }
 
     /// The averaged (and clipped) gradients of the last [`Reducer::finalize_backward`], as
@@ -340,11 +371,22 @@ impl<B: FusedOps> Reducer<B> {
             plan: &'a BucketPlan,
             index: &'a HashMap<ParamId, (usize, usize)>,
             buffers: &'a [Option<Buffer<B>>],
+            tied: Option<&'a TiedRows<B>>,
             device: &'a B::Device,
             grads: GradientsParams,
         }
         impl<AB: AutodiffBackend<InnerBackend = B>, B: FusedOps> ModuleVisitor<AB> for WriteBack<'_, B> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+                if let Some(tied) = self.tied.filter(|t| t.table == param.id) {
+                    // The decoder's share, the rows added (Note [Tied embedding split]).
+                    let (k, offset) = self.plan.decoder_place().expect("a split plan");
+                    let shape: [usize; D] = param.shape().dims();
+                    let buffer = self.buffers[k].as_ref().expect("every bucket was averaged");
+                    let decoder = buffer.part(offset, shape, self.device);
+                    self.grads
+                        .register(param.id, tied.gradient(decoder, self.device));
+                    return;
+                }
                 let Some(&(k, i)) = self.index.get(&param.id) else {
                     return;
                 };
@@ -360,6 +402,7 @@ impl<B: FusedOps> Reducer<B> {
             plan: &self.plan,
             index: &self.index,
             buffers: &state.buffers,
+            tied: state.tied.as_ref(),
             device,
             grads: GradientsParams::new(),
         };
@@ -390,6 +433,13 @@ impl<B: FusedOps> Shared<B> {
     /// last micro-batch, launches complete buckets in order.
     fn mark_params_ready(&self, state: &mut StepState<B>, grads: HookGradients<B>) {
         for (id, grad) in grads {
+            if let Some(tied) = state.tied.as_mut().filter(|t| t.table == id) {
+                let first = state.first_micro_batch;
+                if let Err(e) = tied.add(grad, self.on_device, first) {
+                    state.error.get_or_insert(e);
+                }
+                continue;
+            }
             let Some(&(k, i)) = self.index.get(&id) else {
                 state
                     .error
@@ -419,6 +469,7 @@ impl<B: FusedOps> Shared<B> {
                 let k = state.next_launch;
                 self.all_reduce_bucket(state, k);
             }
+            self.all_reduce_rows(state);
         }
     }
 
@@ -439,15 +490,52 @@ impl<B: FusedOps> Shared<B> {
 
     /// Clips bucket `k` (`bucket` mode) and hands it to the communication thread.
     fn all_reduce_bucket(&self, state: &mut StepState<B>, k: usize) {
-        let mut buffer = state.buffers[k].take().expect("a complete bucket");
-        if self.clip == ClipMode::Bucket {
-            // Note [Clip coefficient]; the cap is max_norm/√K (ClipMode::Bucket).
-            let sq = buffer.sq_norm();
-            let cap = bucket_clip_cap(self.max_norm, self.plan.buckets.len());
-            buffer = buffer.scale(&sq.clip_coefficient(cap));
-            state.local_sq_norms.push(sq);
+        let buffer = state.buffers[k].take().expect("a complete bucket");
+        let buffer = self.bucket_clip(state, buffer);
+        let rx = self.submit(buffer);
+        state.in_flight.push((k, rx));
+        state.last_launch = Some(Instant::now());
+        state.next_launch += 1;
+    }
+
+    /// After the last bucket, the tied table's rows, once they arrived in the step's last
+    /// micro-batch (Note [Tied embedding split]).
+    fn all_reduce_rows(&self, state: &mut StepState<B>) {
+        let ready = state.next_launch == self.plan.buckets.len()
+            && state
+                .tied
+                .as_ref()
+                .is_some_and(|t| t.arrived && t.in_flight.is_none() && t.buffer.is_some());
+        if !ready {
+            return;
         }
-        let rx = match buffer {
+        let buffer = state
+            .tied
+            .as_mut()
+            .and_then(|t| t.buffer.take())
+            .expect("checked");
+        let buffer = self.bucket_clip(state, buffer);
+        let rx = self.submit(buffer);
+        state.tied.as_mut().expect("checked").in_flight = Some(rx);
+        state.last_launch = Some(Instant::now());
+    }
+
+    /// In `bucket` mode, clips a bucket by its own norm to max_norm/√K (Note [Clip
+    /// coefficient]; ClipMode::Bucket).
+    fn bucket_clip(&self, state: &mut StepState<B>, buffer: Buffer<B>) -> Buffer<B> {
+        if self.clip != ClipMode::Bucket {
+            return buffer;
+        }
+        let sq = buffer.sq_norm();
+        let cap = bucket_clip_cap(self.max_norm, self.plan.num_reductions());
+        let clipped = buffer.scale(&sq.clip_coefficient(cap));
+        state.local_sq_norms.push(sq);
+        clipped
+    }
+
+    /// Hands a buffer to the communication thread for its average over the ranks.
+    fn submit(&self, buffer: Buffer<B>) -> InFlight<B> {
+        match buffer {
             Buffer::Host(values) => self.comm.submit(move |c| {
                 let mut values = values;
                 c.allreduce(&mut values, ReduceOp::Average)
@@ -457,9 +545,18 @@ impl<B: FusedOps> Shared<B> {
                 c.allreduce_device(tensor, ReduceOp::Average)
                     .map(Buffer::Device)
             }),
-        };
-        state.in_flight.push((k, rx));
-        state.last_launch = Some(Instant::now());
-        state.next_launch += 1;
+        }
+    }
+}
+
+/// Scales every bucket (and the tied rows) by `coefficient`.
+fn scale_all<B: FusedOps>(state: &mut StepState<B>, coefficient: &Scalar<B>) {
+    for buffer in &mut state.buffers {
+        let b = buffer.take().expect("every bucket is complete");
+        *buffer = Some(b.scale(coefficient));
+    }
+    if let Some(tied) = state.tied.as_mut() {
+        let rows = tied.buffer.take().expect("the rows arrived");
+        tied.buffer = Some(rows.scale(coefficient));
     }
 }

@@ -13,7 +13,7 @@ use ember_model::{BertConfig, BertForPreTraining};
 
 use crate::optim::PreTrainingOptimizer;
 use crate::parallel::{
-    BucketPlan, CommThread, GradHookBackend, Reducer, bucket_plan, check_agreement, ready_order,
+    CommThread, GradHookBackend, Reducer, bucket_plan, check_agreement, ready_order,
 };
 use crate::schedule::WarmupPolyDecay;
 use crate::{TrainConfig, TrainError};
@@ -31,6 +31,9 @@ pub(crate) struct Trainer<B: GradHookBackend> {
     /// backward (Note [Late gradients] in `parallel/hooks.rs`).
     pub hooked: HashSet<ParamId>,
     pub late: Vec<ParamId>,
+    /// The id the decoder's share of the tied gradient is delivered under, when split (Note
+    /// [Tied embedding split]).
+    pub decoder: Option<ParamId>,
     pub optimizer: PreTrainingOptimizer<BertForPreTraining<B>, B>,
     pub schedule: WarmupPolyDecay,
 }
@@ -67,15 +70,23 @@ impl<B: GradHookBackend> Trainer<B> {
             .sequential_batches()
             .next()
             .expect("the evaluation set is not empty");
-        let order = ready_order(&model, probe.to_device::<B>(device));
+        // Note [Tied embedding split]: the decoder's share of the tied gradient gets an id of
+        // its own.
+        let decoder = config
+            .parallel
+            .tied_embedding
+            .split(comm.world_size())
+            .then(ParamId::new);
+        let order = ready_order(&model, probe.to_device::<B>(device), decoder);
         let plan = bucket_plan::<B, _>(
             &model,
             &order.params(),
+            decoder,
             config.parallel.first_bucket_mb,
             config.parallel.bucket_cap_mb,
         );
         check_agreement(comm, "bucket plan", plan.describe())?;
-        let model = broadcast_parameters::<B, _>(model, &plan, comm)?;
+        let model = broadcast_parameters::<B, _>(model, comm)?;
         let reducer = Reducer::new(
             plan,
             config.parallel.clip,
@@ -96,6 +107,7 @@ impl<B: GradHookBackend> Trainer<B> {
             reducer,
             hooked: order.hooked_set(),
             late: order.late,
+            decoder,
             optimizer,
             schedule,
         };
@@ -128,36 +140,43 @@ fn init_model<B: GradHookBackend>(
 }
 
 /// Replaces `module`'s parameters with rank 0's (PyTorch DDP does the same at construction),
-/// one bucket-sized broadcast at a time, through host memory (once, at start-up).
+/// through host memory (once, at start-up), in broadcasts of about 25 MiB: parameters in
+/// module order, which every rank shares.
 fn broadcast_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: M,
-    plan: &BucketPlan,
     comm: &CommThread<B::InnerBackend>,
 ) -> Result<M, TrainError> {
     if comm.world_size() == 1 {
         return Ok(module);
     }
-    let mut values: HashMap<ParamId, Vec<f32>> = HashMap::new();
-    struct Read<'a>(&'a mut HashMap<ParamId, Vec<f32>>);
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Read<'_> {
+    struct Read(Vec<(ParamId, Vec<f32>)>);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Read {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             let data = param.val().into_data().convert::<f32>();
             self.0
-                .insert(param.id, data.into_vec::<f32>().expect("f32 data"));
+                .push((param.id, data.into_vec::<f32>().expect("f32 data")));
         }
     }
-    module.visit(&mut Read(&mut values));
-    for bucket in &plan.buckets {
-        let mut flat = Vec::with_capacity(bucket.numel);
-        for p in &bucket.params {
-            flat.extend_from_slice(&values[&p.id]);
+    let mut read = Read(Vec::new());
+    module.visit(&mut read);
+    const CHUNK: usize = 25 << 18; // 25 MiB of f32
+    let mut values: HashMap<ParamId, Vec<f32>> = HashMap::new();
+    let mut params = read.0.into_iter().peekable();
+    while params.peek().is_some() {
+        let mut chunk = Vec::new();
+        let mut flat = Vec::new();
+        while let Some((id, v)) = params.next_if(|_| flat.len() < CHUNK) {
+            flat.extend_from_slice(&v);
+            chunk.push((id, v.len()));
         }
         let flat = comm.call(move |c| {
             let mut flat = flat;
             c.broadcast(&mut flat, 0).map(|()| flat)
         })?;
-        for p in &bucket.params {
-            values.insert(p.id, flat[p.offset..p.offset + p.numel()].to_vec());
+        let mut offset = 0;
+        for (id, n) in chunk {
+            values.insert(id, flat[offset..offset + n].to_vec());
+            offset += n;
         }
     }
     struct Write(HashMap<ParamId, Vec<f32>>);

@@ -44,11 +44,17 @@ impl<B: GradHookBackend> Trainer<B> {
         let mut losses: Option<Tensor<B::InnerBackend, 1>> = None;
         let mut backward_seconds = 0.0;
         let mut syncs_at_backward = None;
+        self.reducer.begin_step(
+            micro_batches
+                .iter()
+                .flat_map(|b| b.input_ids.iter().copied()),
+        );
         for (micro, host) in micro_batches.into_iter().enumerate() {
             tokens += host.num_tokens();
             let batch = host.to_device::<B>(device);
             self.reducer.prepare_backward(micro == 0, micro + 1 == k);
-            let hooks = GradHooks::new(&model, self.reducer.callback(), Some(&self.hooked));
+            let hooks = GradHooks::new(&model, self.reducer.callback(), Some(&self.hooked))
+                .with_decoder(self.decoder);
             let (_, loss) = forward_loss_hooked(&model, batch, &hooks);
             let terms = Tensor::cat(
                 vec![
