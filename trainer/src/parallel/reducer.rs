@@ -2,11 +2,14 @@
 //! BERT submissions, on device or host buckets (Note [Bucket storage]).
 //!
 //! One step reads as its lifecycle, as PyTorch's c10d reducer (`reducer.cpp`):
-//! [`Reducer::prepare_backward`] before each micro-batch's backward; gradients arrive from the
+//! [`Reducer::begin_step`] with the step's token ids (the tied table's rows, Note [Tied
+//! embedding split]); [`Reducer::prepare_backward`] before each micro-batch's backward;
+//! gradients arrive from the
 //! hooks during backward ([`Reducer::callback`]) and after it ([`Reducer::mark_params_ready`]);
 //! a bucket whose gradients have all arrived is flattened (`mark_bucket_ready`) and, in the
 //! step's last micro-batch, clipped and handed to the communication thread in bucket order
-//! (`all_reduce_bucket`) while backward continues; [`Reducer::finalize_backward`] waits for
+//! (`all_reduce_bucket`) while backward continues, the tied table's rows last
+//! (`all_reduce_rows`); [`Reducer::finalize_backward`] waits for
 //! the averaged buckets and applies the clip modes that need them all; and
 //! [`Reducer::gradients`] gives the optimizer each parameter's averaged gradient.
 

@@ -9,7 +9,6 @@ use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use ember_data::HostBatch;
-
 use ember_model::BertForPreTraining;
 
 use super::output::{HostSyncCounts, StepRecord};
@@ -21,10 +20,9 @@ use crate::{RunOptions, TrainError};
 
 impl<B: GradHookBackend> Trainer<B> {
     /// Trains `model` on the micro-batches of one step (`step` steps done before it) and
-    /// returns the updated model with the step's record: gradients
-    /// accumulate in the reducer's buckets and only the last micro-batch's backward launches
-    /// allreduces; each loss is divided by K, so the step's gradient is the mean over the K
-    /// micro-batches.
+    /// returns the updated model with the step's record. Gradients accumulate in the reducer's
+    /// buckets and only the last micro-batch's backward launches allreduces; each loss is
+    /// divided by K, so the step's gradient is the mean over the K micro-batches.
     ///
     /// # Errors
     /// [`TrainError::Comm`] when a bucket's allreduce fails.
