@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU check on an NVIDIA GPU, in parts that each stay within a few minutes.
 #
-#   scripts/gpu-check.sh build          # here (no GPU needed): builds the CUDA binaries into gpu-check/
+#   scripts/gpu-check.sh build          # here (no GPU needed): builds the CUDA binaries and packs
+#                                       # them into gpu-check/bins.tar.gz (~22 MB; the two binaries
+#                                       # are ~86 MB unpacked, over the device machine's 64 MiB carry)
 #   scripts/gpu-check.sh run [PART...]  # on the GPU machine; PART: step, kernels, bench-kernels
 #                                       # (default: all three, in that order); logs in $OUT (or
 #                                       # gpu-check/out), one table per part
@@ -30,8 +32,10 @@ build)
     cargo build -p xtask --features cuda --bin xtask
     cp target/debug/xtask "$dir/xtask"
     strip "$dir/kernels" "$dir/xtask"
+    tar -C "$dir" -czf "$dir/bins.tar.gz.tmp" kernels xtask
+    mv "$dir/bins.tar.gz.tmp" "$dir/bins.tar.gz"
     ls -la "$dir"
-    du -ch "$dir/kernels" "$dir/xtask" | tail -1
+    echo "carry gpu-check/bins.tar.gz ($(du -h "$dir/bins.tar.gz" | cut -f1)); on the GPU machine: scripts/gpu-check.sh run"
     ;;
 run)
     shift
@@ -39,6 +43,10 @@ run)
     [ ${#parts[@]} -gt 0 ] || parts=(step kernels bench-kernels)
     out="${OUT:-$dir/out}"
     mkdir -p "$out"
+    if [ ! -x "$dir/xtask" ] || [ ! -x "$dir/kernels" ]; then
+        [ -f "$dir/bins.tar.gz" ] || { echo "no $dir/bins.tar.gz: run '$0 build' first and carry it" >&2; exit 2; }
+        tar -C "$dir" -xzf "$dir/bins.tar.gz"
+    fi
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt" || true
     # NCCL, nvrtc and the CUDA runtime from the Python wheels, if the system has none.
     for lib in /opt/torch/.venv/lib/python3*/site-packages/nvidia/*/lib /usr/local/lib/python3*/dist-packages/nvidia/*/lib; do
