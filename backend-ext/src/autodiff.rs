@@ -40,6 +40,22 @@ impl<B: FusedOps> Backward<B, 2> for BiasGeluBackward {
     }
 }
 
+#[derive(Debug)]
+struct DropoutBackward;
+
+impl<B: FusedOps> Backward<B, 1> for DropoutBackward {
+    type State = DropoutSpec;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(node) = node_x {
+            // y = x · mask  ⇒  dx = grad · mask: dropout with the same key.
+            grads.register::<B>(node.id, B::dropout(grad, ops.state));
+        }
+    }
+}
+
 /// What the LayerNorm backward needs: pre-norm sum, mean, rstd, gamma, dropout.
 type LayerNormState<B> = (
     FloatTensor<B>,
@@ -146,6 +162,20 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
                 prep.finish((x.primitive, bias.primitive), output)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::bias_gelu(x.primitive, bias.primitive)),
+        }
+    }
+
+    fn dropout(x: FloatTensor<Self>, dropout: DropoutSpec) -> FloatTensor<Self> {
+        match DropoutBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let output = B::dropout(x.primitive, dropout);
+                prep.finish(dropout, output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::dropout(x.primitive, dropout)),
         }
     }
 

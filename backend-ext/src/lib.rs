@@ -8,6 +8,7 @@
 //! | [`bias_gelu`] | `GELU_erf(x + bias)` | `bias_gelu` in `modeling.py` (fused by nvFuser) |
 //! | [`bias_dropout_add_layer_norm`] | `LayerNorm(residual + dropout(x + bias))` | `FastLayerNorm` + `bias_dropout_add` |
 //! | [`attention`] | `dropout(softmax(Q·Kᵀ·scale + mask)) · V` | `FastUnpadBertSelfAttention`, fmha |
+//! | [`dropout()`] | `x · mask` | `torch.nn.functional.dropout` (Philox masks) |
 //!
 //! Every op has three implementations:
 //! - the **reference composition** (module [`reference`]): Burn tensor ops, the default body of
@@ -19,9 +20,9 @@
 //!   ([`FusedOps::bias_gelu_backward`], ...), i.e. the backward kernels on CubeCL backends,
 //!   instead of differentiating the composition.
 //!
-//! Dropout masks are a pure function of `(seed, element index)` (see [`DropoutSpec`]), so the
-//! kernels, the reference composition and the backward pass agree on the mask without storing
-//! it.
+//! Dropout masks are a pure function of `(key, sample, position, column)` (see
+//! [`DropoutSpec`]), so the kernels, the reference composition and the backward pass agree on
+//! the mask without storing it, and a sample's mask does not depend on its batch or padding.
 //!
 //! The tensor-level functions ([`bias_gelu`], ...) flatten leading dimensions into rows, the
 //! trait methods work on rows: the letters in `# Shapes` are R rows, N the row length (hidden or
@@ -51,7 +52,7 @@ pub type CountingCuda<F = f32, I = i32> =
 #[cfg(feature = "wgpu")]
 pub type CountingWgpu<F = f32, I = i32> =
     burn_cubecl::CubeBackend<CountingRuntime<cubecl::wgpu::WgpuRuntime>, F, I, u32>;
-pub use dropout::{DropoutSpec, keep_mask, reseed_dropout};
+pub use dropout::{DropoutScope, DropoutSpec, keep_mask, reseed_dropout};
 
 /// Which implementation of the fused ops a model uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -313,6 +314,17 @@ pub trait FusedOps: Backend {
         ))
     }
 
+    /// Dropout: `x · mask`, the scaled keep mask of `dropout` (kept elements × `1/(1−p)`, the
+    /// rest 0), keyed per sample and position (see [`DropoutSpec`]). Its own backward: the
+    /// gradient through the same mask is `dropout(grad)`.
+    ///
+    /// # Shapes
+    /// `x` `[B, S, N]` (or `[B, nh, S, S]`, or `[R, N]` rows with `dropout.seq_len`) → the
+    /// shape of `x`
+    fn dropout(x: FloatTensor<Self>, dropout: DropoutSpec) -> FloatTensor<Self> {
+        reference::dropout_primitive::<Self>(x, dropout)
+    }
+
     /// One Adam-family step of many tensors, apex's `multi_tensor_adam`/`multi_tensor_lamb`
     /// (stage 1): moments `m ← β1·m + (1−β1)·g`, `v ← β2·v + (1−β2)·g²`, then, per `kind`,
     /// the new parameter (AdamW) or LAMB's update. Kernels update up to 32 tensors per launch
@@ -464,6 +476,12 @@ pub fn bias_dropout_add_layer_norm<B: FusedOps, const D: usize>(
 ) -> Tensor<B, D> {
     let (x, dims) = rows(x);
     let (residual, _) = rows(residual);
+    // A `[B, S, N]` input's rows are B samples of S positions (the mask's layout).
+    let dropout = if D >= 3 {
+        dropout.with_seq_len(dims[1..D - 1].iter().product())
+    } else {
+        dropout
+    };
     let forward = B::bias_dropout_add_layer_norm(
         prim(x),
         prim(bias),
@@ -474,6 +492,18 @@ pub fn bias_dropout_add_layer_norm<B: FusedOps, const D: usize>(
         eps,
     );
     float::<B, 2>(forward.output).reshape(dims)
+}
+
+/// Dropout through [`FusedOps::dropout`] (its own backward under autodiff), keyed per sample
+/// and position (see [`DropoutSpec`]).
+///
+/// # Shapes
+/// `x` `[B, S, N]` or `[B, nh, S, S]` → the shape of `x`
+pub fn dropout<B: FusedOps, const D: usize>(x: Tensor<B, D>, dropout: DropoutSpec) -> Tensor<B, D> {
+    if !dropout.enabled() {
+        return x;
+    }
+    float::<B, D>(B::dropout(prim(x), dropout))
 }
 
 /// The attention core through [`FusedOps::attention_core`].

@@ -6,8 +6,9 @@
 //! Dropout masks come from [`keep_mask`](crate::keep_mask), the same counter-based masks the
 //! kernels compute.
 
-use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorData, TensorMetadata};
 
 use crate::{
     AdamHyper, AdamKind, AdamOutput, DropoutSpec, LayerNormForward, SoftmaxForward, keep_mask, prim,
@@ -88,6 +89,12 @@ pub fn bias_dropout_add_layer_norm<B: Backend, const D: usize>(
     let dims = x.dims();
     let n = dims[D - 1];
     let r = dims.iter().product::<usize>() / n.max(1);
+    // A `[B, S, N]` input's rows are B samples of S positions (the mask's layout).
+    let dropout = if D >= 3 {
+        dropout.with_seq_len(dims[1..D - 1].iter().product())
+    } else {
+        dropout
+    };
     let (output, ..) = layer_norm_parts(
         x.reshape([r, n]),
         bias,
@@ -161,11 +168,33 @@ fn masked_softmax<B: Backend>(
 
 fn drop<B: Backend, const D: usize>(x: Tensor<B, D>, dropout: DropoutSpec) -> Tensor<B, D> {
     if dropout.enabled() {
-        let mask = keep_mask::<B, D>(dropout, x.dims(), &x.device());
+        let mask = keep_mask::<B, D>(dropout, x.dims(), &x.device()).cast(x.dtype());
         x * mask
     } else {
         x
     }
+}
+
+/// Dropout through the host-computed [`keep_mask`], differentiable by composition: what the
+/// reference path of the model runs.
+///
+/// # Shapes
+/// `x` `[B, S, N]` or `[B, nh, S, S]` (or rows with `dropout.seq_len`) → the shape of `x`
+pub fn dropout<B: Backend, const D: usize>(x: Tensor<B, D>, dropout: DropoutSpec) -> Tensor<B, D> {
+    drop(x, dropout)
+}
+
+/// The default body of [`FusedOps::dropout`](crate::FusedOps::dropout), on a primitive of any
+/// rank.
+pub fn dropout_primitive<B: Backend>(x: FloatTensor<B>, dropout: DropoutSpec) -> FloatTensor<B> {
+    if !dropout.enabled() {
+        return x;
+    }
+    let shape = x.shape();
+    let values = crate::dropout::mask_values(dropout, shape.as_slice());
+    let data = TensorData::new(values, shape).convert_dtype(x.dtype());
+    let mask = B::float_from_data(data, &B::float_device(&x));
+    B::float_mul(x, mask)
 }
 
 /// The default body of [`FusedOps::masked_softmax_dropout`](crate::FusedOps).

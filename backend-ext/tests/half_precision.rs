@@ -47,7 +47,7 @@ fn check_half_precision<H: FusedOps, E: burn::tensor::Element>(device: &H::Devic
     let (r, rh) = pair(&[231, 300]);
     let (r, rh) = (r.reshape([231, 300]), rh.reshape([231, 300]));
     let (g, gh) = pair(&[300]);
-    let dropout = DropoutSpec { prob: 0.1, seed: 3 };
+    let dropout = DropoutSpec::new(0.1, 3);
     let fused =
         ember_backend_ext::bias_dropout_add_layer_norm(xh, bh.clone(), rh, gh, bh, dropout, 1e-5);
     let expected = reference::bias_dropout_add_layer_norm(x, b.clone(), r, g, b, dropout, 1e-5);

@@ -67,7 +67,7 @@ pub fn check_layer_norm<B: AutodiffBackend + FusedOps>(
     B::InnerBackend: FusedOps,
 {
     let [.., n] = shape;
-    let dropout = DropoutSpec { prob, seed: 42 };
+    let dropout = DropoutSpec::new(prob, 42);
     let x = random::<B, 3>(shape, device);
     let residual = random::<B, 3>(shape, device) * 2.0;
     let bias = random::<B, 1>([n], device);
@@ -137,7 +137,7 @@ pub fn check_attention<B: AutodiffBackend + FusedOps>(
 ) where
     B::InnerBackend: FusedOps,
 {
-    let dropout = DropoutSpec { prob, seed: 7 };
+    let dropout = DropoutSpec::new(prob, 7);
     let [.., hd] = shape;
     let scale = 1.0 / (hd as f64).sqrt();
     let q = random::<B, 4>(shape, device);
@@ -187,7 +187,11 @@ pub fn check_dropout_mask<B: FusedOps>(device: &B::Device) {
     let scores = random::<B, 4>(shape, device);
     let bias = Tensor::<B, 2>::zeros([batch, seq], device);
     let run = |seed: u64| {
-        let spec = DropoutSpec { prob: 0.1, seed };
+        // Samples 5.. of the step: the offset enters the kernel's row keys.
+        let spec = DropoutSpec {
+            sample_offset: 5,
+            ..DropoutSpec::new(0.1, seed)
+        };
         let out = B::masked_softmax_dropout(
             scores.clone().into_primitive().tensor(),
             bias.clone().into_primitive().tensor(),
@@ -202,8 +206,8 @@ pub fn check_dropout_mask<B: FusedOps>(device: &B::Device) {
     let (probs, dropped) = run(1234);
     let host = keep_mask::<B, 4>(
         DropoutSpec {
-            prob: 0.1,
-            seed: 1234,
+            sample_offset: 5,
+            ..DropoutSpec::new(0.1, 1234)
         },
         shape,
         device,
@@ -253,10 +257,7 @@ where
     B::InnerBackend: FusedOps,
 {
     let (rows, n) = (64, 96);
-    let spec = DropoutSpec {
-        prob: 0.25,
-        seed: 99,
-    };
+    let spec = DropoutSpec::new(0.25, 99);
     let x = random::<B, 2>([rows, n], device).require_grad();
     let out = ember_backend_ext::bias_dropout_add_layer_norm(
         x.clone(),
@@ -274,6 +275,37 @@ where
     for (i, (g, m)) in grad.iter().zip(&mask).enumerate() {
         assert_eq!(*g == 0.0, *m == 0.0, "element {i}: grad {g}, mask {m}");
     }
+}
+
+/// The dropout op on `[B, S, N]` (the embeddings' dropout), forward and backward, against the
+/// host mask, for a micro-batch whose samples start at 3 of the step; and its LayerNorm
+/// counterpart on the same rows keeps the same mask (both key by sample and position).
+pub fn check_dropout_op<B: AutodiffBackend + FusedOps>(device: &B::Device)
+where
+    B::InnerBackend: FusedOps,
+{
+    let shape = [3, 37, 40];
+    let spec = DropoutSpec {
+        sample_offset: 3,
+        ..DropoutSpec::new(0.2, 0xfeed_beef_0123)
+    };
+    let x = random::<B, 3>(shape, device).require_grad();
+    let out = ember_backend_ext::dropout(x.clone(), spec);
+    let mask = keep_mask::<B, 3>(spec, shape, device);
+    assert_close(
+        "dropout = x · host mask",
+        out.clone(),
+        x.clone().detach() * mask.clone(),
+        FWD,
+    );
+    let weight = random::<B, 3>(shape, device);
+    let mut grads = weighted_sum(out, &weight).backward();
+    assert_close(
+        "dropout backward = grad · host mask",
+        x.grad_remove(&mut grads).unwrap(),
+        (weight * mask).inner(),
+        FWD,
+    );
 }
 
 /// Sizes of the optimizer tests' tensor list: one element, odd sizes, more elements than the
@@ -464,6 +496,11 @@ macro_rules! kernel_tests {
         #[test]
         fn optimizer_steps_match_reference() {
             check_optimizer_ops::<$backend>(&$device);
+        }
+
+        #[test]
+        fn dropout_op_matches_the_host_mask() {
+            check_dropout_op::<B>(&$device);
         }
 
         #[test]

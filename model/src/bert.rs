@@ -122,7 +122,12 @@ impl<B: Backend> BertEmbeddings<B> {
             dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
         }
     }
+}
 
+impl<B: FusedOps> BertEmbeddings<B> {
+    /// The sum of the three lookups, LayerNorm, then dropout (while training: the keyed masks
+    /// of [`ember_backend_ext::dropout`]).
+    ///
     /// # Shapes
     /// - `input_ids`, `segment_ids`: `[B, S]`
     /// - output: `[B, S, H]`
@@ -137,7 +142,31 @@ impl<B: Backend> BertEmbeddings<B> {
         let embeddings = self.word_embeddings.forward(input_ids)
             + self.position_embeddings.forward(position_ids) // [1, S, H], broadcast over B
             + self.token_type_embeddings.forward(segment_ids);
-        self.dropout.forward(self.layer_norm.forward(embeddings))
+        let embedded = self.layer_norm.forward(embeddings);
+        if training(&embedded) {
+            ember_backend_ext::dropout(embedded, DropoutSpec::draw(self.dropout.prob))
+        } else {
+            embedded
+        }
+    }
+}
+
+/// Whether dropout applies: autodiff is on, as for Burn's `Dropout`.
+fn training<B: Backend, const D: usize>(x: &Tensor<B, D>) -> bool {
+    B::ad_enabled(&x.device())
+}
+
+/// Dropout of the module-by-module path: Burn's `Dropout` with the keyed masks of
+/// `ember-backend-ext` ([`DropoutSpec::draw`]: per sample and position, keyed by the thread's
+/// `DropoutScope`), composed from Burn ops.
+fn reference_dropout<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    dropout: &Dropout,
+) -> Tensor<B, D> {
+    if training(&x) {
+        ember_backend_ext::reference::dropout(x, DropoutSpec::draw(dropout.prob))
+    } else {
+        x
     }
 }
 
@@ -185,7 +214,7 @@ impl<B: Backend> BertSelfAttention<B> {
 
         let scores = q.matmul(k.swap_dims(2, 3)) / (head_dim as f64).sqrt(); // [B, nh, S, S]
         let mask_bias = mask_bias.reshape([batch, 1, 1, seq_len]);
-        let probs = self.dropout.forward(softmax(scores + mask_bias, 3));
+        let probs = reference_dropout(softmax(scores + mask_bias, 3), &self.dropout);
         probs
             .matmul(v) // [B, nh, S, hd]
             .swap_dims(1, 2) // [B, S, nh, hd]
@@ -219,7 +248,7 @@ impl<B: Backend> BertSelfOutput<B> {
     /// - `hidden_states`, `input`: `[B, S, H]`
     /// - output: `[B, S, H]`
     pub fn forward(&self, hidden_states: Tensor<B, 3>, input: Tensor<B, 3>) -> Tensor<B, 3> {
-        let x = self.dropout.forward(self.dense.forward(hidden_states));
+        let x = reference_dropout(self.dense.forward(hidden_states), &self.dropout);
         self.layer_norm.forward(x + input)
     }
 }
@@ -327,7 +356,7 @@ impl<B: FusedOps> BertLayer<B> {
     /// is on, as Burn's `Dropout` does.
     fn forward_fused(&self, hidden_states: Tensor<B, 3>, mask_bias: Tensor<B, 2>) -> Tensor<B, 3> {
         let [batch, seq_len, hidden] = hidden_states.dims();
-        let training = B::ad_enabled(&hidden_states.device());
+        let training = training(&hidden_states);
         let dropout = |p: f64| {
             if training {
                 DropoutSpec::draw(p)
@@ -397,10 +426,10 @@ impl<B: FusedOps> BertLayer<B> {
         let attention_output = attention.output.forward(context, hidden_states);
 
         let intermediate = gelu(self.intermediate.dense.forward(attention_output.clone())); // [B, S, I]
-        let x = self
-            .output
-            .dropout
-            .forward(self.output.dense.forward(intermediate));
+        let x = reference_dropout(
+            self.output.dense.forward(intermediate),
+            &self.output.dropout,
+        );
         self.output.layer_norm.forward(x + attention_output)
     }
 }

@@ -15,11 +15,30 @@ fn pcg_hash(v: u32) -> u32 {
     (word >> 22u32) ^ word
 }
 
-/// The dropout scale of element `index`: `keep_scale` if kept, 0 if dropped (the host's
-/// `dropout::keeps`).
+/// The key of row `row` of a dropout mask (the host's `dropout::row_key`): the row is row
+/// `row mod rows_per_sample` of sample `sample_offset + row / rows_per_sample`, and the key
+/// takes the sample and the row's position in it, never the padded length.
 #[cube]
-fn dropout_scale(index: usize, key: u32, threshold: u32, keep_scale: f32) -> f32 {
-    let bits = pcg_hash(pcg_hash((index as u32) ^ key) + key);
+fn row_key(
+    key_lo: u32,
+    key_hi: u32,
+    sample_offset: u32,
+    rows_per_sample: u32,
+    seq: u32,
+    row: u32,
+) -> u32 {
+    let sample = sample_offset + row / rows_per_sample;
+    let within = row % rows_per_sample;
+    let canonical = (within / seq) * 65536u32 + within % seq;
+    let sample_key = pcg_hash(key_lo ^ pcg_hash(key_hi ^ pcg_hash(sample)));
+    pcg_hash(sample_key ^ pcg_hash(canonical + 0x9e3779b9u32))
+}
+
+/// The dropout scale of element `column` of a row keyed `rk`: `keep_scale` if kept, 0 if
+/// dropped (the host's `dropout::keeps`).
+#[cube]
+fn dropout_scale(column: usize, rk: u32, threshold: u32, keep_scale: f32) -> f32 {
+    let bits = pcg_hash(pcg_hash((column as u32) ^ rk) + rk);
     let mut scale = f32::new(0.0);
     if (bits >> 8u32) >= threshold {
         scale = keep_scale;
@@ -127,7 +146,11 @@ pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
     mean_out: &mut Tensor<F>,
     rstd_out: &mut Tensor<F>,
     rows: u32,
-    key: u32,
+    key_lo: u32,
+    key_hi: u32,
+    sample_offset: u32,
+    rows_per_sample: u32,
+    seq: u32,
     threshold: u32,
     keep_scale: f32,
     eps: f32,
@@ -139,6 +162,14 @@ pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
     if row >= rows as usize {
         terminate!();
     }
+    let rk = row_key(
+        key_lo,
+        key_hi,
+        sample_offset,
+        rows_per_sample,
+        seq,
+        row as u32,
+    );
     let n = gamma.len();
     let base = row * n;
     let unit = UNIT_POS_X as usize;
@@ -150,7 +181,7 @@ pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
         let idx = base + j;
         let mut z = f32::cast_from(x[idx]) + f32::cast_from(bias[j]);
         if dropout {
-            z *= dropout_scale(idx, key, threshold, keep_scale);
+            z *= dropout_scale(j, rk, threshold, keep_scale);
         }
         let y = z + f32::cast_from(residual[idx]);
         pre_norm[idx] = F::cast_from(y);
@@ -196,7 +227,11 @@ pub fn layer_norm_backward_kernel<F: Float>(
     grad_x: &mut Tensor<F>,
     grad_x_hat: &mut Tensor<F>,
     rows: u32,
-    key: u32,
+    key_lo: u32,
+    key_hi: u32,
+    sample_offset: u32,
+    rows_per_sample: u32,
+    seq: u32,
     threshold: u32,
     keep_scale: f32,
     #[comptime] block: u32,
@@ -207,6 +242,14 @@ pub fn layer_norm_backward_kernel<F: Float>(
     if row >= rows as usize {
         terminate!();
     }
+    let rk = row_key(
+        key_lo,
+        key_hi,
+        sample_offset,
+        rows_per_sample,
+        seq,
+        row as u32,
+    );
     let n = gamma.len();
     let base = row * n;
     let unit = UNIT_POS_X as usize;
@@ -239,7 +282,7 @@ pub fn layer_norm_backward_kernel<F: Float>(
         let d = (g - mean_g - x_hat * mean_gx) * rs;
         grad_pre_norm[idx] = F::cast_from(d);
         if dropout {
-            grad_x[idx] = F::cast_from(d * dropout_scale(idx, key, threshold, keep_scale));
+            grad_x[idx] = F::cast_from(d * dropout_scale(j, rk, threshold, keep_scale));
         } else {
             grad_x[idx] = F::cast_from(d);
         }
@@ -259,7 +302,11 @@ pub fn masked_softmax_dropout_kernel<F: Float>(
     rows: u32,
     rows_per_batch: u32,
     scale: f32,
-    key: u32,
+    key_lo: u32,
+    key_hi: u32,
+    sample_offset: u32,
+    rows_per_sample: u32,
+    seq: u32,
     threshold: u32,
     keep_scale: f32,
     #[comptime] block: u32,
@@ -270,6 +317,14 @@ pub fn masked_softmax_dropout_kernel<F: Float>(
     if row >= rows as usize {
         terminate!();
     }
+    let rk = row_key(
+        key_lo,
+        key_hi,
+        sample_offset,
+        rows_per_sample,
+        seq,
+        row as u32,
+    );
     let n = mask_bias.shape(1);
     let base = row * n;
     let mask_base = (row / rows_per_batch as usize) * n;
@@ -304,7 +359,7 @@ pub fn masked_softmax_dropout_kernel<F: Float>(
         let p = f32::cast_from(probs[idx]) * inv_sum;
         probs[idx] = F::cast_from(p);
         if dropout {
-            dropped[idx] = F::cast_from(p * dropout_scale(idx, key, threshold, keep_scale));
+            dropped[idx] = F::cast_from(p * dropout_scale(j, rk, threshold, keep_scale));
         } else {
             dropped[idx] = F::cast_from(p);
         }
@@ -321,7 +376,11 @@ pub fn masked_softmax_dropout_backward_kernel<F: Float>(
     grad_scores: &mut Tensor<F>,
     rows: u32,
     scale: f32,
-    key: u32,
+    key_lo: u32,
+    key_hi: u32,
+    sample_offset: u32,
+    rows_per_sample: u32,
+    seq: u32,
     threshold: u32,
     keep_scale: f32,
     #[comptime] block: u32,
@@ -332,6 +391,14 @@ pub fn masked_softmax_dropout_backward_kernel<F: Float>(
     if row >= rows as usize {
         terminate!();
     }
+    let rk = row_key(
+        key_lo,
+        key_hi,
+        sample_offset,
+        rows_per_sample,
+        seq,
+        row as u32,
+    );
     let n = probs.shape(probs.rank() - 1);
     let base = row * n;
     let unit = UNIT_POS_X as usize;
@@ -343,7 +410,7 @@ pub fn masked_softmax_dropout_backward_kernel<F: Float>(
         let idx = base + j;
         let mut dp = f32::cast_from(grad_dropped[idx]);
         if dropout {
-            dp *= dropout_scale(idx, key, threshold, keep_scale);
+            dp *= dropout_scale(j, rk, threshold, keep_scale);
         }
         dot += dp * f32::cast_from(probs[idx]);
         j += block as usize;
@@ -355,10 +422,51 @@ pub fn masked_softmax_dropout_backward_kernel<F: Float>(
         let idx = base + j;
         let mut dp = f32::cast_from(grad_dropped[idx]);
         if dropout {
-            dp *= dropout_scale(idx, key, threshold, keep_scale);
+            dp *= dropout_scale(j, rk, threshold, keep_scale);
         }
         let p = f32::cast_from(probs[idx]);
         grad_scores[idx] = F::cast_from(scale * p * (dp - dot));
+        j += block as usize;
+    }
+}
+
+/// One cube per row of `[R, N]`: `output = x · mask`, the scaled keep mask of the row (dropout,
+/// and its backward applied to the gradient).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn dropout_kernel<F: Float>(
+    x: &Tensor<F>,
+    output: &mut Tensor<F>,
+    rows: u32,
+    key_lo: u32,
+    key_hi: u32,
+    sample_offset: u32,
+    rows_per_sample: u32,
+    seq: u32,
+    threshold: u32,
+    keep_scale: f32,
+    #[comptime] block: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let row = row_index();
+    if row >= rows as usize {
+        terminate!();
+    }
+    let rk = row_key(
+        key_lo,
+        key_hi,
+        sample_offset,
+        rows_per_sample,
+        seq,
+        row as u32,
+    );
+    let n = x.shape(x.rank() - 1);
+    let base = row * n;
+    let mut j = UNIT_POS_X as usize;
+    while j < n {
+        let idx = base + j;
+        output[idx] =
+            F::cast_from(f32::cast_from(x[idx]) * dropout_scale(j, rk, threshold, keep_scale));
         j += block as usize;
     }
 }

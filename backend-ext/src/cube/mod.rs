@@ -47,14 +47,31 @@ fn storage(dtype: DType) -> StorageType {
     dtype.into()
 }
 
-/// The kernels' dropout arguments: (key, threshold, keep scale, enabled).
-fn dropout_args(dropout: DropoutSpec) -> (u32, u32, f32, bool) {
-    (
-        dropout.key(),
-        dropout.threshold(),
-        dropout.keep_scale() as f32,
-        dropout.enabled(),
-    )
+/// The kernels' dropout arguments for a tensor of `shape` (see `dropout::MaskLayout`).
+struct MaskArgs {
+    key_lo: u32,
+    key_hi: u32,
+    sample_offset: u32,
+    rows_per_sample: u32,
+    seq: u32,
+    threshold: u32,
+    keep_scale: f32,
+    enabled: bool,
+}
+
+fn dropout_args(dropout: DropoutSpec, shape: &[usize]) -> MaskArgs {
+    let (key_lo, key_hi) = dropout.key_halves();
+    let layout = dropout.layout(shape);
+    MaskArgs {
+        key_lo,
+        key_hi,
+        sample_offset: layout.sample_offset,
+        rows_per_sample: layout.rows_per_sample,
+        seq: layout.seq,
+        threshold: dropout.threshold(),
+        keep_scale: dropout.keep_scale() as f32,
+        enabled: dropout.enabled(),
+    }
 }
 
 /// Most tensors one multi-tensor launch takes (each is unrolled into the kernel).
@@ -246,7 +263,7 @@ where
         let mean = empty_like(&x, Shape::new([rows]));
         let rstd = empty_like(&x, Shape::new([rows]));
         let (count, dim, block) = row_launch(rows, n);
-        let (key, threshold, keep_scale, enabled) = dropout_args(dropout);
+        let mask = dropout_args(dropout, &[rows, n]);
         let dtype = storage(x.dtype);
         kernels::bias_dropout_add_layer_norm_kernel::launch::<R>(
             &x.client,
@@ -262,12 +279,16 @@ where
             mean.clone().into_tensor_arg(),
             rstd.clone().into_tensor_arg(),
             rows as u32,
-            key,
-            threshold,
-            keep_scale,
+            mask.key_lo,
+            mask.key_hi,
+            mask.sample_offset,
+            mask.rows_per_sample,
+            mask.seq,
+            mask.threshold,
+            mask.keep_scale,
             eps as f32,
             block as u32,
-            enabled,
+            mask.enabled,
             dtype,
         );
         LayerNormForward {
@@ -293,7 +314,7 @@ where
         let grad_x = empty_like(&grad, grad.shape());
         let grad_x_hat = empty_like(&grad, grad.shape());
         let (count, dim, block) = row_launch(rows, n);
-        let (key, threshold, keep_scale, enabled) = dropout_args(dropout);
+        let mask = dropout_args(dropout, &[rows, n]);
         let dtype = storage(grad.dtype);
         kernels::layer_norm_backward_kernel::launch::<R>(
             &grad.client,
@@ -308,11 +329,15 @@ where
             grad_x.clone().into_tensor_arg(),
             grad_x_hat.clone().into_tensor_arg(),
             rows as u32,
-            key,
-            threshold,
-            keep_scale,
+            mask.key_lo,
+            mask.key_hi,
+            mask.sample_offset,
+            mask.rows_per_sample,
+            mask.seq,
+            mask.threshold,
+            mask.keep_scale,
             block as u32,
-            enabled,
+            mask.enabled,
             dtype,
         );
         LayerNormBackward {
@@ -335,7 +360,7 @@ where
         let probs = empty_like(&scores, scores.shape());
         let dropped = empty_like(&scores, scores.shape());
         let (count, dim, block) = row_launch(rows, seq_k);
-        let (key, threshold, keep_scale, enabled) = dropout_args(dropout);
+        let mask = dropout_args(dropout, &[batch, heads, seq_q, seq_k]);
         let dtype = storage(scores.dtype);
         kernels::masked_softmax_dropout_kernel::launch::<R>(
             &scores.client,
@@ -348,11 +373,15 @@ where
             rows as u32,
             (heads * seq_q).max(1) as u32,
             scale as f32,
-            key,
-            threshold,
-            keep_scale,
+            mask.key_lo,
+            mask.key_hi,
+            mask.sample_offset,
+            mask.rows_per_sample,
+            mask.seq,
+            mask.threshold,
+            mask.keep_scale,
             block as u32,
-            enabled,
+            mask.enabled,
             dtype,
         );
         SoftmaxForward { probs, dropped }
@@ -370,7 +399,7 @@ where
         check_rows(rows * seq_k);
         let grad_scores = empty_like(&grad_dropped, grad_dropped.shape());
         let (count, dim, block) = row_launch(rows, seq_k);
-        let (key, threshold, keep_scale, enabled) = dropout_args(dropout);
+        let mask = dropout_args(dropout, &[batch, heads, seq_q, seq_k]);
         let dtype = storage(grad_dropped.dtype);
         kernels::masked_softmax_dropout_backward_kernel::launch::<R>(
             &grad_dropped.client,
@@ -381,14 +410,51 @@ where
             grad_scores.clone().into_tensor_arg(),
             rows as u32,
             scale as f32,
-            key,
-            threshold,
-            keep_scale,
+            mask.key_lo,
+            mask.key_hi,
+            mask.sample_offset,
+            mask.rows_per_sample,
+            mask.seq,
+            mask.threshold,
+            mask.keep_scale,
             block as u32,
-            enabled,
+            mask.enabled,
             dtype,
         );
         grad_scores
+    }
+
+    fn dropout(x: CubeTensor<R>, dropout: DropoutSpec) -> CubeTensor<R> {
+        if !dropout.enabled() {
+            return x;
+        }
+        let x = into_contiguous(x);
+        let dims = x.shape().to_vec();
+        let n = dims.last().copied().unwrap_or(1).max(1);
+        let rows = x.shape().num_elements() / n;
+        check_rows(rows * n);
+        let output = empty_like(&x, x.shape());
+        let (count, dim, block) = row_launch(rows, n);
+        let mask = dropout_args(dropout, &dims);
+        let dtype = storage(x.dtype);
+        kernels::dropout_kernel::launch::<R>(
+            &x.client,
+            count,
+            dim,
+            x.clone().into_tensor_arg(),
+            output.clone().into_tensor_arg(),
+            rows as u32,
+            mask.key_lo,
+            mask.key_hi,
+            mask.sample_offset,
+            mask.rows_per_sample,
+            mask.seq,
+            mask.threshold,
+            mask.keep_scale,
+            block as u32,
+            dtype,
+        );
+        output
     }
 
     fn adam_multi_tensor(
