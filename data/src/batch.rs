@@ -140,6 +140,11 @@ impl HostBatch {
         self.input_mask.iter().filter(|&&m| m == 1).count()
     }
 
+    /// Number of real predictions (masked tokens): the N of the packed targets.
+    pub fn num_masked_tokens(&self) -> usize {
+        self.masked_lm_weights.iter().filter(|&&w| w > 0.0).count()
+    }
+
     /// The real predictions, packed: (`b·S + position`, original id) for each prediction
     /// with weight 1, in row-major order.
     pub fn packed_predictions(&self) -> (Vec<i64>, Vec<i64>) {

@@ -204,10 +204,51 @@ pub struct LoopConfig {
     pub target_mlm_accuracy: Option<f64>,
     /// Write a metrics line every this many steps. Default: 10.
     pub log_every: u64,
-    /// Seed of the model initialisation, dropout and batch order. Default: 42.
+    /// Seed of the model initialisation, dropout and batch order. Dropout masks are keyed by
+    /// (seed, rank, step, layer, sample, position): ranks draw different masks and a run
+    /// repeats bit for bit (`ember_backend_ext::DropoutScope`). Default: 42.
     pub seed: u64,
     /// Output folder for metrics and the checkpoint. Default: `runs/latest`.
     pub out: PathBuf,
+    /// How the losses of `parallel.grad_accum` micro-batches make the step's gradient
+    /// ([`LossNormalization`]). Default: micro-batch (NVIDIA's and Samsung's MLPerf code).
+    pub loss_normalization: LossNormalization,
+}
+
+/// How the K micro-batches of a step weigh their losses.
+///
+/// With K = 1 both give the same gradient.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LossNormalization {
+    /// Each micro-batch's mean losses divided by K: the step's loss is the mean of the
+    /// micro-batches' mean losses. What NVIDIA's MLPerf BERT (`run_pretraining.py`, `loss /
+    /// gradient_accumulation_steps`) and Samsung's v1.1 code do, and the default so that
+    /// ember's optimisation is the references'. With micro-batches of different sizes
+    /// (`--padding grouped` sorts the local batch by length, so short samples share a
+    /// micro-batch and have fewer masked tokens) a token of a short micro-batch weighs more
+    /// than one of a long micro-batch.
+    #[default]
+    MicroBatch,
+    /// The MLM loss summed over the micro-batch's masked tokens and divided by the local
+    /// batch's masked-token count, the NSP loss summed over its samples and divided by the
+    /// local batch's sample count: K micro-batches give exactly the gradient of one step on the
+    /// whole local batch (Hugging Face transformers' gradient-accumulation fix of 2024,
+    /// `num_items_in_batch`).
+    Batch,
+}
+
+impl std::str::FromStr for LossNormalization {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "micro-batch" => Ok(Self::MicroBatch),
+            "batch" => Ok(Self::Batch),
+            other => Err(format!(
+                "unknown loss normalization `{other}` (expected micro-batch or batch)"
+            )),
+        }
+    }
 }
 
 impl Default for LoopConfig {
@@ -221,6 +262,7 @@ impl Default for LoopConfig {
             log_every: 10,
             seed: 42,
             out: PathBuf::from("runs/latest"),
+            loss_normalization: LossNormalization::MicroBatch,
         }
     }
 }
@@ -232,6 +274,11 @@ pub struct ParallelConfig {
     /// Gradient clipping mode, with `optimizer.max_grad_norm` ([`ClipMode`] gives each
     /// formula). Default: global.
     pub clip: ClipMode,
+    /// K of the `bucket` clip mode: each bucket is clipped to `max_grad_norm / √K`. Unset: the
+    /// plan's actual bucket count. Samsung's MLPerf v1.1 code fixes K = 22 (its assumed
+    /// bucket count; `run_pretraining.py`, `--local_gradient_clip`); pinning K keeps the
+    /// optimisation when `bucket_cap_mb` changes the bucket count. Default: unset.
+    pub bucket_clip_count: Option<usize>,
     /// Cap of every gradient bucket but the first, MiB of f32. Default: 25 (PyTorch DDP).
     pub bucket_cap_mb: f64,
     /// Cap of the first bucket, MiB: small, so communication starts early. Default: 1.
@@ -250,18 +297,26 @@ pub struct ParallelConfig {
     /// lookup's share after backward) or `whole` (after backward, as PyTorch DDP)
     /// ([`TiedEmbedding`]; Note [Tied embedding split]). Default: auto.
     pub tied_embedding: TiedEmbedding,
+    /// Every this many steps (and at the first), compare each gradient a hook handed to the
+    /// reducer with the parameter's gradient when backward returned; a change stops the run
+    /// with an error naming the parameter (Note [Re-checking late gradients]). Costs one
+    /// pass over the hooked gradients and one small device read; 0 never checks. Default:
+    /// 100.
+    pub check_gradients_every: u64,
 }
 
 impl Default for ParallelConfig {
     fn default() -> Self {
         Self {
             clip: ClipMode::Global,
+            bucket_clip_count: None,
             bucket_cap_mb: 25.0,
             first_bucket_mb: 1.0,
             grad_accum: 1,
             timeout_s: 300.0,
             buckets: BucketStorage::Auto,
             tied_embedding: TiedEmbedding::Auto,
+            check_gradients_every: 100,
         }
     }
 }
@@ -405,6 +460,15 @@ impl TrainConfig {
         }
         if p.grad_accum == 0 {
             return invalid("parallel.grad_accum", "must be at least 1".into());
+        }
+        if p.bucket_clip_count == Some(0) {
+            return invalid("parallel.bucket_clip_count", "must be at least 1".into());
+        }
+        if p.bucket_clip_count.is_some() && p.clip != ClipMode::Bucket {
+            return invalid(
+                "parallel.bucket_clip_count",
+                format!("applies to clip = \"bucket\" only (clip is {:?})", p.clip),
+            );
         }
         if !(p.timeout_s.is_finite() && p.timeout_s > 0.0) {
             return invalid(

@@ -50,6 +50,17 @@ pub enum TrainError {
         /// The loss value.
         loss: f64,
     },
+    /// A gradient changed after a hook handed it to the reducer: its bucket was reduced
+    /// without the rest of it (Note [Re-checking late gradients]).
+    #[error(
+        "step {step}: the gradient of {params} changed after its hook handed it to the reducer, so its bucket was reduced without the rest; the start-up probe of gradient order no longer holds for this model (a parameter used again after its layer?)"
+    )]
+    GradientAfterHook {
+        /// The step (1-based).
+        step: u64,
+        /// The parameters, with the size of each change.
+        params: String,
+    },
     /// A collective failed: another rank left or stalled, or the ranks disagree.
     #[error("data-parallel communication failed: {0}")]
     Comm(#[from] crate::parallel::CommError),

@@ -2,7 +2,7 @@
 //! parameter groups. Burn's `GradientsParams` is keyed by parameter id and typed by rank, so
 //! each operation is a module visitor that knows every parameter's rank.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
@@ -202,6 +202,37 @@ pub fn take_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     };
     module.visit(&mut take);
     take.out
+}
+
+/// The gradients of the parameters in `ids`, left in `grads` (the tensors are shared, nothing
+/// is copied or read): the final gradients [`crate::parallel::DeliveryCheck`] compares with
+/// what the hooks delivered.
+pub fn peek_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &GradientsParams,
+    ids: &HashSet<ParamId>,
+) -> HashMap<ParamId, FloatTensor<B::InnerBackend>> {
+    struct Peek<'a, B: AutodiffBackend> {
+        grads: &'a GradientsParams,
+        ids: &'a HashSet<ParamId>,
+        out: HashMap<ParamId, FloatTensor<B::InnerBackend>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Peek<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if self.ids.contains(&param.id) {
+                if let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) {
+                    self.out.insert(param.id, grad.into_primitive().tensor());
+                }
+            }
+        }
+    }
+    let mut peek = Peek::<B> {
+        grads,
+        ids,
+        out: HashMap::new(),
+    };
+    module.visit(&mut peek);
+    peek.out
 }
 
 #[cfg(test)]

@@ -15,11 +15,11 @@ pub mod parallel;
 pub mod schedule;
 mod train;
 
-pub use config::{OptimizerKind, ParallelConfig, TrainConfig};
+pub use config::{LossNormalization, OptimizerKind, ParallelConfig, TrainConfig};
 pub use error::TrainError;
 pub use eval::EvalResult;
 pub use parallel::bucket_plan;
 pub use train::{
-    PreparedData, RunOptions, TrainSummary, prepare_data, train, train_in_process,
+    PreparedData, RunOptions, TrainSummary, loss_weights, prepare_data, train, train_in_process,
     train_in_process_with_data, train_rank,
 };

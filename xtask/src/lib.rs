@@ -4,7 +4,8 @@
 //! - `train`: pre-trains BERT from a TOML config (default `configs/tiny-cpu.toml`) with flag
 //!   overrides, on the CPU (Burn's NdArray backend); `--nproc N` trains with N in-process
 //!   data-parallel ranks; under `mpirun` each process is one rank (`mpi` feature).
-//! - `launch`: runs `mpirun -np N` on this binary.
+//! - `launch`: runs `mpirun -np N` on this binary; `comm-check` times the collectives of such
+//!   a job and shows its collective timeout.
 //! - `prepare-data`: text → MLPerf HDF5 shards; `stratify`: shards → length bins;
 //!   `balance-report`: padding efficiency and rank imbalance of each sampler.
 //! - `bench overlap`: how much of the gradient allreduce the bucketed hooks hide; `bench
@@ -14,6 +15,7 @@
 mod bench;
 mod bench_kernels;
 mod bench_step;
+mod comm_check;
 mod data;
 mod launch;
 mod train;
@@ -50,6 +52,9 @@ enum Command {
     /// Run this binary under `mpirun -np N` (needs the `mpi` feature):
     /// `launch --nproc 4 -- train --steps 100`.
     Launch(launch::LaunchArgs),
+    /// Time the collectives among launched ranks (MPI), or hold one rank back to see the
+    /// collective timeout end the job: `launch --nproc 2 -- comm-check`.
+    CommCheck(comm_check::CommCheckArgs),
     /// Text corpus → MLPerf HDF5 shards (create_pretraining_data per part, in parallel).
     PrepareData(data::PrepareArgs),
     /// Reshard by real length into one folder per length bin.
@@ -82,6 +87,7 @@ pub fn cli_main() -> ExitCode {
     let result: Result<()> = match Cli::parse().command {
         Command::Train(args) => train::run(args),
         Command::Launch(args) => launch::run(args),
+        Command::CommCheck(args) => comm_check::run(args),
         Command::PrepareData(args) => data::prepare(args),
         Command::Stratify(args) => data::stratify_command(args),
         Command::BalanceReport(args) => data::balance(args),

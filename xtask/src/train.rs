@@ -8,7 +8,7 @@ use clap::Args;
 use ember_data::{Padding, SamplerKind};
 use ember_model::Preset;
 use ember_trainer::parallel::{BucketStorage, ClipMode, LaunchEnv, TiedEmbedding};
-use ember_trainer::{OptimizerKind, RunOptions, TrainConfig};
+use ember_trainer::{LossNormalization, OptimizerKind, RunOptions, TrainConfig};
 
 use crate::project_root;
 
@@ -72,6 +72,15 @@ pub struct TrainArgs {
     /// Gradient clipping: none, global, local-global or bucket (parallel.clip)
     #[arg(long, value_parser = parse_clip)]
     clip: Option<ClipMode>,
+    /// K of --clip bucket: each bucket clipped to max-grad-norm/√K; Samsung's MLPerf v1.1
+    /// code uses 22 (parallel.bucket_clip_count) [default: the number of buckets]
+    #[arg(long)]
+    bucket_clip_count: Option<usize>,
+    /// How accumulated micro-batches weigh their losses: micro-batch (the mean of their mean
+    /// losses, NVIDIA's and Samsung's rule) or batch (exactly the whole local batch's
+    /// gradient) (train.loss_normalization)
+    #[arg(long)]
+    loss_normalization: Option<LossNormalization>,
     /// Cap of each gradient bucket after the first, MiB (parallel.bucket_cap_mb)
     #[arg(long)]
     bucket_cap_mb: Option<f64>,
@@ -159,6 +168,9 @@ impl TrainArgs {
         if let Some(v) = self.eval_every {
             t.eval_every = v;
         }
+        if let Some(v) = self.loss_normalization {
+            t.loss_normalization = v;
+        }
         if let Some(v) = self.target_mlm_accuracy {
             t.target_mlm_accuracy = Some(v);
         }
@@ -215,6 +227,9 @@ impl TrainArgs {
         let p = &mut config.parallel;
         if let Some(v) = self.clip {
             p.clip = v;
+        }
+        if let Some(v) = self.bucket_clip_count {
+            p.bucket_clip_count = Some(v);
         }
         if let Some(v) = self.bucket_cap_mb {
             p.bucket_cap_mb = v;

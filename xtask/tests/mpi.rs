@@ -93,3 +93,62 @@ fn mpirun_two_processes_equal_two_in_process_ranks() {
     );
     eprintln!("largest difference between MPI and in-process ranks: {worst:e}");
 }
+
+/// The collectives of a launched job are timed by `comm-check`; a rank held back past the
+/// timeout before an allgather ends the whole job with an error naming the allgather, well
+/// before the held-back rank would have arrived.
+#[test]
+fn a_rank_stalled_in_allgather_ends_the_job_within_the_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let healthy = ember(
+        &[
+            "launch",
+            "--nproc",
+            "2",
+            "--",
+            "comm-check",
+            "--mb",
+            "1",
+            "--rounds",
+            "2",
+        ],
+        dir.path(),
+    );
+    assert!(healthy.contains("| allgather |"), "{healthy}");
+    assert!(healthy.contains("| allreduce 1.0 MiB |"), "{healthy}");
+
+    let started = std::time::Instant::now();
+    let output = Command::new(env!("CARGO_BIN_EXE_ember"))
+        .args([
+            "launch",
+            "--nproc",
+            "2",
+            "--",
+            "comm-check",
+            "--timeout",
+            "1",
+            "--stall-rank",
+            "1",
+            "--stall-s",
+            "60",
+        ])
+        .current_dir(dir.path())
+        .output()
+        .expect("running the ember binary");
+    let elapsed = started.elapsed().as_secs_f64();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        !output.status.success(),
+        "a stalled rank must fail the job:\n{text}"
+    );
+    assert!(
+        text.contains("allgather (lengths) #0 on MPI rank 0 timed out after 1.0 s"),
+        "{text}"
+    );
+    // Rank 1 sleeps 60 s: ending well before it shows the timeout, not rank 1, ended the job.
+    assert!(elapsed < 40.0, "the job took {elapsed:.1} s to end");
+}

@@ -17,6 +17,7 @@ pub mod mpi;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod plan;
+pub mod recheck;
 pub mod reducer;
 pub mod rendezvous;
 pub mod tied;
@@ -33,6 +34,7 @@ pub use link::{Delayed, LinkModel};
 pub use plan::{
     Bucket, BucketPlan, PlannedParam, TiedEmbedding, TiedSplit, bucket_plan, first_difference,
 };
+pub use recheck::DeliveryCheck;
 pub use reducer::{ReducedStep, Reducer, StepTimings};
 pub use rendezvous::{RendezvousError, exchange_unique_id};
 pub use tied::{DECODER_WEIGHT, WORD_EMBEDDINGS};

@@ -1,8 +1,8 @@
 //! Collectives over MPI (rsmpi, OpenMPI from Debian), for multi-process and multi-node CPU
 //! runs launched by `mpirun` or `srun`. Behind the `mpi` cargo feature.
 //!
-//! MPI has no timeouts of its own: allreduce and broadcast run as non-blocking collectives
-//! polled until the deadline. A rank that passes the deadline prints which operation stalled
+//! MPI has no timeouts of its own: every collective (allreduce, broadcast, allgather, barrier)
+//! runs as a non-blocking collective polled until the deadline. A rank that passes the deadline prints which operation stalled
 //! and calls `MPI_Abort`, which ends every rank of the job (MPI cannot cancel a collective
 //! in flight). A rank that dies is reported by `mpirun` itself, which then stops the others.
 
@@ -136,12 +136,21 @@ impl Collective for Mpi {
     }
 
     fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
-        // Start-up only (configuration and bucket plan): blocking, lengths first.
+        // Non-blocking, lengths first, each polled until the deadline: presort gathers every
+        // step, and a stalled rank must end the job, not hang it.
+        let seq = self.seq;
         self.seq += 1;
         let n = self.world.size() as usize;
         let mut counts = vec![0i32; n];
-        self.world
-            .all_gather_into(&(data.len() as i32), &mut counts[..]);
+        let len = data.len() as i32;
+        mpi::request::scope(|scope| {
+            let mut request = Some(self.world.immediate_all_gather_into(
+                scope,
+                &len,
+                &mut counts[..],
+            ));
+            self.wait("allgather (lengths)", seq, || poll(&mut request));
+        });
         let displs: Vec<i32> = counts
             .iter()
             .scan(0, |offset, &c| {
@@ -153,7 +162,14 @@ impl Collective for Mpi {
         let mut buffer = vec![0u8; counts.iter().sum::<i32>() as usize];
         {
             let mut partition = PartitionMut::new(&mut buffer[..], &counts[..], &displs[..]);
-            self.world.all_gather_varcount_into(data, &mut partition);
+            mpi::request::scope(|scope| {
+                let mut request = Some(self.world.immediate_all_gather_varcount_into(
+                    scope,
+                    data,
+                    &mut partition,
+                ));
+                self.wait("allgather", seq, || poll(&mut request));
+            });
         }
         Ok(counts
             .iter()
@@ -163,8 +179,23 @@ impl Collective for Mpi {
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {
+        let seq = self.seq;
         self.seq += 1;
-        self.world.barrier();
+        let mut request = Some(self.world.immediate_barrier());
+        self.wait("barrier", seq, || poll(&mut request));
         Ok(())
+    }
+}
+
+/// Tests a pending request once: true (and the request consumed) when it completed.
+fn poll<'a, R: ?Sized, S: mpi::request::Scope<'a>>(
+    request: &mut Option<mpi::request::Request<'a, R, S>>,
+) -> bool {
+    match request.take().expect("polled after completion").test() {
+        Ok(_) => true,
+        Err(pending) => {
+            *request = Some(pending);
+            false
+        }
     }
 }

@@ -95,6 +95,8 @@ pub struct Reducer<B: FusedOps> {
     index: Arc<HashMap<ParamId, (usize, usize)>>,
     clip: ClipMode,
     max_norm: f64,
+    /// K of the bucket clip mode; the plan's reduction count when unset.
+    bucket_clip_count: Option<usize>,
     on_device: bool,
     state: Arc<Mutex<StepState<B>>>,
     comm: Arc<CommThread<B>>,
@@ -106,6 +108,7 @@ struct Shared<B: FusedOps> {
     index: Arc<HashMap<ParamId, (usize, usize)>>,
     clip: ClipMode,
     max_norm: f64,
+    bucket_clip_count: Option<usize>,
     on_device: bool,
     comm: Arc<CommThread<B>>,
 }
@@ -162,10 +165,24 @@ impl<B: FusedOps> Reducer<B> {
             index: Arc::new(index),
             clip,
             max_norm,
+            bucket_clip_count: None,
             on_device,
             state: Arc::new(Mutex::new(state)),
             comm,
         }
+    }
+
+    /// Pins K of [`ClipMode::Bucket`] (each bucket clipped to `max_norm/√K`) instead of the
+    /// plan's count of reductions (`parallel.bucket_clip_count`; Samsung's code: 22).
+    pub fn with_bucket_clip_count(mut self, count: Option<usize>) -> Self {
+        self.bucket_clip_count = count;
+        self
+    }
+
+    /// The K of [`ClipMode::Bucket`]: the pinned count, else the plan's reductions.
+    pub fn bucket_clip_count(&self) -> usize {
+        self.bucket_clip_count
+            .unwrap_or_else(|| self.plan.num_reductions())
     }
 
     /// The bucket plan.
@@ -188,6 +205,7 @@ impl<B: FusedOps> Reducer<B> {
             index: self.index.clone(),
             clip: self.clip,
             max_norm: self.max_norm,
+            bucket_clip_count: self.bucket_clip_count,
             on_device: self.on_device,
             comm: self.comm.clone(),
         }
@@ -530,7 +548,10 @@ impl<B: FusedOps> Shared<B> {
             return buffer;
         }
         let sq = buffer.sq_norm();
-        let cap = bucket_clip_cap(self.max_norm, self.plan.num_reductions());
+        let count = self
+            .bucket_clip_count
+            .unwrap_or_else(|| self.plan.num_reductions());
+        let cap = bucket_clip_cap(self.max_norm, count);
         let clipped = buffer.scale(&sq.clip_coefficient(cap));
         state.local_sq_norms.push(sq);
         clipped

@@ -23,6 +23,7 @@ use data::{RankData, TrainBatches};
 use ember_backend_ext::FusedOps;
 use output::{RunLog, prepare_output_dir, write_atomically};
 use setup::Trainer;
+pub use step::loss_weights;
 
 use crate::eval::{EvalResult, evaluate};
 use crate::parallel::{

@@ -16,7 +16,7 @@ use crate::parallel::{
     CommThread, GradHookBackend, Reducer, bucket_plan, check_agreement, ready_order,
 };
 use crate::schedule::WarmupPolyDecay;
-use crate::{TrainConfig, TrainError};
+use crate::{LossNormalization, TrainConfig, TrainError};
 
 /// Serialises model initialisation across in-process ranks: Burn's NdArray random generator
 /// is process-wide, so ranks initialising at once would interleave their draws. (Rank 0's
@@ -36,6 +36,12 @@ pub(crate) struct Trainer<B: GradHookBackend> {
     pub decoder: Option<ParamId>,
     pub optimizer: PreTrainingOptimizer<BertForPreTraining<B>, B>,
     pub schedule: WarmupPolyDecay,
+    /// This rank and the run's seed: the keys of the dropout masks.
+    pub rank: usize,
+    pub seed: u64,
+    pub loss_normalization: LossNormalization,
+    /// Steps between re-checks of the hooks' gradients (Note [Re-checking late gradients]).
+    pub check_gradients_every: u64,
 }
 
 impl<B: GradHookBackend> Trainer<B> {
@@ -93,7 +99,8 @@ impl<B: GradHookBackend> Trainer<B> {
             config.optimizer.max_grad_norm,
             on_device,
             comm.clone(),
-        );
+        )
+        .with_bucket_clip_count(config.parallel.bucket_clip_count);
         let fused = config.model.kernels.fused::<B>();
         let optimizer = PreTrainingOptimizer::new(&config.optimizer, &model, fused);
         let schedule = WarmupPolyDecay::new(
@@ -110,6 +117,10 @@ impl<B: GradHookBackend> Trainer<B> {
             decoder,
             optimizer,
             schedule,
+            rank: comm.rank(),
+            seed: config.train.seed,
+            loss_normalization: config.train.loss_normalization,
+            check_gradients_every: config.parallel.check_gradients_every,
         };
         Ok((trainer, model))
     }

@@ -8,21 +8,40 @@ use std::time::Instant;
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
+use ember_backend_ext::DropoutScope;
 use ember_data::HostBatch;
 use ember_model::BertForPreTraining;
 
 use super::output::{HostSyncCounts, StepRecord};
 use super::setup::Trainer;
 use crate::eval::forward_loss_hooked;
-use crate::grads::take_grads;
-use crate::parallel::{GradHookBackend, GradHooks};
-use crate::{RunOptions, TrainError};
+use crate::grads::{peek_grads, take_grads};
+use crate::parallel::{DeliveryCheck, GradHookBackend, GradHooks};
+use crate::{LossNormalization, RunOptions, TrainError};
 
 impl<B: GradHookBackend> Trainer<B> {
+    /// Whether step `step` (0-based) re-checks the hooks' gradients: the first step and every
+    /// `parallel.check_gradients_every` after it; never when that is 0.
+    fn checks_gradients(&self, step: u64) -> bool {
+        self.check_gradients_every > 0 && step % self.check_gradients_every == 0
+    }
+
+    /// A parameter's name (its Hugging Face key) from the bucket plan.
+    fn param_name(&self, id: burn::module::ParamId) -> String {
+        self.reducer
+            .plan()
+            .buckets
+            .iter()
+            .flat_map(|b| &b.params)
+            .find(|p| p.id == id)
+            .map(|p| p.name.clone())
+            .unwrap_or_else(|| format!("parameter {id}"))
+    }
+
     /// Trains `model` on the micro-batches of one step (`step` steps done before it) and
     /// returns the updated model with the step's record. Gradients accumulate in the reducer's
-    /// buckets and only the last micro-batch's backward launches allreduces; each loss is
-    /// divided by K, so the step's gradient is the mean over the K micro-batches.
+    /// buckets and only the last micro-batch's backward launches allreduces; the micro-batches'
+    /// losses are weighted as `train.loss_normalization` says ([`loss_weights`]).
     ///
     /// # Errors
     /// [`TrainError::Comm`] when a bucket's allreduce fails.
@@ -38,7 +57,9 @@ impl<B: GradHookBackend> Trainer<B> {
         let count = || options.host_sync_counter.map(|count| count());
         let syncs_at_start = count();
         let k = micro_batches.len();
+        let weights = loss_weights(&micro_batches, self.loss_normalization);
         let mut tokens = 0;
+        let mut sample_offset = 0;
         let mut losses: Option<Tensor<B::InnerBackend, 1>> = None;
         let mut backward_seconds = 0.0;
         let mut syncs_at_backward = None;
@@ -51,27 +72,29 @@ impl<B: GradHookBackend> Trainer<B> {
             tokens += host.num_tokens();
             let batch = host.to_device::<B>(device);
             self.reducer.prepare_backward(micro == 0, micro + 1 == k);
-            let hooks = GradHooks::new(&model, self.reducer.callback(), Some(&self.hooked))
-                .with_decoder(self.decoder);
+            // Note [Re-checking late gradients]: every `check_gradients_every` steps.
+            let check = self.checks_gradients(step).then(DeliveryCheck::default);
+            let callback = match &check {
+                Some(check) => check.wrap(self.reducer.callback()),
+                None => self.reducer.callback(),
+            };
+            let hooks =
+                GradHooks::new(&model, callback, Some(&self.hooked)).with_decoder(self.decoder);
+            // Masks keyed by (seed, rank, step, layer) and by the sample's index in the local
+            // batch: the micro-batches see the masks of one pass over the whole batch.
+            let scope = DropoutScope::enter(self.seed, self.rank, step, sample_offset);
             let (_, loss) = forward_loss_hooked(&model, batch, &hooks);
-            let terms = Tensor::cat(
-                vec![
-                    loss.total.clone().inner(),
-                    loss.mlm.clone().inner(),
-                    loss.nsp.clone().inner(),
-                ],
-                0,
-            )
-            .div_scalar(k as f32); // [3]
+            drop(scope);
+            sample_offset += host.batch_size;
+            let (w_mlm, w_nsp) = weights[micro];
+            let mlm = weighted(loss.mlm, w_mlm);
+            let nsp = weighted(loss.nsp, w_nsp);
+            let total = mlm.clone() + nsp.clone();
+            let terms = Tensor::cat(vec![total.clone().inner(), mlm.inner(), nsp.inner()], 0); // [3]
             losses = Some(match losses {
                 Some(sum) => sum + terms,
                 None => terms,
             });
-            let total = if k > 1 {
-                loss.total.div_scalar(k as f32)
-            } else {
-                loss.total
-            };
             if options.sync_backward {
                 sync::<B>(device);
             }
@@ -81,6 +104,15 @@ impl<B: GradHookBackend> Trainer<B> {
             let backward_started = Instant::now();
             let mut grads = GradientsParams::from_grads(total.backward(), &model);
             drop(hooks);
+            if let Some(check) = check {
+                let finals = peek_grads(&model, &grads, &self.hooked);
+                check
+                    .verify(&finals, |id| self.param_name(id))
+                    .map_err(|params| TrainError::GradientAfterHook {
+                        step: step + 1,
+                        params,
+                    })?;
+            }
             // The late gradients are final only now (Note [Late gradients]).
             self.reducer
                 .mark_params_ready(take_grads(&model, &mut grads, &self.late));
@@ -120,4 +152,44 @@ impl<B: GradHookBackend> Trainer<B> {
 fn sync<B: AutodiffBackend>(device: &B::Device) {
     // A failed sync shows again at the next read, with the device's error.
     let _ = <B::InnerBackend as Backend>::sync(device);
+}
+
+/// The factors of each micro-batch's (mean MLM loss, mean NSP loss) in the step's loss.
+///
+/// `MicroBatch`: `1/K` each, the mean of the micro-batches' means (NVIDIA's and Samsung's
+/// rule). `Batch`: `n_k / N` and `b_k / B_local`, with `n_k` the micro-batch's masked tokens, N
+/// the local batch's, `b_k` its samples and `B_local` the local batch's, so that the sum is the
+/// whole local batch's mean losses (Hugging Face's `num_items_in_batch`). Counted on the host:
+/// no device read.
+pub fn loss_weights(
+    micro_batches: &[HostBatch],
+    normalization: LossNormalization,
+) -> Vec<(f64, f64)> {
+    let k = micro_batches.len().max(1) as f64;
+    match normalization {
+        LossNormalization::MicroBatch => vec![(1.0 / k, 1.0 / k); micro_batches.len()],
+        LossNormalization::Batch => {
+            let masked: usize = micro_batches.iter().map(|b| b.num_masked_tokens()).sum();
+            let samples: usize = micro_batches.iter().map(|b| b.batch_size).sum();
+            micro_batches
+                .iter()
+                .map(|b| {
+                    (
+                        b.num_masked_tokens() as f64 / masked.max(1) as f64,
+                        b.batch_size as f64 / samples.max(1) as f64,
+                    )
+                })
+                .collect()
+        }
+    }
+}
+
+/// `loss · weight`, the loss itself for a weight of 1 (one micro-batch: the graph of a plain
+/// step).
+fn weighted<B: AutodiffBackend>(loss: Tensor<B, 1>, weight: f64) -> Tensor<B, 1> {
+    if weight == 1.0 {
+        loss
+    } else {
+        loss.mul_scalar(weight)
+    }
 }

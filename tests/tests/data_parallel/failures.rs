@@ -1,0 +1,178 @@
+//! Ranks that disagree at start-up, die or stall.
+
+use super::*;
+
+#[test]
+fn ranks_that_disagree_are_refused_at_start_up() {
+    let _serial = serial();
+    // Bucket plans: the same model bucketed with different caps.
+    let model = tiny_model(2);
+    let order: Vec<ParamId> = named_params::<B, _>(&model)
+        .into_iter()
+        .rev()
+        .map(|(_, id)| id)
+        .collect();
+    let plans = [
+        bucket_plan::<B, _>(&model, &order, None, 1.0, 25.0),
+        bucket_plan::<B, _>(&model, &order, None, 0.25, 25.0),
+    ];
+    let errors = on_ranks(2, Duration::from_secs(30), |rank, comm| {
+        let comm = CommThread::<NdArray>::host(Box::new(comm));
+        check_agreement(&comm, "bucket plan", plans[rank].describe())
+            .unwrap_err()
+            .to_string()
+    });
+    for e in &errors {
+        assert!(
+            e.contains("rank 1 disagrees with rank 0 on the bucket plan, line"),
+            "{e}"
+        );
+        assert!(e.contains("bucket 1"), "{e}");
+    }
+
+    // Configurations: rank 1 has another learning rate.
+    let dir = tempfile::tempdir().unwrap();
+    let errors = on_ranks(2, Duration::from_secs(60), |rank, comm| {
+        let mut config = small_config(dir.path());
+        config.train.batch_size = 2;
+        if rank == 1 {
+            config.optimizer.lr = 5e-4;
+        }
+        let error = train_rank::<B>(
+            &config,
+            &Default::default(),
+            RunOptions::default(),
+            Communicator::Host(Box::new(comm)),
+            Some(shared_data()),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                error,
+                TrainError::RankMismatch {
+                    what: "configuration",
+                    rank: 1,
+                    ..
+                }
+            ),
+            "{error}"
+        );
+        error.to_string()
+    });
+    assert!(
+        errors[0].contains("lr = 0.001") && errors[0].contains("lr = 0.0005"),
+        "{}",
+        errors[0]
+    );
+}
+
+/// A communicator that works for `calls` collectives, then fails: `die` drops the rank's
+/// communicator at once (as a killed process), otherwise it stalls until released.
+struct Failing {
+    inner: Option<Box<dyn Collective>>,
+    calls: usize,
+    stall: Option<Arc<AtomicBool>>,
+}
+
+impl Failing {
+    fn next(&mut self) -> Result<&mut Box<dyn Collective>, CommError> {
+        if self.calls == 0 {
+            if let Some(released) = &self.stall {
+                let started = Instant::now();
+                while !released.load(Ordering::SeqCst)
+                    && started.elapsed() < Duration::from_secs(60)
+                {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+            self.inner = None;
+            return Err(CommError::Backend {
+                backend: "test",
+                message: "rank killed".into(),
+            });
+        }
+        self.calls -= 1;
+        Ok(self.inner.as_mut().unwrap())
+    }
+}
+
+impl Collective for Failing {
+    fn rank(&self) -> usize {
+        1
+    }
+    fn world_size(&self) -> usize {
+        2
+    }
+    fn name(&self) -> &'static str {
+        "failing"
+    }
+    fn allreduce(&mut self, data: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        self.next()?.allreduce(data, op)
+    }
+    fn broadcast(&mut self, data: &mut [f32], root: usize) -> Result<(), CommError> {
+        self.next()?.broadcast(data, root)
+    }
+    fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        self.next()?.allgather(data)
+    }
+    fn barrier(&mut self) -> Result<(), CommError> {
+        self.next()?.barrier()
+    }
+}
+
+#[test]
+fn a_rank_that_dies_or_stalls_stops_the_others_with_its_name() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = small_config(dir.path());
+    config.train.batch_size = 2;
+    config.train.steps = 20;
+    config.train.eval_every = 20;
+    config.parallel.timeout_s = 3.0;
+    for stall in [false, true] {
+        let released = Arc::new(AtomicBool::new(false));
+        let started = Instant::now();
+        // Start-up takes a few collectives (configuration, plan, parameters); 12 calls end
+        // in the middle of the training steps.
+        let results = on_ranks(
+            2,
+            Duration::from_secs_f64(config.parallel.timeout_s),
+            |rank, comm| {
+                let comm: Box<dyn Collective> = if rank == 1 {
+                    Box::new(Failing {
+                        inner: Some(Box::new(comm)),
+                        calls: 12,
+                        stall: stall.then(|| released.clone()),
+                    })
+                } else {
+                    Box::new(comm)
+                };
+                let result = train_rank::<B>(
+                    &config,
+                    &Default::default(),
+                    RunOptions::default(),
+                    Communicator::Host(comm),
+                    Some(shared_data()),
+                );
+                if rank == 0 {
+                    released.store(true, Ordering::SeqCst);
+                }
+                result.map(|_| ()).unwrap_err().to_string()
+            },
+        );
+        let rank0 = &results[0];
+        if stall {
+            assert!(
+                rank0.contains("timed out") && rank0.contains("rank(s) [1]"),
+                "{rank0}"
+            );
+        } else {
+            assert!(rank0.contains("rank 1 left the job"), "{rank0}");
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+}
