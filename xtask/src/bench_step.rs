@@ -138,6 +138,9 @@ fn config(
     config.train.eval_every = steps;
     config.train.eval_samples = batch_size.min(64);
     config.train.out = out.to_path_buf();
+    // Timed steps are plain steps: the periodic re-check of the hooks' gradients reads the
+    // device (Note [Re-checking late gradients]).
+    config.parallel.check_gradients_every = 0;
     config
 }
 
