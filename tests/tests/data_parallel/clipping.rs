@@ -2,6 +2,41 @@
 
 use super::*;
 
+/// The clip formulas by hand, in f64 (ClipMode's docs): the ranks' gradients `per_rank[r][b]`
+/// (bucket b of rank r) clipped as `clip` says (`bucket`: each bucket to `max_norm/√K`, K =
+/// `bucket_count`) and averaged, bucket by bucket; with the averaged gradient's norm before
+/// `global` clipping.
+fn clipped_mean(
+    per_rank: &[Vec<Vec<f64>>],
+    clip: ClipMode,
+    max_norm: f64,
+    bucket_count: usize,
+) -> (Vec<Vec<f64>>, f64) {
+    let factor = |n: f64, c: f64| if n > c { c / (n + 1e-6) } else { 1.0 };
+    let ranks = per_rank.len() as f64;
+    let local_norms: Vec<f64> = per_rank.iter().map(|r| norm(&r.concat())).collect();
+    let mut mean: Vec<Vec<f64>> = per_rank[0].iter().map(|b| vec![0.0; b.len()]).collect();
+    for (r, buckets) in per_rank.iter().enumerate() {
+        for (b, g) in buckets.iter().enumerate() {
+            let f = match clip {
+                ClipMode::LocalGlobal => factor(local_norms[r], max_norm),
+                ClipMode::Bucket => factor(norm(g), max_norm / (bucket_count as f64).sqrt()),
+                ClipMode::None | ClipMode::Global => 1.0,
+            };
+            mean[b]
+                .iter_mut()
+                .zip(g)
+                .for_each(|(m, x)| *m += x * f / ranks);
+        }
+    }
+    let averaged_norm = norm(&mean.concat());
+    if clip == ClipMode::Global {
+        let f = factor(averaged_norm, max_norm);
+        mean.iter_mut().flatten().for_each(|x| *x *= f);
+    }
+    (mean, averaged_norm)
+}
+
 #[test]
 fn clipping_modes_follow_their_formulas() {
     let _serial = serial();
@@ -89,40 +124,7 @@ fn clipping_modes_follow_their_formulas() {
                 .collect();
             (step.grad_norm.value(), buckets)
         });
-        // The formulas, by hand, in f64 (ClipMode's docs).
-        let factor = |n: f64, c: f64| if n > c { c / (n + 1e-6) } else { 1.0 };
-        let expected: Vec<Vec<f64>> = (0..k)
-            .map(|b| {
-                let per_rank: Vec<Vec<f64>> = (0..2)
-                    .map(|r| {
-                        let g = &flat[r][b];
-                        let f = match clip {
-                            ClipMode::LocalGlobal => factor(local_norms[r], max_norm),
-                            ClipMode::Bucket => {
-                                factor(norm(g), max_norm / (bucket_count as f64).sqrt())
-                            }
-                            ClipMode::None | ClipMode::Global => 1.0,
-                        };
-                        g.iter().map(|x| x * f).collect()
-                    })
-                    .collect();
-                per_rank[0]
-                    .iter()
-                    .zip(&per_rank[1])
-                    .map(|(a, b)| (a + b) / 2.0)
-                    .collect()
-            })
-            .collect();
-        let averaged_norm = norm(&expected.concat());
-        let expected: Vec<Vec<f64>> = if clip == ClipMode::Global {
-            let f = factor(averaged_norm, max_norm);
-            expected
-                .into_iter()
-                .map(|b| b.into_iter().map(|x| x * f).collect())
-                .collect()
-        } else {
-            expected
-        };
+        let (expected, averaged_norm) = clipped_mean(&flat, clip, max_norm, bucket_count);
         let scale = expected.iter().map(|b| max_abs(b)).fold(0.0, f64::max);
         for (rank, (grad_norm, buckets)) in results.iter().enumerate() {
             for b in 0..k {
@@ -235,21 +237,25 @@ fn clip_modes_through_the_trainer_equal_their_formulas() {
     );
     let k = plan.buckets.len();
     let max_norm = base.optimizer.max_grad_norm;
-    let flat = |r: usize, b: usize| -> Vec<f64> {
-        plan.buckets[b]
-            .params
-            .iter()
-            .flat_map(|p| rank_grads[r][&p.id].iter().map(|&x| f64::from(x)))
-            .collect()
-    };
-    let local_norms: Vec<f64> = (0..2)
-        .map(|r| norm(&(0..k).flat_map(|b| flat(r, b)).collect::<Vec<_>>()))
+    let per_rank: Vec<Vec<Vec<f64>>> = (0..2)
+        .map(|r| {
+            plan.buckets
+                .iter()
+                .map(|bucket| {
+                    bucket
+                        .params
+                        .iter()
+                        .flat_map(|p| rank_grads[r][&p.id].iter().map(|&x| f64::from(x)))
+                        .collect()
+                })
+                .collect()
+        })
         .collect();
+    let local_norms: Vec<f64> = per_rank.iter().map(|r| norm(&r.concat())).collect();
     assert!(
         local_norms.iter().all(|&n| n > max_norm),
         "clipping must be active: local norms {local_norms:?}"
     );
-    let factor = |n: f64, c: f64| if n > c { c / (n + 1e-6) } else { 1.0 };
 
     let mut applied_by_mode = Vec::new();
     for clip in [ClipMode::Bucket, ClipMode::LocalGlobal, ClipMode::Global] {
@@ -258,31 +264,7 @@ fn clip_modes_through_the_trainer_equal_their_formulas() {
         config.parallel.clip = clip;
         config.train.out = dir.path().join(clip.to_string());
         let w1 = read_safetensors(&run(&config, 2));
-        // The formula, by hand, bucket by bucket.
-        let mut expected: Vec<Vec<f64>> = (0..k)
-            .map(|b| {
-                let per_rank: Vec<Vec<f64>> = (0..2)
-                    .map(|r| {
-                        let g = flat(r, b);
-                        let f = match clip {
-                            ClipMode::LocalGlobal => factor(local_norms[r], max_norm),
-                            ClipMode::Bucket => factor(norm(&g), max_norm / (k as f64).sqrt()),
-                            _ => 1.0,
-                        };
-                        g.into_iter().map(|x| x * f).collect()
-                    })
-                    .collect();
-                per_rank[0]
-                    .iter()
-                    .zip(&per_rank[1])
-                    .map(|(a, b)| (a + b) / 2.0)
-                    .collect()
-            })
-            .collect();
-        if clip == ClipMode::Global {
-            let f = factor(norm(&expected.concat()), max_norm);
-            expected.iter_mut().flatten().for_each(|x| *x *= f);
-        }
+        let (expected, _) = clipped_mean(&per_rank, clip, max_norm, k);
         let scale = expected.iter().map(|b| max_abs(b)).fold(0.0, f64::max);
         let mut applied_all = Vec::new();
         for (b, bucket) in plan.buckets.iter().enumerate() {
