@@ -13,7 +13,9 @@
 #                  tiny model (NCCL with a world of one, 3 steps, weights within 1e-5), then
 #                  BERT-base and BERT-large training steps at sequence length 128: step time,
 #                  backward time and host synchronisations per step, device vs host buckets.
-#   kernels        the kernel tests on CUDA (backend-ext/tests/kernels.rs, its `cuda::` module).
+#   kernels        the kernel tests on CUDA (backend-ext/tests/kernels.rs, its `cuda::` module):
+#                  every fused op against the reference, the dropout masks keyed by sample and
+#                  position (kernels = host masks, with a sample offset) and the dropout op.
 #   bench-kernels  `xtask bench kernels`, f32 then bf16.
 #
 # The GPU machine needs the NVIDIA driver, and NCCL for `step`: cubecl-cuda and cudarc load
