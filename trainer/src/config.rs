@@ -300,8 +300,8 @@ pub struct ParallelConfig {
     /// Every this many steps (and at the first), compare each gradient a hook handed to the
     /// reducer with the parameter's gradient when backward returned; a change stops the run
     /// with an error naming the parameter (Note [Re-checking late gradients]). Costs one
-    /// pass over the hooked gradients and one small device read; 0 never checks. Default:
-    /// 100.
+    /// pass over the hooked gradients and one small device read after the wait for the
+    /// buckets (none in backward); 0 never checks. Default: 100.
     pub check_gradients_every: u64,
 }
 

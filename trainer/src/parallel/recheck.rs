@@ -5,10 +5,13 @@
 //! gradient, its bucket is reduced, and the rest of the gradient is silently dropped. Missing
 //! and duplicate deliveries are caught every step by the reducer's bookkeeping (no device
 //! work); a *changed* gradient needs its values: every `parallel.check_gradients_every`
-//! steps the trainer records what the hooks delivered ([`DeliveryCheck::wrap`]) and, after
-//! backward, compares each with the parameter's final gradient ([`DeliveryCheck::verify`]):
-//! one fused squared-norm launch over the differences and one read of a `[n]` vector. A
-//! difference that is not exactly 0 stops the step with an error naming the parameter
+//! steps the trainer records what the hooks delivered ([`DeliveryCheck::wrap`]), after each
+//! micro-batch's backward starts comparing each with the parameter's final gradient on the
+//! device ([`DeliveryCheck::compare`]: one fused squared-norm launch over the differences),
+//! and reads the results after the step's wait for its buckets, before the optimizer
+//! ([`PendingCheck::result`]: one read of a `[n]` vector; backward itself still never waits
+//! for the device). A difference that is not exactly 0 stops the step with an error naming
+//! the parameter
 //! (a delivered gradient that nothing touched afterwards is the same tensor: the difference is
 //! exactly 0).
 
@@ -49,21 +52,15 @@ impl<B: FusedOps> DeliveryCheck<B> {
         }))
     }
 
-    /// Compares every recorded gradient of a parameter in `finals` (each parameter's gradient
-    /// when backward returned) with its final value. Recorded ids without a final gradient
-    /// (the decoder's share of a split tied embedding) are not compared. Clears the record.
-    ///
-    /// # Errors
-    /// The names (from `name`) of the parameters whose gradient changed after a hook handed
-    /// it over, with the size of the change, comma-separated.
-    pub fn verify(
-        &self,
-        finals: &HashMap<ParamId, FloatTensor<B>>,
-        name: impl Fn(ParamId) -> String,
-    ) -> Result<(), String> {
+    /// Starts comparing every recorded gradient of a parameter in `finals` (each parameter's
+    /// gradient when backward returned) with its final value, on the device: one fused
+    /// squared-norm launch over the differences, nothing read yet ([`PendingCheck::result`]
+    /// reads). Recorded ids without a final gradient (the decoder's share of a split tied
+    /// embedding) are not compared. Clears the record.
+    pub fn compare(&self, finals: &HashMap<ParamId, FloatTensor<B>>) -> PendingCheck<B> {
         let delivered =
             std::mem::take(&mut *self.delivered.lock().unwrap_or_else(|e| e.into_inner()));
-        let pairs: Vec<(ParamId, FloatTensor<B>)> = delivered
+        let (ids, diffs): (Vec<ParamId>, Vec<FloatTensor<B>>) = delivered
             .into_iter()
             .filter_map(|(id, g)| {
                 let last = finals.get(&id)?.clone();
@@ -74,16 +71,48 @@ impl<B: FusedOps> DeliveryCheck<B> {
                 );
                 Some((id, diff))
             })
-            .collect();
-        if pairs.is_empty() {
+            .unzip();
+        let sums = (!diffs.is_empty()).then(|| {
+            Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::sum_squares_multi_tensor(
+                diffs,
+            )))
+        });
+        PendingCheck { ids, sums }
+    }
+
+    /// [`DeliveryCheck::compare`], then [`PendingCheck::result`].
+    ///
+    /// # Errors
+    /// As [`PendingCheck::result`].
+    pub fn verify(
+        &self,
+        finals: &HashMap<ParamId, FloatTensor<B>>,
+        name: impl Fn(ParamId) -> String,
+    ) -> Result<(), String> {
+        self.compare(finals).result(name)
+    }
+}
+
+/// A comparison started by [`DeliveryCheck::compare`]: the squared size of each change, on the
+/// device.
+pub struct PendingCheck<B: FusedOps> {
+    ids: Vec<ParamId>,
+    sums: Option<Tensor<B, 1>>,
+}
+
+impl<B: FusedOps> PendingCheck<B> {
+    /// Reads the comparison (one read of a `[n]` vector; none when nothing was compared).
+    ///
+    /// # Errors
+    /// The names (from `name`) of the parameters whose gradient changed after a hook handed
+    /// it over, with the size of the change, comma-separated.
+    pub fn result(self, name: impl Fn(ParamId) -> String) -> Result<(), String> {
+        let Some(sums) = self.sums else {
             return Ok(());
-        }
-        let (ids, diffs): (Vec<_>, Vec<_>) = pairs.into_iter().unzip();
-        let sums = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(
-            B::sum_squares_multi_tensor(diffs),
-        ));
+        };
         let values = sums.into_data().into_vec::<f32>().unwrap_or_default();
-        let changed: Vec<String> = ids
+        let changed: Vec<String> = self
+            .ids
             .iter()
             .zip(&values)
             .filter(|(_, sq)| **sq != 0.0)

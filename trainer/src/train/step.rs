@@ -63,6 +63,7 @@ impl<B: GradHookBackend> Trainer<B> {
         let mut losses: Option<Tensor<B::InnerBackend, 1>> = None;
         let mut backward_seconds = 0.0;
         let mut syncs_at_backward = None;
+        let mut checks = Vec::new();
         self.reducer.begin_step(
             micro_batches
                 .iter()
@@ -105,13 +106,8 @@ impl<B: GradHookBackend> Trainer<B> {
             let mut grads = GradientsParams::from_grads(total.backward(), &model);
             drop(hooks);
             if let Some(check) = check {
-                let finals = peek_grads(&model, &grads, &self.hooked);
-                check
-                    .verify(&finals, |id| self.param_name(id))
-                    .map_err(|params| TrainError::GradientAfterHook {
-                        step: step + 1,
-                        params,
-                    })?;
+                // Compared on the device now, read after the wait (no read in backward).
+                checks.push(check.compare(&peek_grads(&model, &grads, &self.hooked)));
             }
             // The late gradients are final only now (Note [Late gradients]).
             self.reducer
@@ -123,6 +119,14 @@ impl<B: GradHookBackend> Trainer<B> {
         }
         let syncs_at_wait = count();
         let reduced = self.reducer.finalize_backward()?;
+        for check in checks {
+            check.result(|id| self.param_name(id)).map_err(|params| {
+                TrainError::GradientAfterHook {
+                    step: step + 1,
+                    params,
+                }
+            })?;
+        }
         let grads = self.reducer.gradients::<B, _>(&model, device);
         let lr = self.schedule.lr(step);
         let model = self.optimizer.step(lr, model, grads);
