@@ -15,12 +15,20 @@ fn data_p20() -> Arc<PreparedData> {
     static DATA: Mutex<Option<Arc<PreparedData>>> = Mutex::new(None);
     let mut data = DATA.lock().unwrap();
     data.get_or_insert_with(|| {
-        let mut config = small_config(Path::new("unused"));
-        config.instances.max_predictions_per_seq = 20;
-        config.instances.max_seq_length = 128;
-        Arc::new(prepare_data(&config).unwrap())
+        Arc::new(prepare_data(&dropout_p20_config(Path::new("unused"))).unwrap())
     })
     .clone()
+}
+
+/// The data-parallel test configuration with dropout 0.1 on both sites and up to 20 masked
+/// tokens in sequences of up to 128 (the instances of [`data_p20`]).
+fn dropout_p20_config(out: &Path) -> TrainConfig {
+    let mut config = small_config(out);
+    config.model.hidden_dropout_prob = Some(0.1);
+    config.model.attention_probs_dropout_prob = Some(0.1);
+    config.instances.max_predictions_per_seq = 20;
+    config.instances.max_seq_length = 128;
+    config
 }
 
 /// The tiny model with dropout 0.1 on both sites.
@@ -196,11 +204,7 @@ fn dropout_masks_differ_between_ranks_and_repeat_between_runs() {
 
     let dir = tempfile::tempdir().unwrap();
     let run_with = |name: &str, seed: u64| {
-        let mut config = small_config(&dir.path().join(name));
-        config.model.hidden_dropout_prob = Some(0.1);
-        config.model.attention_probs_dropout_prob = Some(0.1);
-        config.instances.max_predictions_per_seq = 20;
-        config.instances.max_seq_length = 128;
+        let mut config = dropout_p20_config(&dir.path().join(name));
         config.train.batch_size = 2;
         config.parallel.grad_accum = 2;
         config.train.seed = seed;
@@ -241,11 +245,7 @@ fn the_trainer_accumulates_as_one_step_on_the_whole_batch_with_dropout() {
     let _serial = serial();
     let data = data_p20();
     let dir = tempfile::tempdir().unwrap();
-    let mut one = small_config(&dir.path().join("one"));
-    one.model.hidden_dropout_prob = Some(0.1);
-    one.model.attention_probs_dropout_prob = Some(0.1);
-    one.instances.max_predictions_per_seq = 20;
-    one.instances.max_seq_length = 128;
+    let mut one = dropout_p20_config(&dir.path().join("one"));
     one.train.batch_size = 4;
     one.train.loss_normalization = LossNormalization::Batch;
     let run_on = |config: &TrainConfig| {
