@@ -6,6 +6,7 @@
 //! and calls `MPI_Abort`, which ends every rank of the job (MPI cannot cancel a collective
 //! in flight). A rank that dies is reported by `mpirun` itself, which then stops the others.
 
+use std::io::Write;
 use std::time::{Duration, Instant};
 
 use mpi::Threading;
@@ -66,11 +67,17 @@ impl Mpi {
         let mut pause = Duration::from_micros(10);
         while !test() {
             if Instant::now() >= deadline {
-                eprintln!(
-                    "error: {op} #{seq} on MPI rank {} timed out after {:.1} s: another rank stalled or died; aborting the job",
+                // One write of the whole line: `eprintln!` writes its pieces separately, and
+                // mpirun's own abort notice can land between them.
+                let line = format!(
+                    "error: {op} #{seq} on MPI rank {} timed out after {:.1} s: another rank stalled or died; aborting the job\n",
                     self.world.rank(),
                     self.timeout.as_secs_f64()
                 );
+                let mut stderr = std::io::stderr().lock();
+                let _ = stderr.write_all(line.as_bytes());
+                let _ = stderr.flush();
+                drop(stderr);
                 self.world.abort(1);
             }
             std::thread::sleep(pause);
