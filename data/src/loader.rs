@@ -150,4 +150,32 @@ impl InstanceLoader {
     pub fn instances(&self) -> &[TrainingInstance] {
         &self.instances
     }
+
+    /// Where the loader stands, `(epoch, position)`: the permutation (seeded by `seed + epoch`)
+    /// and the index in it of the next global batch. Saved with a checkpoint.
+    pub fn position(&self) -> (u64, usize) {
+        (self.epoch, self.position)
+    }
+
+    /// Continues from a saved [`InstanceLoader::position`] of a loader built with the same
+    /// instances, batch size, seed and world size: the next batches are those the saved loader
+    /// would have given.
+    ///
+    /// # Errors
+    /// [`DataError::InvalidSetting`] if `position` lies beyond the instances.
+    pub fn restore(&mut self, epoch: u64, position: usize) -> Result<(), DataError> {
+        if position > self.instances.len() {
+            return Err(DataError::InvalidSetting {
+                field: "position",
+                reason: format!(
+                    "saved position {position} is beyond the {} instances",
+                    self.instances.len()
+                ),
+            });
+        }
+        self.epoch = epoch;
+        self.position = position;
+        self.shuffle();
+        Ok(())
+    }
 }

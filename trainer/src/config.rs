@@ -9,6 +9,7 @@ use ember_model::{BertConfig, Kernels, Preset};
 use serde::{Deserialize, Serialize};
 
 use crate::TrainError;
+use crate::checkpoint::CheckpointConfig;
 use crate::parallel::{BucketStorage, ClipMode, TiedEmbedding};
 
 /// Everything a training run needs.
@@ -24,11 +25,14 @@ pub struct TrainConfig {
     pub schedule: ScheduleConfig,
     pub train: LoopConfig,
     pub parallel: ParallelConfig,
+    /// When to write checkpoints, and which run to resume.
+    pub checkpoint: CheckpointConfig,
 }
 
 impl Default for TrainConfig {
     fn default() -> Self {
         Self {
+            checkpoint: CheckpointConfig::default(),
             model: ModelSection::default(),
             data: DataSection::default(),
             instances: PretrainingConfig::default(),

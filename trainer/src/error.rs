@@ -61,6 +61,39 @@ pub enum TrainError {
         /// The parameters, with the size of each change.
         params: String,
     },
+    /// A checkpoint file that cannot be written, read or trusted.
+    #[error("checkpoint {}: {reason}", path.display())]
+    Checkpoint {
+        /// The file or folder.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// `--resume` found no checkpoint whose manifest verifies.
+    #[error(
+        "no complete checkpoint in {} to resume from{}",
+        dir.display(),
+        if skipped.is_empty() { " (none written yet)".to_string() } else { format!("; skipped: {}", skipped.join("; ")) }
+    )]
+    NoCheckpoint {
+        /// `OUT/checkpoints`.
+        dir: PathBuf,
+        /// Why each checkpoint folder was skipped, newest first.
+        skipped: Vec<String>,
+    },
+    /// A resumed run changed a setting that the checkpoint depends on (Note [What a resume
+    /// may change]).
+    #[error(
+        "cannot resume: {setting} was {saved} in the checkpoint's run and is {given} now (a resumed run must keep it; start a new run to change it)"
+    )]
+    ResumeMismatch {
+        /// The setting, as `section.field` (or `world size`, `global batch size`).
+        setting: String,
+        /// Its value in the checkpoint's configuration.
+        saved: String,
+        /// Its value now.
+        given: String,
+    },
     /// A collective failed: another rank left or stalled, or the ranks disagree.
     #[error("data-parallel communication failed: {0}")]
     Comm(#[from] crate::parallel::CommError),

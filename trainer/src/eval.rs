@@ -10,7 +10,7 @@ use ember_model::{BertForPreTraining, ForwardHook, NoHook, PreTrainingLoss, PreT
 use serde::Serialize;
 
 /// Accuracy and loss over an evaluation set.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, serde::Deserialize)]
 pub struct EvalResult {
     /// Fraction of masked tokens whose arg-max prediction is the original token.
     pub mlm_accuracy: f64,

@@ -18,7 +18,10 @@ use burn::tensor::{Device, Shape, Tensor, TensorPrimitive};
 use ember_backend_ext::{AdamHyper, AdamKind, AdamTensors, FusedOps, lamb_multi_tensor};
 
 use crate::config::{OptimizerConfig, OptimizerKind};
+
+mod state;
 use crate::grads::{named_params, split_off};
+pub use state::{Moments, OptimizerState, ParamMoments};
 
 /// Whether weight decay applies to the parameter at `path` (an ember module path): not to
 /// biases, LayerNorm weights (`gamma`) and LayerNorm biases (`beta`).

@@ -44,6 +44,9 @@ pub enum BenchCommand {
     /// Training steps through the whole trainer on one rank: step and backward time, host
     /// synchronisations per step, device against host gradient buckets.
     Step(crate::bench_step::StepArgs),
+    /// Writing and loading the weights and optimizer state of a full-state checkpoint, against
+    /// a plain file of the same size.
+    Checkpoint(crate::bench_checkpoint::CheckpointArgs),
 }
 
 /// Flags of `bench overlap`.
@@ -86,6 +89,7 @@ pub fn run(command: BenchCommand) -> Result<()> {
         BenchCommand::Overlap(args) => overlap(args),
         BenchCommand::Kernels(args) => crate::bench_kernels::run(args),
         BenchCommand::Step(args) => crate::bench_step::run(args),
+        BenchCommand::Checkpoint(args) => crate::bench_checkpoint::run(args),
     }
 }
 

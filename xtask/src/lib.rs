@@ -13,6 +13,7 @@
 //!   host synchronisations, device against host buckets.
 
 mod bench;
+mod bench_checkpoint;
 mod bench_kernels;
 mod bench_step;
 mod comm_check;

@@ -131,6 +131,22 @@ pub struct TrainArgs {
     /// (data.skip_bad_shards)
     #[arg(long)]
     skip_bad_shards: bool,
+    /// Write a full-state checkpoint (weights, optimizer, data position) to
+    /// OUT/checkpoints/step-NNNNNNN every N optimizer steps; one is always written at the end
+    /// and on SIGTERM or SIGINT (checkpoint.every)
+    #[arg(long)]
+    checkpoint_every: Option<u64>,
+    /// Keep only the newest K complete checkpoints; 0 keeps all (checkpoint.keep)
+    #[arg(long)]
+    keep_checkpoints: Option<usize>,
+    /// Continue the run whose output folder is DIR from its newest complete checkpoint; the
+    /// model, world size, global batch size, optimizer, data and seed must be as they were
+    /// (checkpoint.resume)
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
+    /// Write a metrics line every N steps (train.log_every)
+    #[arg(long)]
+    log_every: Option<u64>,
     /// Do not draw the progress bar
     #[arg(long)]
     no_progress: bool,
@@ -167,6 +183,9 @@ impl TrainArgs {
         }
         if let Some(v) = self.eval_every {
             t.eval_every = v;
+        }
+        if let Some(v) = self.log_every {
+            t.log_every = v;
         }
         if let Some(v) = self.loss_normalization {
             t.loss_normalization = v;
@@ -249,6 +268,16 @@ impl TrainArgs {
         if let Some(v) = self.tied_embedding {
             p.tied_embedding = v;
         }
+        let c = &mut config.checkpoint;
+        if let Some(v) = self.checkpoint_every {
+            c.every = v;
+        }
+        if let Some(v) = self.keep_checkpoints {
+            c.keep = v;
+        }
+        if let Some(v) = &self.resume {
+            c.resume = Some(v.clone());
+        }
         Ok(config)
     }
 }
@@ -256,8 +285,11 @@ impl TrainArgs {
 pub fn run(args: TrainArgs) -> Result<()> {
     let config = args.resolve()?;
     let device = Default::default();
+    // SIGTERM/SIGINT: finish the step, write a checkpoint, exit 0 (a second one ends at once).
+    ember_trainer::checkpoint::signals::install().context("installing the signal handlers")?;
     let options = RunOptions {
         progress: !args.no_progress,
+        stop_on_signal: true,
         ..RunOptions::default()
     };
     let launch = LaunchEnv::from_env(None)?;
@@ -288,10 +320,19 @@ pub fn run(args: TrainArgs) -> Result<()> {
     if !summary.is_main_rank {
         return Ok(());
     }
+    if let Some(signal) = &summary.stopped_by {
+        println!(
+            "ember: stopped by {signal} after step {}; checkpoint {}; continue with --resume {}",
+            summary.steps,
+            summary.last_checkpoint.display(),
+            config.train.out.display()
+        );
+        return Ok(());
+    }
     println!(
         "ember: {} steps of {} samples on {} rank(s) in {:.0} s ({:.0} tokens/s); held-out masked-LM accuracy {:.4} \
          (unigram baseline {:.4}, always {:?}), next-sentence accuracy {:.4}; loss {:.3} -> {:.3}; \
-         checkpoint {}",
+         model {}, full-state checkpoint {}",
         summary.steps,
         summary.global_batch_size,
         summary.world_size,
@@ -304,6 +345,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
         summary.losses.first().copied().unwrap_or(f64::NAN),
         summary.losses.last().copied().unwrap_or(f64::NAN),
         summary.checkpoint.display(),
+        summary.last_checkpoint.display(),
     );
     Ok(())
 }

@@ -9,9 +9,10 @@ use ember_data::prepare::{PrepareOptions, prepare_shards};
 use ember_data::shard::Compression;
 use ember_data::stratify::stratify;
 use ember_data::{
-    Padding, PretrainingConfig, SamplerKind, SamplerState, WordPieceTokenizer, default_corpus_path,
+    Padding, PretrainingConfig, SamplerKind, WordPieceTokenizer, default_corpus_path,
     default_vocab_path,
 };
+use ember_trainer::checkpoint::{DataPosition, RankState};
 use ember_trainer::{RunOptions, TrainConfig, TrainError, train, train_in_process};
 
 type B = Autodiff<NdArray>;
@@ -90,10 +91,20 @@ fn two_ranks_train_on_stratified_shards_with_presort_and_save_the_sampler_state(
     assert_eq!(summary.global_batch_size, 16);
     assert!(summary.losses.iter().all(|l| l.is_finite()));
     assert!(summary.eval.num_samples > 0);
+    assert_eq!(
+        summary.last_checkpoint,
+        out.join("checkpoints/step-0000004")
+    );
     for rank in 0..2 {
-        let path = out.join(format!("sampler_state.rank{rank}.json"));
-        let state: SamplerState =
+        let path = summary
+            .last_checkpoint
+            .join(format!("rank-0000{rank}.json"));
+        let saved: RankState =
             serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(saved.rank, rank);
+        let DataPosition::Shards { sampler: state } = saved.data else {
+            panic!("rank {rank}: not a shard position: {saved:?}");
+        };
         assert_eq!(state.steps, 4);
         // Presort across ranks exchanges the draws: each rank's state holds only its own
         // streams, one per bin.

@@ -11,6 +11,7 @@ use ember_data::{
 };
 use tracing::info;
 
+use crate::checkpoint::DataPosition;
 use crate::eval::unigram_baseline;
 use crate::parallel::{CommThread, check_agreement};
 use crate::{TrainConfig, TrainError};
@@ -109,6 +110,49 @@ impl TrainBatches {
                 loader.batches_from(&draws)
             }
             Self::Shards(loader) => loader.next_step(),
+        })
+    }
+}
+
+impl TrainBatches {
+    /// Where this rank's data stands, for a checkpoint.
+    pub(crate) fn position(&self) -> DataPosition {
+        match self {
+            Self::Instances(loader) => {
+                let (epoch, position) = loader.position();
+                DataPosition::Instances { epoch, position }
+            }
+            Self::Shards(loader) => DataPosition::Shards {
+                sampler: loader.sampler().state(),
+            },
+        }
+    }
+
+    /// Continues from a saved [`TrainBatches::position`].
+    ///
+    /// # Errors
+    /// [`TrainError::Checkpoint`] naming `file` when the position is of the other kind of data
+    /// (shards against corpus instances) or does not fit this loader.
+    pub(crate) fn restore(
+        &mut self,
+        position: &DataPosition,
+        file: &std::path::Path,
+    ) -> Result<(), TrainError> {
+        let restored = match (self, position) {
+            (Self::Instances(loader), DataPosition::Instances { epoch, position }) => {
+                loader.restore(*epoch, *position)
+            }
+            (Self::Shards(loader), DataPosition::Shards { sampler }) => loader.restore(sampler),
+            _ => {
+                return Err(TrainError::Checkpoint {
+                    path: file.to_path_buf(),
+                    reason: "the saved data position is of the other kind of data (shards against corpus instances)".into(),
+                });
+            }
+        };
+        restored.map_err(|e| TrainError::Checkpoint {
+            path: file.to_path_buf(),
+            reason: e.to_string(),
         })
     }
 }

@@ -1,9 +1,12 @@
 //! The training loop, top to bottom: config → data ([`data`]) → model, buckets and optimizer
 //! ([`setup`]) → loop (a step: forward with gradient hooks, backward, bucketed allreduce and
-//! clipping, optimizer, [`step`]; log and evaluate, [`output`]) → checkpoint. One function,
+//! clipping, optimizer, [`step`]; log and evaluate, [`output`]; full-state checkpoints every
+//! `checkpoint.every` steps, at the end and on SIGTERM, [`checkpointing`]; a resumed run loads
+//! one before its first step). One function,
 //! [`train_rank`], is one data-parallel rank; a one-rank job is the same loop with a
 //! [`SingleRank`] communicator.
 
+mod checkpointing;
 mod data;
 mod output;
 mod setup;
@@ -18,13 +21,14 @@ use serde::Serialize;
 use serde_json::json;
 use tracing::info;
 
+use data::RankData;
 pub use data::{PreparedData, prepare_data};
-use data::{RankData, TrainBatches};
 use ember_backend_ext::FusedOps;
 use output::{RunLog, prepare_output_dir, write_atomically};
 use setup::Trainer;
 pub use step::loss_weights;
 
+use crate::checkpoint::RunState;
 use crate::eval::{EvalResult, evaluate};
 use crate::parallel::{
     CommError, CommThread, Communicator, GradHookBackend, InProcess, ReduceOp, SingleRank,
@@ -45,6 +49,10 @@ pub struct RunOptions {
     /// Wait for the device before and after each backward, so that `backward_s` in the metrics
     /// is the device's time (two host syncs more per micro-batch: for benchmarks).
     pub sync_backward: bool,
+    /// Stop after the current step and write a checkpoint when the process has received
+    /// SIGTERM or SIGINT (handlers installed by [`crate::checkpoint::signals::install`]);
+    /// the ranks agree on it through one scalar allreduce per step.
+    pub stop_on_signal: bool,
 }
 
 /// What a finished run reports.
@@ -80,6 +88,12 @@ pub struct TrainSummary {
     pub device_buckets: bool,
     /// Whether this is rank 0 (which wrote the checkpoint and metrics).
     pub is_main_rank: bool,
+    /// The last full-state checkpoint written (`OUT/checkpoints/step-NNNNNNN`).
+    pub last_checkpoint: PathBuf,
+    /// The step this run resumed from, if it did.
+    pub resumed_from: Option<u64>,
+    /// The signal that stopped the run early (after its checkpoint), if one did.
+    pub stopped_by: Option<String>,
 }
 
 /// The communicator of in-process ranks (or of a one-rank job) for backend `B`: with device
@@ -250,12 +264,40 @@ pub fn train_rank<B: GradHookBackend>(
         &comm,
     )?;
     let global_batch_size = config.train.batch_size * config.parallel.grad_accum * world_size;
-    let mut log = start_run(config, options, &comm, &trainer, &model, &rank_data)?;
+    let resumed = match &config.checkpoint.resume {
+        Some(from) => {
+            let resumed;
+            (model, resumed) = trainer.resume(model, from, config, &mut rank_data, &comm)?;
+            Some(resumed)
+        }
+        None => None,
+    };
+    let mut log = start_run(
+        config,
+        options,
+        &comm,
+        &trainer,
+        &model,
+        &rank_data,
+        resumed.as_ref(),
+    )?;
 
     // The loop.
-    let mut last_eval = None;
+    let first_step = resumed.as_ref().map_or(0, |r| r.run.step);
+    let tokens_before = log.tokens;
+    let mut last_eval = resumed.as_ref().and_then(|r| r.run.last_eval);
     let mut reached_target = false;
-    let mut step = 0;
+    let mut stopped_by = None;
+    let mut last_checkpoint = None;
+    let mut step = first_step;
+    let run_state = |step, log: &RunLog<_>, last_eval| RunState {
+        step,
+        world_size,
+        global_batch_size,
+        losses: log.losses.clone(),
+        tokens: log.tokens,
+        last_eval,
+    };
     while step < config.train.steps {
         let micro_batches = rank_data
             .batches
@@ -268,24 +310,39 @@ pub fn train_rank<B: GradHookBackend>(
             let result = evaluate_sharded(&model, &rank_data.eval, device, &comm)?;
             log.eval(step, &result)?;
             last_eval = Some(result);
-            if config
+            reached_target = config
                 .train
                 .target_mlm_accuracy
-                .is_some_and(|t| result.mlm_accuracy >= t)
-            {
-                reached_target = true;
-                break;
-            }
+                .is_some_and(|t| result.mlm_accuracy >= t);
+        }
+        stopped_by = stop_signal(options, &comm)?;
+        let every = config.checkpoint.every;
+        let due = every > 0 && step % every == 0;
+        let ends = reached_target || stopped_by.is_some() || step == config.train.steps;
+        if due || ends {
+            log.flush(&comm)?;
+            let state = run_state(step, &log, last_eval);
+            last_checkpoint =
+                Some(trainer.save_checkpoint(&model, config, &rank_data, &state, &comm)?);
+        }
+        if ends {
+            break;
         }
     }
     log.flush(&comm)?;
     let train_seconds = log.started.elapsed().as_secs_f64();
-    let eval = last_eval.expect("the last step always evaluates");
+    let eval = match last_eval {
+        Some(eval) => eval,
+        // Stopped by a signal before the first evaluation.
+        None => evaluate_sharded(&model, &rank_data.eval, device, &comm)?,
+    };
+    let last_checkpoint = last_checkpoint.expect("the last step writes a checkpoint");
 
-    // Checkpoint (rank 0): Hugging Face layout, each file written to a temporary name and
-    // renamed.
+    // The trained model (rank 0), Hugging Face layout, beside the metrics; each file written
+    // to a temporary name and renamed. Not after a signal: the checkpoint holds it, and the
+    // job has seconds left.
     let checkpoint = out.join("model.safetensors");
-    if rank == 0 {
+    if rank == 0 && stopped_by.is_none() {
         model.valid().save_hf_safetensors(&checkpoint)?;
         write_atomically(&out.join("config.json"), &trainer.bert_config.to_hf_json())?;
         write_atomically(&out.join("train_config.toml"), &config.to_toml())?;
@@ -294,18 +351,8 @@ pub fn train_rank<B: GradHookBackend>(
         "event": "end", "steps": step, "reached_target": reached_target,
         "mlm_accuracy": eval.mlm_accuracy, "unigram_baseline": rank_data.unigram_baseline,
         "train_seconds": train_seconds, "checkpoint": checkpoint,
+        "last_checkpoint": last_checkpoint, "stopped_by": stopped_by,
     }))?;
-    // Each rank's sampler state (shards): where its data order stopped, for
-    // `RankSampler::restore` (the trainer does not resume runs yet).
-    if let TrainBatches::Shards(loader) = &rank_data.batches {
-        std::fs::create_dir_all(out).map_err(|e| TrainError::Output {
-            path: out.clone(),
-            reason: e.to_string(),
-        })?;
-        let state = serde_json::to_string_pretty(&loader.sampler().state())
-            .expect("a sampler state serialises");
-        write_atomically(&out.join(format!("sampler_state.rank{rank}.json")), &state)?;
-    }
     // No rank leaves before rank 0 has written the checkpoint: a rank's exit is how the
     // others learn of failures.
     comm.call(|c| c.barrier())?;
@@ -318,7 +365,7 @@ pub fn train_rank<B: GradHookBackend>(
         unigram_token: rank_data.unigram_token.clone(),
         reached_target,
         train_seconds,
-        tokens_per_second: log.tokens as f64 / train_seconds,
+        tokens_per_second: (log.tokens - tokens_before) as f64 / train_seconds,
         checkpoint,
         metrics: out.join("metrics.jsonl"),
         world_size,
@@ -326,7 +373,31 @@ pub fn train_rank<B: GradHookBackend>(
         buckets: trainer.reducer.plan().summary(),
         device_buckets: trainer.reducer.on_device(),
         is_main_rank: rank == 0,
+        last_checkpoint,
+        resumed_from: resumed.map(|r| r.run.step),
+        stopped_by: stopped_by.map(str::to_string),
     })
+}
+
+/// The signal that asks the run to stop after this step, agreed over the ranks (one scalar
+/// allreduce per step) when [`RunOptions::stop_on_signal`] is set; `None` otherwise.
+fn stop_signal<B: burn::tensor::backend::Backend>(
+    options: RunOptions,
+    comm: &CommThread<B>,
+) -> Result<Option<&'static str>, TrainError> {
+    if !options.stop_on_signal {
+        return Ok(None);
+    }
+    let local = crate::checkpoint::signals::received();
+    if comm.world_size() == 1 {
+        return Ok(local);
+    }
+    let flag = [f32::from(u8::from(local.is_some()))];
+    let any = comm.call(move |c| {
+        let mut flag = flag;
+        c.allreduce(&mut flag, ReduceOp::Sum).map(|()| flag[0])
+    })?;
+    Ok((any > 0.0).then(|| local.unwrap_or("a signal to another rank")))
 }
 
 /// Logs what the run derived from its configuration (STYLE.md 12: global batch, tokens per
@@ -338,6 +409,7 @@ fn start_run<B: GradHookBackend>(
     trainer: &Trainer<B>,
     model: &ember_model::BertForPreTraining<B>,
     rank_data: &RankData,
+    resumed: Option<&checkpointing::Resumed>,
 ) -> Result<RunLog<B::InnerBackend>, TrainError> {
     let (rank, world_size) = (comm.rank(), comm.world_size());
     let global_batch_size = config.train.batch_size * config.parallel.grad_accum * world_size;
@@ -381,12 +453,17 @@ fn start_run<B: GradHookBackend>(
             "masked-LM accuracy of always predicting the most frequent masked token"
         );
     }
+    let (event, from) = match resumed {
+        Some(r) => ("resume", Some(r.dir.clone())),
+        None => ("start", None),
+    };
     RunLog::start(
         config,
         comm,
         options.progress,
         json!({
-            "event": "start", "preset": config.model.preset.name(),
+            "event": event, "from": from,
+            "step": resumed.map_or(0, |r| r.run.step), "preset": config.model.preset.name(),
             "parameters": model.num_params(), "train_instances": rank_data.num_train,
             "eval_instances": rank_data.eval.len(), "world_size": world_size,
             "global_batch_size": global_batch_size,
@@ -395,6 +472,7 @@ fn start_run<B: GradHookBackend>(
             "unigram_token": rank_data.unigram_token,
             "unigram_baseline": rank_data.unigram_baseline,
         }),
+        resumed.map(|r| (r.dir.as_path(), &r.run)),
     )
 }
 

@@ -18,6 +18,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tracing::info;
 
+use crate::checkpoint::RunState;
 use crate::parallel::{CommThread, ReduceOp, Scalar};
 use crate::{EvalResult, TrainConfig, TrainError};
 
@@ -59,6 +60,21 @@ impl MetricsWriter {
             path: path.clone(),
             reason: e.to_string(),
         })?;
+        Ok(Self {
+            file: BufWriter::new(file),
+            path,
+        })
+    }
+
+    /// Opens `path` to append to it.
+    pub(crate) fn append(path: PathBuf) -> Result<Self, TrainError> {
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .map_err(|e| TrainError::Output {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
         Ok(Self {
             file: BufWriter::new(file),
             path,
@@ -121,15 +137,31 @@ pub(crate) struct RunLog<B: Backend> {
 
 impl<B: Backend> RunLog<B> {
     /// Opens `metrics.jsonl` on rank 0 and writes `start`; draws a progress bar when asked.
+    /// A resumed run (`resumed`: the checkpoint folder and its run state) starts from the
+    /// checkpoint's metrics, losses, token count and step.
     pub(crate) fn start(
         config: &TrainConfig,
         comm: &CommThread<B>,
         progress: bool,
         start: serde_json::Value,
+        resumed: Option<(&Path, &RunState)>,
     ) -> Result<Self, TrainError> {
         let main = comm.rank() == 0;
         let metrics = if main {
-            let mut metrics = MetricsWriter::create(config.train.out.join("metrics.jsonl"))?;
+            let path = config.train.out.join("metrics.jsonl");
+            let mut metrics = match resumed {
+                // The checkpoint's metrics, to which this run appends: no step twice.
+                Some((dir, _)) => {
+                    let saved = dir.join("metrics.jsonl");
+                    let text = std::fs::read(&saved).map_err(|e| TrainError::Checkpoint {
+                        path: saved.clone(),
+                        reason: e.to_string(),
+                    })?;
+                    crate::checkpoint::write_file(&path, &text)?;
+                    MetricsWriter::append(path)?
+                }
+                None => MetricsWriter::create(path)?,
+            };
             metrics.write(start)?;
             Some(metrics)
         } else {
@@ -147,12 +179,19 @@ impl<B: Backend> RunLog<B> {
             .expect("a valid template")
             .progress_chars("=> "),
         );
+        let mut losses = Vec::with_capacity(config.train.steps as usize);
+        let mut tokens = 0;
+        if let Some((_, run)) = resumed {
+            losses.extend_from_slice(&run.losses);
+            tokens = run.tokens;
+            progress.set_position(run.step);
+        }
         Ok(Self {
             metrics,
             progress,
             pending: Vec::new(),
-            losses: Vec::with_capacity(config.train.steps as usize),
-            tokens: 0,
+            losses,
+            tokens,
             world_size: comm.world_size(),
             log_every: config.train.log_every,
             steps: config.train.steps,

@@ -1,0 +1,179 @@
+//! What a resumed run may change (Note [What a resume may change]).
+//!
+//! Note [What a resume may change]: a checkpoint continues the run that wrote it. The model's
+//! shape, the world size, the global batch size, the optimizer, the data and the seed must stay
+//! as they were: with any of them changed the saved moments, sampler positions or dropout keys
+//! describe another run, and the resumed run would be neither that run nor a fresh one.
+//! Everything else may change: more steps (the schedule's decay then stretches to the new
+//! end, as Hugging Face's Trainer does on `resume_from_checkpoint` with more epochs), the
+//! evaluation and logging cadence, the checkpoint cadence, the output folder, the kernels, the
+//! bucket sizes and the collectives' timeout.
+
+use toml::Value;
+
+use crate::{TrainConfig, TrainError};
+
+/// The settings compared, as `section` or `section.field` of the TOML configuration.
+const KEPT: [&str; 7] = [
+    "model.preset",
+    "model.hidden_dropout_prob",
+    "model.attention_probs_dropout_prob",
+    "optimizer",
+    "data",
+    "instances",
+    "train.seed",
+];
+
+/// Checks that `given` may resume a checkpoint written under `saved` by `saved_world_size`
+/// ranks (Note [What a resume may change]).
+///
+/// # Errors
+/// [`TrainError::ResumeMismatch`] naming the first setting that differs, with both values.
+pub fn check_resume_compatible(
+    saved: &TrainConfig,
+    saved_world_size: usize,
+    given: &TrainConfig,
+    given_world_size: usize,
+) -> Result<(), TrainError> {
+    let mismatch = |setting: String, saved: String, given: String| {
+        Err(TrainError::ResumeMismatch {
+            setting,
+            saved,
+            given,
+        })
+    };
+    if saved_world_size != given_world_size {
+        return mismatch(
+            "world size".into(),
+            saved_world_size.to_string(),
+            given_world_size.to_string(),
+        );
+    }
+    let global = |c: &TrainConfig, w: usize| c.train.batch_size * c.parallel.grad_accum * w;
+    let (g_saved, g_given) = (
+        global(saved, saved_world_size),
+        global(given, given_world_size),
+    );
+    if g_saved != g_given {
+        return mismatch(
+            "global batch size (train.batch_size × parallel.grad_accum × world size)".into(),
+            g_saved.to_string(),
+            g_given.to_string(),
+        );
+    }
+    let (a, b) = (as_value(saved), as_value(given));
+    for setting in KEPT {
+        let (x, y) = (lookup(&a, setting), lookup(&b, setting));
+        if let Some((path, x, y)) = first_difference(setting, x, y) {
+            return mismatch(path, x, y);
+        }
+    }
+    Ok(())
+}
+
+fn as_value(config: &TrainConfig) -> Value {
+    Value::try_from(config).expect("a TrainConfig always serialises")
+}
+
+fn lookup<'a>(value: &'a Value, path: &str) -> Option<&'a Value> {
+    path.split('.').try_fold(value, |v, key| v.get(key))
+}
+
+fn show(value: Option<&Value>) -> String {
+    value.map_or_else(|| "(unset)".into(), ToString::to_string)
+}
+
+/// The first leaf where `a` and `b` differ, as (path, a's value, b's value).
+fn first_difference(
+    path: &str,
+    a: Option<&Value>,
+    b: Option<&Value>,
+) -> Option<(String, String, String)> {
+    match (a, b) {
+        (Some(Value::Table(x)), Some(Value::Table(y))) => {
+            let mut keys: Vec<&String> = x.keys().chain(y.keys()).collect();
+            keys.sort();
+            keys.dedup();
+            keys.into_iter()
+                .find_map(|key| first_difference(&format!("{path}.{key}"), x.get(key), y.get(key)))
+        }
+        (x, y) if x == y => None,
+        (x, y) => Some((path.to_string(), show(x), show(y))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::OptimizerKind;
+
+    fn refusal(given: &TrainConfig, world_size: usize) -> String {
+        check_resume_compatible(&TrainConfig::default(), 2, given, world_size)
+            .unwrap_err()
+            .to_string()
+    }
+
+    /// Each refused change names the setting and both values; allowed changes pass.
+    #[test]
+    fn refuses_changes_of_model_world_batch_optimizer_and_data() {
+        let base = TrainConfig::default();
+        assert!(check_resume_compatible(&base, 2, &base, 2).is_ok());
+
+        let mut c = base.clone();
+        c.model.preset = ember_model::Preset::Mini;
+        let e = refusal(&c, 2);
+        assert!(
+            e.contains("model.preset") && e.contains("tiny") && e.contains("mini"),
+            "{e}"
+        );
+
+        let e = refusal(&base, 4);
+        assert!(
+            e.contains("world size") && e.contains('2') && e.contains('4'),
+            "{e}"
+        );
+
+        let mut c = base.clone();
+        c.train.batch_size *= 2;
+        let e = refusal(&c, 2);
+        assert!(
+            e.contains("global batch size") && e.contains("64") && e.contains("128"),
+            "{e}"
+        );
+
+        let mut c = base.clone();
+        c.optimizer.name = OptimizerKind::Lamb;
+        let e = refusal(&c, 2);
+        assert!(e.contains("optimizer.name") && e.contains("lamb"), "{e}");
+
+        let mut c = base.clone();
+        c.optimizer.lr = 1e-2;
+        assert!(refusal(&c, 2).contains("optimizer.lr"));
+
+        let mut c = base.clone();
+        c.data.corpus = Some("other.txt".into());
+        let e = refusal(&c, 2);
+        assert!(
+            e.contains("data.corpus") && e.contains("(unset)") && e.contains("other.txt"),
+            "{e}"
+        );
+
+        let mut c = base.clone();
+        c.instances.max_seq_length = 64;
+        assert!(refusal(&c, 2).contains("instances.max_seq_length"));
+
+        let mut c = base.clone();
+        c.train.seed += 1;
+        assert!(refusal(&c, 2).contains("train.seed"));
+
+        // The same global batch split differently, more steps, another cadence and folder.
+        let mut c = base.clone();
+        c.train.batch_size /= 2;
+        c.parallel.grad_accum *= 2;
+        c.train.steps *= 2;
+        c.train.eval_every = 7;
+        c.train.log_every = 1;
+        c.train.out = "elsewhere".into();
+        assert!(check_resume_compatible(&base, 2, &c, 2).is_ok());
+    }
+}

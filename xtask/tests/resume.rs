@@ -1,0 +1,286 @@
+//! Runs that survive a kill (Note [Checkpoints] in `trainer/src/checkpoint/mod.rs`): a child
+//! `ember train` is SIGKILLed between checkpoints or while one is being written, `--resume`
+//! continues it, and its losses and final weights equal those of a run never interrupted, bit
+//! for bit, with 1 rank and 2 in-process ranks, dropout on, AdamW and LAMB. SIGTERM writes a
+//! checkpoint and exits 0.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// A tiny model with dropout on (the presets' 0.1), several masked positions per sample.
+fn config(dir: &Path, steps: u64, every: u64) -> PathBuf {
+    let corpus = dir.join("corpus.txt");
+    if !corpus.exists() {
+        // The first 120 documents of the embedded corpus.
+        let text = std::fs::read_to_string(ember_data::default_corpus_path()).unwrap();
+        let docs: Vec<&str> = text.split("\n\n").take(120).collect();
+        std::fs::write(&corpus, docs.join("\n\n")).unwrap();
+    }
+    let path = dir.join(format!("train-{steps}-{every}.toml"));
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+[model]
+preset = "tiny"
+
+[data]
+corpus = "{}"
+eval_documents = 8
+
+[instances]
+max_seq_length = 64
+max_predictions_per_seq = 8
+dupe_factor = 2
+
+[optimizer]
+lr = 1e-3
+
+[train]
+steps = {steps}
+batch_size = 4
+eval_every = 5
+eval_samples = 16
+log_every = 1
+
+[checkpoint]
+every = {every}
+
+[parallel]
+timeout_s = 120.0
+"#,
+            corpus.display()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn command(config: &Path, out: &Path, extra: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ember"));
+    command
+        .args(["train", "--no-progress", "--config"])
+        .arg(config)
+        .arg("--out")
+        .arg(out)
+        .args(extra)
+        .env("RUST_LOG", "warn");
+    command
+}
+
+fn run(config: &Path, out: &Path, extra: &[&str]) -> Output {
+    let output = command(config, out, extra).output().unwrap();
+    assert!(
+        output.status.success(),
+        "ember train {extra:?} failed:\n{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// The `train` records of `metrics.jsonl`: (step, loss) in file order.
+fn losses(out: &Path) -> Vec<(u64, f64)> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap_or_default();
+    text.lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|r| r["event"] == "train")
+        .map(|r| (r["step"].as_u64().unwrap(), r["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+/// Polls until `ready` holds, then SIGKILLs the child; fails if the child ended first.
+fn kill_when(mut child: Child, what: &str, ready: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while !ready() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the run ended ({status}) before {what}: make it longer");
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    child.kill().unwrap(); // SIGKILL
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "the child was killed: {status}");
+}
+
+fn assert_same_run(full: &Path, resumed: &Path, what: &str) {
+    let (a, b) = (losses(full), losses(resumed));
+    assert!(a.len() >= 30, "{what}: {} logged steps", a.len());
+    assert_eq!(a, b, "{what}: losses of the resumed run differ");
+    for file in ["model.safetensors"] {
+        let (x, y) = (
+            std::fs::read(full.join(file)).unwrap(),
+            std::fs::read(resumed.join(file)).unwrap(),
+        );
+        assert!(
+            x == y,
+            "{what}: {file} differs from the uninterrupted run's"
+        );
+    }
+    let last = |out: &Path| {
+        let dir = out.join("checkpoints/step-0000030");
+        std::fs::read(dir.join("optimizer.safetensors")).unwrap()
+    };
+    assert!(
+        last(full) == last(resumed),
+        "{what}: the final optimizer state differs"
+    );
+}
+
+/// SIGKILL at a random step between checkpoints, then `--resume`: the same losses, weights
+/// and moments as a run never interrupted.
+#[test]
+fn killed_between_checkpoints_resumes_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), 30, 5);
+    for (nproc, optimizer) in [("1", "adamw"), ("1", "lamb"), ("2", "adamw"), ("2", "lamb")] {
+        let what = format!("{nproc} rank(s), {optimizer}");
+        let extra = ["--nproc", nproc, "--optimizer", optimizer];
+        let full = dir.path().join(format!("full-{nproc}-{optimizer}"));
+        run(&config, &full, &extra);
+
+        let cut = dir.path().join(format!("cut-{nproc}-{optimizer}"));
+        let kill_at = 6 + (std::process::id() as u64 + nproc.len() as u64 * 7) % 4; // 6..=9
+        let child = command(&config, &cut, &extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        kill_when(child, &format!("step {kill_at}"), || {
+            losses(&cut).last().is_some_and(|(s, _)| *s >= kill_at)
+        });
+        let resumed_from = losses(&cut).len();
+        let mut resume = extra.to_vec();
+        let cut_str = cut.to_str().unwrap().to_string();
+        resume.extend(["--resume", &cut_str]);
+        let output = run(&config, &cut, &resume);
+        assert!(
+            resumed_from >= 6,
+            "{what}: killed after {resumed_from} steps"
+        );
+        let text = std::fs::read_to_string(cut.join("metrics.jsonl")).unwrap();
+        assert!(
+            text.contains(r#""event":"resume""#),
+            "{what}: no resume record"
+        );
+        assert!(
+            String::from_utf8_lossy(&output.stdout).contains("step-0000030"),
+            "{what}"
+        );
+        assert_same_run(&full, &cut, &what);
+    }
+}
+
+/// SIGKILL while a checkpoint is being written (a step folder without its manifest): the
+/// resume skips that folder and still ends as the uninterrupted run.
+#[test]
+fn killed_while_writing_a_checkpoint_resumes_from_the_one_before() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), 30, 2);
+    let full = dir.path().join("full");
+    run(&config, &full, &[]);
+    let cut = dir.path().join("cut");
+    let child = command(&config, &cut, &[])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let checkpoints = cut.join("checkpoints");
+    // A folder after the first complete one, caught before its manifest is in place.
+    kill_when(child, "a checkpoint caught mid-write", || {
+        let Ok(entries) = std::fs::read_dir(&checkpoints) else {
+            return false;
+        };
+        let dirs: Vec<PathBuf> = entries.filter_map(Result::ok).map(|e| e.path()).collect();
+        dirs.len() >= 2 && dirs.iter().any(|d| !d.join("manifest.json").exists())
+    });
+    let cut_str = cut.to_str().unwrap().to_string();
+    run(&config, &cut, &["--resume", &cut_str]);
+    assert_same_run(&full, &cut, "killed mid-checkpoint");
+}
+
+/// SIGTERM: the step ends, a checkpoint of that step is written, the process exits 0 and says
+/// how to continue; `--resume` then finishes the run.
+#[test]
+fn sigterm_writes_a_checkpoint_and_exits_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), 30, 0);
+    let out = dir.path().join("run");
+    let child = command(&config, &out, &["--steps", "100000"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while losses(&out).len() < 3 {
+        assert!(Instant::now() < deadline, "no steps logged");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let output = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{}: {stdout}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(stdout.contains("stopped by SIGTERM"), "{stdout}");
+    assert!(stdout.contains("--resume"), "{stdout}");
+    let last = losses(&out).last().unwrap().0;
+    let checkpoint = out.join(format!("checkpoints/step-{last:07}"));
+    assert!(
+        stdout.contains(&checkpoint.display().to_string()),
+        "{stdout}"
+    );
+    assert!(checkpoint.join("manifest.json").is_file());
+    assert!(last < 100000);
+}
+
+/// `--resume` of a folder without checkpoints, and a resume that changes the optimizer: clear
+/// errors naming the folder or setting.
+#[test]
+fn bad_resumes_are_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), 30, 0);
+    let empty = dir.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let output = command(
+        &config,
+        &dir.path().join("x"),
+        &["--resume", empty.to_str().unwrap()],
+    )
+    .output()
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("no complete checkpoint"), "{stderr}");
+    assert!(
+        stderr.contains(&empty.join("checkpoints").display().to_string()),
+        "{stderr}"
+    );
+
+    let out = dir.path().join("run");
+    run(&config, &out, &["--steps", "2"]);
+    let output = command(
+        &config,
+        &out,
+        &["--optimizer", "lamb", "--resume", out.to_str().unwrap()],
+    )
+    .output()
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("optimizer.name") && stderr.contains("adamw") && stderr.contains("lamb"),
+        "{stderr}"
+    );
+    // Nothing was deleted.
+    assert!(out.join("checkpoints/step-0000002/manifest.json").is_file());
+}
