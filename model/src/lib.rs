@@ -33,8 +33,10 @@
 mod bert;
 pub mod checkpoint;
 mod config;
+mod embed;
 mod error;
 mod hook;
+mod pretrained;
 mod pretraining;
 
 pub use bert::{
@@ -42,9 +44,11 @@ pub use bert::{
     BertModelOutput, BertOutput, BertPooler, BertSelfAttention, BertSelfOutput, gelu, mean_pool,
 };
 pub use config::{BertConfig, Preset};
+pub use embed::{Embedder, Pooling};
 pub use ember_backend_ext::Kernels;
 pub use error::ModelError;
 pub use hook::{ForwardHook, NoHook};
+pub use pretrained::{LoadReport, WeightsFile};
 pub use pretraining::{
     BertForPreTraining, BertLMPredictionHead, BertPreTrainingHeads, BertPredictionHeadTransform,
     PreTrainingLoss, PreTrainingOutput, cross_entropy,

@@ -17,7 +17,9 @@ mod bench_checkpoint;
 mod bench_kernels;
 mod bench_step;
 mod comm_check;
+mod convert;
 mod data;
+mod embed;
 mod launch;
 mod train;
 
@@ -63,6 +65,12 @@ enum Command {
     /// Padding efficiency, rank imbalance and step time of each sampler, simulated on shards;
     /// writes balance.md and balance.png.
     BalanceReport(data::BalanceArgs),
+    /// A BERT checkpoint (Hugging Face safetensors, pytorch_model.bin, ember run or
+    /// checkpoint) into a folder transformers opens: config.json + model.safetensors.
+    Convert(convert::ConvertArgs),
+    /// Sentence embeddings of a BERT model folder (mean or CLS pooling), one JSON array per
+    /// input line.
+    Embed(embed::EmbedArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -92,6 +100,8 @@ pub fn cli_main() -> ExitCode {
         Command::PrepareData(args) => data::prepare(args),
         Command::Stratify(args) => data::stratify_command(args),
         Command::BalanceReport(args) => data::balance(args),
+        Command::Convert(args) => convert::run(args),
+        Command::Embed(args) => embed::run(args),
         Command::Bench(command) => bench::run(command),
     };
     match result {

@@ -144,6 +144,11 @@ pub struct TrainArgs {
     /// (checkpoint.resume)
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
+    /// Start from these weights with a fresh optimizer and schedule: a Hugging Face folder,
+    /// .safetensors or pytorch_model.bin (with or without the pre-training heads), or an ember
+    /// run or checkpoint folder (checkpoint.init_from)
+    #[arg(long, value_name = "PATH")]
+    init_from: Option<PathBuf>,
     /// Write a metrics line every N steps (train.log_every)
     #[arg(long)]
     log_every: Option<u64>,
@@ -277,6 +282,9 @@ impl TrainArgs {
         }
         if let Some(v) = &self.resume {
             c.resume = Some(v.clone());
+        }
+        if let Some(v) = &self.init_from {
+            c.init_from = Some(v.clone());
         }
         Ok(config)
     }

@@ -6,8 +6,10 @@
 //! draws from the generator while a run initialises).
 
 mod device_reducer;
+mod embed;
 mod fused_training;
 mod hf_parity;
+mod pretrained;
 mod shard_training;
 mod train;
 

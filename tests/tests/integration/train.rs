@@ -107,6 +107,56 @@ fn short_run_lowers_the_loss_and_writes_metrics_and_checkpoint() {
     assert!((again.mlm_accuracy - summary.eval.mlm_accuracy).abs() < 1e-9);
 }
 
+/// `checkpoint.init_from` starts from another run's weights: with a learning rate too small to
+/// move them, the run ends where the other ended, not where its own seed starts.
+#[test]
+fn init_from_starts_from_the_given_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = quick_config(&dir.path().join("first"), 3);
+    run(&first).unwrap();
+    let mut second = quick_config(&dir.path().join("second"), 3);
+    second.checkpoint.init_from = Some(dir.path().join("first"));
+    second.optimizer.lr = 1e-12;
+    second.train.seed += 1;
+    let summary = run(&second).unwrap();
+    let init = summary.init.expect("init_from reports what it loaded");
+    assert!(init.initialised.is_empty(), "{:?}", init.initialised);
+    assert_eq!(
+        init.loaded.len(),
+        46,
+        "every parameter of a 2-layer BertForPreTraining: {:?}",
+        init.loaded
+    );
+
+    let weights = |run: &str| {
+        let config =
+            ember_model::BertConfig::load_json(&dir.path().join(run).join("config.json")).unwrap();
+        let model: BertForPreTraining<NdArray> = config
+            .init_for_pretraining(&Default::default())
+            .load_hf_safetensors(&dir.path().join(run).join("model.safetensors"))
+            .unwrap();
+        model
+            .bert
+            .embeddings
+            .word_embeddings
+            .weight
+            .val()
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap()
+    };
+    let (a, b) = (weights("first"), weights("second"));
+    let largest = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        largest < 1e-6,
+        "the second run moved away from the first's weights by {largest}"
+    );
+}
+
 fn expect_error(config: &TrainConfig, needles: &[&str]) {
     let err = run(config).expect_err("the run should be refused");
     let text = err.to_string();

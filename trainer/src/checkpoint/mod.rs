@@ -60,6 +60,13 @@ pub struct CheckpointConfig {
     /// Continue the run whose output folder this is, from its newest complete checkpoint.
     /// Default: none.
     pub resume: Option<PathBuf>,
+    /// Start from these weights with a fresh optimizer and schedule (MLPerf's phase 2 from the
+    /// phase-1 checkpoint, or continued pre-training of a published BERT): a Hugging Face
+    /// folder, a `.safetensors` or PyTorch `.bin` file, with or without the pre-training
+    /// heads, or an ember run or checkpoint folder (`ember_model::WeightsFile::find`). The
+    /// parameters it lacks keep their initialisation and are listed in the log. Not used when
+    /// resuming: the checkpoint holds the weights. Default: none.
+    pub init_from: Option<PathBuf>,
 }
 
 impl Default for CheckpointConfig {
@@ -68,6 +75,7 @@ impl Default for CheckpointConfig {
             every: 0,
             keep: 0,
             resume: None,
+            init_from: None,
         }
     }
 }

@@ -94,6 +94,8 @@ pub struct TrainSummary {
     pub resumed_from: Option<u64>,
     /// The signal that stopped the run early (after its checkpoint), if one did.
     pub stopped_by: Option<String>,
+    /// What `checkpoint.init_from` loaded and initialised, when set.
+    pub init: Option<ember_model::LoadReport>,
 }
 
 /// The communicator of in-process ranks (or of a one-rank job) for backend `B`: with device
@@ -264,6 +266,14 @@ pub fn train_rank<B: GradHookBackend>(
         &comm,
     )?;
     let global_batch_size = config.train.batch_size * config.parallel.grad_accum * world_size;
+    let init_report = match (&config.checkpoint.init_from, &config.checkpoint.resume) {
+        (Some(from), None) => {
+            let report;
+            (model, report) = init_from(model, from, rank)?;
+            Some(report)
+        }
+        _ => None,
+    };
     let resumed = match &config.checkpoint.resume {
         Some(from) => {
             let resumed;
@@ -376,7 +386,35 @@ pub fn train_rank<B: GradHookBackend>(
         last_checkpoint,
         resumed_from: resumed.map(|r| r.run.step),
         stopped_by: stopped_by.map(str::to_string),
+        init: init_report,
     })
+}
+
+/// Every rank loads the same weights file (so they start equal without a broadcast); rank 0
+/// logs what it initialised instead.
+fn init_from<B: GradHookBackend>(
+    model: ember_model::BertForPreTraining<B>,
+    from: &std::path::Path,
+    rank: usize,
+) -> Result<(ember_model::BertForPreTraining<B>, ember_model::LoadReport), TrainError> {
+    let file = ember_model::WeightsFile::find(from)?;
+    let (model, report) = model.load_pretrained(&file)?;
+    if rank == 0 {
+        info!(
+            from = %file.path().display(),
+            loaded = report.loaded.len(),
+            initialised = report.initialised.len(),
+            "starting from pre-trained weights with a fresh optimizer and schedule"
+        );
+        if !report.initialised.is_empty() {
+            tracing::warn!(
+                "not in {}, initialised: {}",
+                file.path().display(),
+                report.initialised.join(", ")
+            );
+        }
+    }
+    Ok((model, report))
 }
 
 /// The signal that asks the run to stop after this step, agreed over the ranks (one scalar
