@@ -333,60 +333,11 @@ fn report_markdown(
     md
 }
 
-/// The font of the plot's text: `EMBER_FONT`, else Debian's DejaVu Sans.
-fn register_font() -> Result<()> {
-    let path = std::env::var_os("EMBER_FONT")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf".into());
-    let bytes = std::fs::read(&path).with_context(|| {
-        format!(
-            "{}: the plot needs a TrueType font (Debian: apt-get install fonts-dejavu-core, or set EMBER_FONT)",
-            path.display()
-        )
-    })?;
-    plotters::style::register_font(
-        "sans-serif",
-        plotters::style::FontStyle::Normal,
-        Box::leak(bytes.into_boxed_slice()),
-    )
-    .map_err(|_| anyhow::anyhow!("{}: not a usable TrueType font", path.display()))
-}
-
-type Chart<'a, 'b> = plotters::chart::ChartContext<
-    'a,
-    plotters::prelude::BitMapBackend<'b>,
-    plotters::coord::cartesian::Cartesian2d<
-        plotters::coord::types::RangedCoordf64,
-        plotters::coord::types::RangedCoordf64,
-    >,
->;
-
-/// The legend box of a chart, top right.
-fn legend<'a, 'b: 'a>(
-    chart: &mut Chart<'a, 'b>,
-) -> std::result::Result<(), Box<dyn std::error::Error>> {
-    use plotters::prelude::*;
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
-    Ok(())
-}
-
-/// A legend entry's colour swatch.
-fn swatch(
-    color: plotters::style::RGBColor,
-) -> impl Fn((i32, i32)) -> plotters::element::Rectangle<(i32, i32)> {
-    use plotters::style::Color;
-    move |(x, y)| plotters::element::Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled())
-}
-
 /// Left: the histogram of real lengths, coloured by bin. Right: rank imbalance per sampler and
 /// padding mode for each simulated world size.
 fn plot(path: &Path, dataset: &ShardedDataset, tables: &[(usize, Vec<BalanceRow>)]) -> Result<()> {
     use plotters::prelude::*;
-    register_font()?;
+    crate::plot::register_font()?;
     let tmp = path.with_file_name(".balance.png.tmp.png");
     let draw = || -> std::result::Result<(), Box<dyn std::error::Error>> {
         let root = BitMapBackend::new(&tmp, (1400, 560)).into_drawing_area();
@@ -427,9 +378,9 @@ fn plot(path: &Path, dataset: &ShardedDataset, tables: &[(usize, Vec<BalanceRow>
                     },
                 ))?
                 .label(format!("{}–{}", dataset.bins[b].lo, dataset.bins[b].hi))
-                .legend(swatch(color));
+                .legend(crate::plot::swatch(color));
         }
-        legend(&mut chart)?;
+        crate::plot::legend(&mut chart)?;
 
         // Imbalance bars: one group per sampler × padding, one bar per world size.
         let rows = tables.first().map(|(_, r)| r.len()).unwrap_or(0);
@@ -482,9 +433,9 @@ fn plot(path: &Path, dataset: &ShardedDataset, tables: &[(usize, Vec<BalanceRow>
                     Rectangle::new([(x0, 1.0), (x0 + 0.8 / n, r.imbalance)], color.filled())
                 }))?
                 .label(format!("W = {w}"))
-                .legend(swatch(color));
+                .legend(crate::plot::swatch(color));
         }
-        legend(&mut chart)?;
+        crate::plot::legend(&mut chart)?;
         root.present()?;
         Ok(())
     };

@@ -18,9 +18,11 @@ mod bench_kernels;
 mod bench_step;
 mod comm_check;
 mod convert;
+mod curves;
 mod data;
 mod embed;
 mod launch;
+mod plot;
 mod train;
 
 /// mimalloc instead of glibc's malloc: the MLM logits and their gradients are ~80 MB buffers,

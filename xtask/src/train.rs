@@ -298,6 +298,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let options = RunOptions {
         progress: !args.no_progress,
         stop_on_signal: true,
+        on_eval: Some(crate::curves::on_eval),
         ..RunOptions::default()
     };
     let launch = LaunchEnv::from_env(None)?;

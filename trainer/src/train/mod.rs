@@ -53,6 +53,9 @@ pub struct RunOptions {
     /// SIGTERM or SIGINT (handlers installed by [`crate::checkpoint::signals::install`]);
     /// the ranks agree on it through one scalar allreduce per step.
     pub stop_on_signal: bool,
+    /// Called on rank 0 with the path of `metrics.jsonl` after each evaluation and at the end
+    /// (the `train` command draws `curves.png` with it).
+    pub on_eval: Option<fn(&std::path::Path)>,
 }
 
 /// What a finished run reports.
@@ -320,6 +323,9 @@ pub fn train_rank<B: GradHookBackend>(
             let result = evaluate_sharded(&model, &rank_data.eval, device, &comm)?;
             log.eval(step, &result)?;
             last_eval = Some(result);
+            if let (0, Some(hook)) = (rank, options.on_eval) {
+                hook(&out.join("metrics.jsonl"));
+            }
             reached_target = config
                 .train
                 .target_mlm_accuracy
@@ -363,6 +369,9 @@ pub fn train_rank<B: GradHookBackend>(
         "train_seconds": train_seconds, "checkpoint": checkpoint,
         "last_checkpoint": last_checkpoint, "stopped_by": stopped_by,
     }))?;
+    if let (0, Some(hook)) = (rank, options.on_eval) {
+        hook(&out.join("metrics.jsonl"));
+    }
     // No rank leaves before rank 0 has written the checkpoint: a rank's exit is how the
     // others learn of failures.
     comm.call(|c| c.barrier())?;

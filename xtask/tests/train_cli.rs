@@ -1,8 +1,8 @@
-//! Runs that survive a kill (Note [Checkpoints] in `trainer/src/checkpoint/mod.rs`): a child
-//! `ember train` is SIGKILLed between checkpoints or while one is being written, `--resume`
-//! continues it, and its losses and final weights equal those of a run never interrupted, bit
-//! for bit, with 1 rank and 2 in-process ranks, dropout on, AdamW and LAMB. SIGTERM writes a
-//! checkpoint and exits 0.
+//! `ember train` as a user runs it. Runs that survive a kill (Note [Checkpoints] in
+//! `trainer/src/checkpoint/mod.rs`): a child is SIGKILLed between checkpoints or while one is
+//! being written, `--resume` continues it, and its losses and final weights equal those of a
+//! run never interrupted, bit for bit, with 1 rank and 2 in-process ranks, dropout on, AdamW
+//! and LAMB. SIGTERM writes a checkpoint and exits 0. The run draws `curves.png`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -283,4 +283,36 @@ fn bad_resumes_are_clear_errors() {
     );
     // Nothing was deleted.
     assert!(out.join("checkpoints/step-0000002/manifest.json").is_file());
+}
+
+/// `curves.png` beside `metrics.jsonl`: a 1200×800 PNG; without a font the run still succeeds
+/// and warns.
+#[test]
+fn curves_png_is_drawn_and_a_missing_font_only_warns() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), 30, 0);
+    let out = dir.path().join("run");
+    run(&config, &out, &["--steps", "10"]);
+    let png = std::fs::read(out.join("curves.png")).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    let dims = |at: usize| u32::from_be_bytes(png[at..at + 4].try_into().unwrap());
+    assert_eq!((dims(16), dims(20)), (1200, 800), "IHDR width and height");
+    assert!(
+        png.len() > 10_000,
+        "a drawn plot, not an empty canvas: {} bytes",
+        png.len()
+    );
+
+    let out = dir.path().join("no-font");
+    let output = command(&config, &out, &["--steps", "5"])
+        .env("EMBER_FONT", dir.path().join("no-such-font.ttf"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("curves.png not drawn") && stderr.contains("no-such-font.ttf"),
+        "{stderr}"
+    );
+    assert!(!out.join("curves.png").exists());
 }
