@@ -22,20 +22,13 @@ fn tensors(path: &Path) -> BTreeMap<String, (Vec<usize>, Vec<u8>)> {
 }
 
 fn convert(from: &Path, to: &Path) -> (bool, String) {
-    let output = Command::new(env!("CARGO_BIN_EXE_ember"))
-        .args(["convert", "--from"])
-        .arg(from)
-        .arg("--to")
-        .arg(to)
-        .env("RUST_LOG", "warn")
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    (output.status.success(), text)
+    ember(&[
+        "convert",
+        "--from",
+        from.to_str().unwrap(),
+        "--to",
+        to.to_str().unwrap(),
+    ])
 }
 
 #[test]

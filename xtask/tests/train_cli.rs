@@ -285,6 +285,54 @@ fn bad_resumes_are_clear_errors() {
     assert!(out.join("checkpoints/step-0000002/manifest.json").is_file());
 }
 
+/// A truncated weights file in the newest checkpoint: `--resume` warns naming it and continues
+/// from the checkpoint before; `convert` turns an ember checkpoint into a Hugging Face folder.
+#[test]
+fn a_corrupt_newest_checkpoint_falls_back_and_a_checkpoint_converts() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), 30, 1);
+    let out = dir.path().join("run");
+    run(&config, &out, &["--steps", "2"]);
+    let newest = out.join("checkpoints/step-0000002/model.safetensors");
+    let bytes = std::fs::read(&newest).unwrap();
+    std::fs::write(&newest, &bytes[..bytes.len() / 2]).unwrap();
+    let output = run(
+        &config,
+        &out,
+        &["--steps", "3", "--resume", out.to_str().unwrap()],
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("skipped a checkpoint") && stderr.contains(&newest.display().to_string()),
+        "{stderr}"
+    );
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let resume = metrics
+        .lines()
+        .find(|l| l.contains(r#""event":"resume""#))
+        .unwrap();
+    assert!(resume.contains(r#""step":1"#), "{resume}");
+    assert_eq!(
+        losses(&out).iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        [1, 2, 3]
+    );
+
+    let converted = dir.path().join("hf");
+    let status = Command::new(env!("CARGO_BIN_EXE_ember"))
+        .args(["convert", "--from"])
+        .arg(out.join("checkpoints/step-0000003"))
+        .arg("--to")
+        .arg(&converted)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(
+        std::fs::read(converted.join("model.safetensors")).unwrap()
+            == std::fs::read(out.join("checkpoints/step-0000003/model.safetensors")).unwrap()
+    );
+    assert!(converted.join("config.json").is_file());
+}
+
 /// `curves.png` beside `metrics.jsonl`: a 1200×800 PNG; without a font the run still succeeds
 /// and warns.
 #[test]

@@ -56,20 +56,20 @@ pub(crate) struct MetricsWriter {
 
 impl MetricsWriter {
     pub(crate) fn create(path: PathBuf) -> Result<Self, TrainError> {
-        let file = File::create(&path).map_err(|e| TrainError::Output {
-            path: path.clone(),
-            reason: e.to_string(),
-        })?;
-        Ok(Self {
-            file: BufWriter::new(file),
-            path,
-        })
+        Self::open(path, false)
     }
 
     /// Opens `path` to append to it.
     pub(crate) fn append(path: PathBuf) -> Result<Self, TrainError> {
+        Self::open(path, true)
+    }
+
+    fn open(path: PathBuf, append: bool) -> Result<Self, TrainError> {
         let file = std::fs::OpenOptions::new()
-            .append(true)
+            .write(true)
+            .create(!append)
+            .truncate(!append)
+            .append(append)
             .open(&path)
             .map_err(|e| TrainError::Output {
                 path: path.clone(),
