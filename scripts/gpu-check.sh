@@ -4,8 +4,8 @@
 #   scripts/gpu-check.sh build          # here (no GPU needed): builds the CUDA binaries and packs
 #                                       # them into gpu-check/bins.tar.gz (~22 MB; the two binaries
 #                                       # are ~86 MB unpacked, over the device machine's 64 MiB carry)
-#   scripts/gpu-check.sh run [PART...]  # on the GPU machine; PART: step, kernels, bench-kernels
-#                                       # (default: all three, in that order); logs in $OUT (or
+#   scripts/gpu-check.sh run [PART...]  # on the GPU machine; PART: step, kernels, bench-kernels,
+#                                       # resume (default: all, in that order); logs in $OUT (or
 #                                       # gpu-check/out), one table per part
 #
 # Parts:
@@ -17,6 +17,11 @@
 #                  every fused op against the reference, the dropout masks keyed by sample and
 #                  position (kernels = host masks, with a sample offset) and the dropout op.
 #   bench-kernels  `xtask bench kernels`, f32 then bf16.
+#   resume         checkpoints on CUDA (fused optimizer, device tensors): the tiny model with
+#                  dropout on, 12 steps straight against `--resume` from that run's step-6
+#                  checkpoint copied to another folder; prints
+#                  whether the losses and the final weights are the same bit for bit (they
+#                  are on NdArray; on a GPU, atomics in reductions may make them differ).
 #
 # The GPU machine needs the NVIDIA driver, and NCCL for `step`: cubecl-cuda and cudarc load
 # libcuda, nvrtc and libnccl at run time. The script adds the libraries of the machine's
@@ -42,7 +47,7 @@ build)
 run)
     shift
     parts=("$@")
-    [ ${#parts[@]} -gt 0 ] || parts=(step kernels bench-kernels)
+    [ ${#parts[@]} -gt 0 ] || parts=(step kernels bench-kernels resume)
     out="${OUT:-$dir/out}"
     mkdir -p "$out"
     if [ ! -x "$dir/xtask" ] || [ ! -x "$dir/kernels" ]; then
@@ -75,8 +80,27 @@ run)
             echo "== kernel benchmark, bf16"
             timeout 90 "$dir/xtask" bench kernels --device cuda --dtype bf16 --iters 10 2>&1 | tee "$out/bench-bf16.md" || status=$?
             ;;
+        resume)
+            echo "== resume on CUDA: 12 steps straight against --resume from step 6 (tiny, dropout on)"
+            r="$out/resume"
+            rm -rf "$r" && mkdir -p "$r"
+            printf '[model]\npreset = "tiny"\n[instances]\nmax_seq_length = 64\ndupe_factor = 1\n[train]\nbatch_size = 8\neval_every = 6\neval_samples = 64\nlog_every = 1\n[checkpoint]\nevery = 6\n' > "$r/train.toml"
+            run_train() { timeout 120 "$dir/xtask" train --device cuda --config "$r/train.toml" --no-progress "$@" 2>&1 | tail -1; }
+            run_train --steps 12 --out "$r/full" || status=$?
+            # The step-6 checkpoint alone in another folder, as a run killed after step 6.
+            mkdir -p "$r/cut/checkpoints" && cp -r "$r/full/checkpoints/step-0000006" "$r/cut/checkpoints/"
+            run_train --steps 12 --out "$r/cut" --resume "$r/cut" || status=$?
+            losses() { grep '"event":"train"' "$1/metrics.jsonl" | grep -o '"loss":[^,]*'; }
+            if cmp -s "$r/full/model.safetensors" "$r/cut/model.safetensors" \
+                && diff <(losses "$r/full") <(losses "$r/cut") > /dev/null; then
+                verdict="bit for bit"
+            else
+                verdict="differ: $(diff <(losses "$r/full") <(losses "$r/cut") | grep -c '^>') of 12 losses"
+            fi
+            echo "| resume on CUDA (tiny, 6 + 6 steps) | $verdict |" | tee "$out/resume.md"
+            ;;
         *)
-            echo "unknown part $part (step, kernels, bench-kernels)" >&2
+            echo "unknown part $part (step, kernels, bench-kernels, resume)" >&2
             status=2
             ;;
         esac
@@ -85,7 +109,7 @@ run)
     exit $status
     ;;
 *)
-    echo "usage: $0 build | run [step|kernels|bench-kernels ...]" >&2
+    echo "usage: $0 build | run [step|kernels|bench-kernels|resume ...]" >&2
     exit 2
     ;;
 esac
