@@ -11,6 +11,9 @@ use crate::plot::{Chart, legend, register_font, swatch};
 /// One metric's points, (step, value).
 type Series = Vec<(f64, f64)>;
 
+/// A panel: its title and its lines (series index, legend label, colour).
+type Panel<'a> = (&'a str, &'a [(usize, &'a str, RGBColor)]);
+
 /// The series of `metrics.jsonl`: from `train` records the losses, learning rate and gradient
 /// norm; from `eval` records the accuracies.
 fn read(metrics: &Path) -> Result<[Series; 7]> {
@@ -63,7 +66,7 @@ pub fn draw(metrics: &Path) -> Result<()> {
     let series = read(metrics)?;
     let path = metrics.with_file_name("curves.png");
     let tmp = metrics.with_file_name(".curves.png.tmp.png");
-    let panels: [(&str, &[(usize, &str, RGBColor)]); 4] = [
+    let panels: [Panel; 4] = [
         (
             "training loss",
             &[

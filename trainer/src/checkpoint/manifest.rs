@@ -172,7 +172,7 @@ pub fn list_step_dirs(out: &Path) -> Vec<(u64, PathBuf)> {
             e.path().is_dir().then(|| (step, e.path()))
         })
         .collect();
-    dirs.sort_by(|a, b| b.0.cmp(&a.0));
+    dirs.sort_by_key(|d| std::cmp::Reverse(d.0));
     dirs
 }
 

@@ -48,7 +48,7 @@ use crate::{EvalResult, TrainError};
 use manifest::checkpoint_error;
 
 /// `[checkpoint]`: when to write checkpoints and where to resume from.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CheckpointConfig {
     /// Write a checkpoint every this many optimizer steps; 0: only at the end and on SIGTERM or
@@ -67,17 +67,6 @@ pub struct CheckpointConfig {
     /// parameters it lacks keep their initialisation and are listed in the log. Not used when
     /// resuming: the checkpoint holds the weights. Default: none.
     pub init_from: Option<PathBuf>,
-}
-
-impl Default for CheckpointConfig {
-    fn default() -> Self {
-        Self {
-            every: 0,
-            keep: 0,
-            resume: None,
-            init_from: None,
-        }
-    }
 }
 
 /// What rank 0 saves about the run (`trainer_state.json`).

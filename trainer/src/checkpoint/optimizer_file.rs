@@ -18,6 +18,9 @@ use crate::optim::{OptimizerState, ParamMoments};
 
 const FORMAT: &str = "ember-optimizer";
 
+/// A tensor to write: name, dtype, shape, bytes.
+type Buffer<'a> = (String, Dtype, Vec<usize>, Cow<'a, [u8]>);
+
 /// Writes `state` to `path` through a temporary file and a rename.
 ///
 /// # Errors
@@ -25,7 +28,7 @@ const FORMAT: &str = "ember-optimizer";
 pub fn write_optimizer_state(path: &Path, state: &OptimizerState) -> Result<(), TrainError> {
     // The moments' bytes are borrowed where they are f32 already (always, from
     // `PreTrainingOptimizer::state`): a copy of BERT-large's 2.7 GB costs seconds.
-    let mut buffers: Vec<(String, Dtype, Vec<usize>, Cow<'_, [u8]>)> = Vec::new();
+    let mut buffers: Vec<Buffer<'_>> = Vec::new();
     let metadata = HashMap::from([("format".to_string(), FORMAT.to_string())]);
     for (name, moments) in state {
         for (suffix, data) in [

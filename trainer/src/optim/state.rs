@@ -35,7 +35,6 @@ pub type OptimizerState = BTreeMap<String, ParamMoments>;
 /// Moments in and out of a Burn optimizer's per-tensor state (Burn's `AdamW`, [`Lamb`]).
 pub trait Moments<B: Backend>: SimpleOptimizer<B> + Clone {
     /// The moments m and v and the step t held in `state`.
-
     fn moments<const D: usize>(state: Self::State<D>) -> (Tensor<B, D>, Tensor<B, D>, usize);
     /// The state holding moments `m`, `v` and step `t`.
     fn from_moments<const D: usize>(m: Tensor<B, D>, v: Tensor<B, D>, t: usize) -> Self::State<D>;
