@@ -12,10 +12,11 @@
 
 use std::path::{Path, PathBuf};
 
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
-use burn_store::{
-    ApplyResult, BurnToPyTorchAdapter, ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore,
-};
+use burn::tensor::{Tensor, TensorData};
+use burn_store::{ApplyResult, ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore};
+use safetensors::tensor::{Dtype, TensorView};
 
 use crate::{BertForPreTraining, BertModel, ModelError};
 
@@ -125,19 +126,18 @@ impl<B: Backend> BertForPreTraining<B> {
     /// # Errors
     /// [`ModelError::Checkpoint`] if the file cannot be written or renamed.
     pub fn save_hf_safetensors(&self, path: &Path) -> Result<(), ModelError> {
+        let tensors = hf_tensors(self);
+        let views = tensors
+            .iter()
+            .map(|(name, data)| {
+                TensorView::new(Dtype::F32, data.shape.as_slice().to_vec(), data.as_bytes())
+                    .map(|view| (name.clone(), view))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| checkpoint_error(path, e.to_string()))?;
         let tmp = temp_path(path);
-        let mut store = SafetensorsStore::from_file(&tmp)
-            .with_to_adapter(BurnToPyTorchAdapter)
-            .clear_metadata()
-            .metadata("format", "pt");
-        for (hf, ember) in [
-            (".self.", r"\.self_attention\."),
-            (".LayerNorm.", r"\.layer_norm\."),
-        ] {
-            store = store.with_key_remapping(ember, hf);
-        }
-        let written = self
-            .save_into(&mut store)
+        let metadata = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+        let written = safetensors::serialize_to_file(views, Some(metadata), &tmp)
             .map_err(|e| checkpoint_error(path, e.to_string()));
         if let Err(e) = written {
             let _ = std::fs::remove_file(&tmp);
@@ -151,6 +151,49 @@ impl<B: Backend> BertForPreTraining<B> {
             )
         })
     }
+}
+
+/// Every parameter of `module` as f32 under its Hugging Face key, in Hugging Face's layout
+/// (Linear weights `[out, in]`; embeddings and LayerNorm parameters as they are).
+///
+/// Note [Writing weights directly]: burn-store's snapshot reads each parameter with Burn's
+/// `into_data`, which on NdArray copies an array shared with the module element by element
+/// through its dynamic-rank index (BERT-large's weights took 20 s to write); here each tensor
+/// is first made an unshared copy by a multiplication by one, transposed where needed, which
+/// `into_data` then takes without copying. Exact: x · 1 = x for every finite float.
+fn hf_tensors<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, TensorData)> {
+    struct Collect {
+        stack: Vec<String>,
+        out: Vec<(String, TensorData)>,
+    }
+    impl<B: Backend> ModuleVisitor<B> for Collect {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.stack.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.stack.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let path = self.stack.join(".");
+            let value = param.val();
+            // A Linear's weight is Burn's `[in, out]`; embedding tables are `[rows, hidden]`
+            // in both layouts.
+            let linear = D == 2 && path.ends_with(".weight") && !path.contains("embeddings.");
+            let data = if linear {
+                value.transpose().mul_scalar(1.0).into_data()
+            } else {
+                value.mul_scalar(1.0).into_data()
+            };
+            self.out
+                .push((ember_path_to_hf(&path), data.convert::<f32>()));
+        }
+    }
+    let mut collect = Collect {
+        stack: Vec::new(),
+        out: Vec::new(),
+    };
+    module.visit(&mut collect);
+    collect.out
 }
 
 impl<B: Backend> BertModel<B> {
