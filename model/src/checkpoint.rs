@@ -120,8 +120,8 @@ impl<B: Backend> BertForPreTraining<B> {
 
     /// Writes every parameter under its Hugging Face key, so that
     /// `BertForPreTraining.from_pretrained(dir)` reads the file (with `config.json` from
-    /// [`crate::BertConfig::to_hf_json`]). The file is written beside `path` and renamed into
-    /// place, so an interrupted save never leaves a half-written checkpoint.
+    /// [`crate::BertConfig::to_hf_json`]). The file is written beside `path`, flushed to disk
+    /// and renamed into place, so an interrupted save never leaves a half-written checkpoint.
     ///
     /// # Errors
     /// [`ModelError::Checkpoint`] if the file cannot be written or renamed.
@@ -138,7 +138,14 @@ impl<B: Backend> BertForPreTraining<B> {
         let tmp = temp_path(path);
         let metadata = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
         let written = safetensors::serialize_to_file(views, Some(metadata), &tmp)
-            .map_err(|e| checkpoint_error(path, e.to_string()));
+            .map_err(|e| checkpoint_error(path, e.to_string()))
+            .and_then(|()| {
+                // On disk before the rename: a crash of the node never leaves a renamed file
+                // whose contents are still in the page cache only.
+                std::fs::File::open(&tmp)
+                    .and_then(|f| f.sync_all())
+                    .map_err(|e| checkpoint_error(path, e.to_string()))
+            });
         if let Err(e) = written {
             let _ = std::fs::remove_file(&tmp);
             return Err(e);
@@ -153,14 +160,35 @@ impl<B: Backend> BertForPreTraining<B> {
     }
 }
 
+/// A row-major `[rows, cols]` f32 matrix transposed to `[cols, rows]`, in 64 × 64 tiles (a
+/// transposed view read through Burn would be gathered element by element, Note [Writing
+/// weights directly]).
+fn transposed(data: &TensorData) -> TensorData {
+    let [rows, cols] = [data.shape[0], data.shape[1]];
+    let from = data.as_slice::<f32>().expect("f32 after convert");
+    let mut to = vec![0f32; rows * cols];
+    const TILE: usize = 64;
+    for r0 in (0..rows).step_by(TILE) {
+        for c0 in (0..cols).step_by(TILE) {
+            for r in r0..(r0 + TILE).min(rows) {
+                for c in c0..(c0 + TILE).min(cols) {
+                    to[c * rows + r] = from[r * cols + c];
+                }
+            }
+        }
+    }
+    TensorData::new(to, [cols, rows])
+}
+
 /// Every parameter of `module` as f32 under its Hugging Face key, in Hugging Face's layout
 /// (Linear weights `[out, in]`; embeddings and LayerNorm parameters as they are).
 ///
 /// Note [Writing weights directly]: burn-store's snapshot reads each parameter with Burn's
 /// `into_data`, which on NdArray copies an array shared with the module element by element
 /// through its dynamic-rank index (BERT-large's weights took 20 s to write); here each tensor
-/// is first made an unshared copy by a multiplication by one, transposed where needed, which
-/// `into_data` then takes without copying. Exact: x · 1 = x for every finite float.
+/// is first made an unshared copy by a multiplication by one, which `into_data` then takes
+/// without copying, and Linear weights are transposed on the host in tiles. Exact: x · 1 = x
+/// for every finite float.
 fn hf_tensors<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, TensorData)> {
     struct Collect {
         stack: Vec<String>,
@@ -179,13 +207,9 @@ fn hf_tensors<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, TensorData)>
             // A Linear's weight is Burn's `[in, out]`; embedding tables are `[rows, hidden]`
             // in both layouts.
             let linear = D == 2 && path.ends_with(".weight") && !path.contains("embeddings.");
-            let data = if linear {
-                value.transpose().mul_scalar(1.0).into_data()
-            } else {
-                value.mul_scalar(1.0).into_data()
-            };
-            self.out
-                .push((ember_path_to_hf(&path), data.convert::<f32>()));
+            let data = value.mul_scalar(1.0).into_data().convert::<f32>();
+            let data = if linear { transposed(&data) } else { data };
+            self.out.push((ember_path_to_hf(&path), data));
         }
     }
     let mut collect = Collect {
