@@ -1,5 +1,5 @@
 //! SIGTERM and SIGINT end a run cleanly: the first one asks the loop to finish its step, write
-//! a checkpoint and return; a second one of the same kind ends the process at once (the usual
+//! a checkpoint and return; a second one (of either kind) ends the process at once (the usual
 //! double Ctrl-C). Slurm (`scancel`, the end of a job's time limit) and Kubernetes send SIGTERM
 //! and wait (Slurm's `KillWait`, 30 s by default; Kubernetes' grace period, 30 s) before they
 //! kill.
