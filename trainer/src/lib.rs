@@ -11,6 +11,7 @@ pub mod config;
 mod error;
 pub mod eval;
 pub mod grads;
+pub mod onebit;
 pub mod optim;
 pub mod parallel;
 pub mod schedule;

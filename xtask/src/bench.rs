@@ -117,6 +117,9 @@ impl Collective for NoAllreduce {
     fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
         self.0.allgather(data)
     }
+    fn alltoall(&mut self, send: &[u8]) -> Result<Vec<u8>, CommError> {
+        self.0.alltoall(send)
+    }
     fn barrier(&mut self) -> Result<(), CommError> {
         self.0.barrier()
     }

@@ -115,6 +115,9 @@ impl Collective for Failing {
     fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
         self.next()?.allgather(data)
     }
+    fn alltoall(&mut self, send: &[u8]) -> Result<Vec<u8>, CommError> {
+        self.next()?.alltoall(send)
+    }
     fn barrier(&mut self) -> Result<(), CommError> {
         self.next()?.barrier()
     }

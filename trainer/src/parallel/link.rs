@@ -31,6 +31,26 @@ impl LinkModel {
             + 2.0 * (w - 1.0) / w * bytes as f64 / self.bandwidth_bytes_per_s
     }
 
+    /// Seconds an all-to-all takes whose send buffer holds `bytes` (W blocks): each rank
+    /// sends W−1 blocks, one message each (the pairwise exchange of Thakur et al. 2005).
+    pub fn alltoall_seconds(&self, bytes: usize, world_size: usize) -> f64 {
+        if world_size < 2 {
+            return 0.0;
+        }
+        let w = world_size as f64;
+        (w - 1.0) * self.latency_s + (w - 1.0) / w * bytes as f64 / self.bandwidth_bytes_per_s
+    }
+
+    /// Seconds a ring allgather takes whose result holds `bytes` in all (W−1 latency-bound
+    /// steps, each rank receiving the (W−1)/W of the result it lacks).
+    pub fn allgather_seconds(&self, bytes: usize, world_size: usize) -> f64 {
+        if world_size < 2 {
+            return 0.0;
+        }
+        let w = world_size as f64;
+        (w - 1.0) * self.latency_s + (w - 1.0) / w * bytes as f64 / self.bandwidth_bytes_per_s
+    }
+
     /// Seconds a broadcast of `bytes` takes (pipelined: one latency per hop, one full copy).
     pub fn broadcast_seconds(&self, bytes: usize, world_size: usize) -> f64 {
         if world_size < 2 {
@@ -98,9 +118,18 @@ impl<C: Collective> Collective for Delayed<C> {
         let total: usize = all.iter().map(Vec::len).sum();
         Self::pad(
             started,
-            self.link.broadcast_seconds(total, self.world_size()),
+            self.link.allgather_seconds(total, self.world_size()),
         );
         Ok(all)
+    }
+    fn alltoall(&mut self, send: &[u8]) -> Result<Vec<u8>, CommError> {
+        let started = Instant::now();
+        let received = self.inner.alltoall(send)?;
+        Self::pad(
+            started,
+            self.link.alltoall_seconds(send.len(), self.world_size()),
+        );
+        Ok(received)
     }
     fn barrier(&mut self) -> Result<(), CommError> {
         let started = Instant::now();

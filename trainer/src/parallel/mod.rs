@@ -1,5 +1,5 @@
 //! Data-parallel training, in the order a step uses it: the ranks' communicators
-//! ([`collective`], [`link`], [`mpi`], [`nccl`]) owned by a communication thread
+//! ([`collective`], [`in_process`], [`link`], [`mpi`], [`nccl`]) owned by a communication thread
 //! ([`comm_thread`]); the bucket plan ([`plan`]); gradient hooks that hand over each layer's
 //! gradients during backward ([`hooks`]); buckets on the device or the host ([`buckets`]),
 //! clipped ([`clip`]) and allreduced by the reducer ([`reducer`]); and how a process finds its
@@ -10,6 +10,7 @@ pub mod clip;
 pub mod collective;
 pub mod comm_thread;
 pub mod hooks;
+pub mod in_process;
 pub mod launch;
 pub mod link;
 #[cfg(feature = "mpi")]
@@ -24,11 +25,12 @@ pub mod tied;
 
 pub use buckets::{BucketStorage, Buffer, Scalar};
 pub use clip::{ClipMode, bucket_clip_cap, clip_coefficient, clip_coefficient_device};
-pub use collective::{Collective, CommError, DeviceCollective, InProcess, ReduceOp, SingleRank};
+pub use collective::{Collective, CommError, DeviceCollective, ReduceOp, SingleRank};
 pub use comm_thread::{CommThread, Communicator};
 pub use hooks::{
     GradCallback, GradHookBackend, GradHooks, HookGradients, ReadyOrder, hook_group, ready_order,
 };
+pub use in_process::InProcess;
 pub use launch::{LaunchEnv, LaunchError, LaunchSource};
 pub use link::{Delayed, LinkModel};
 pub use plan::{

@@ -16,7 +16,7 @@ use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
-use super::collective::{Collective, CommError, ReduceOp};
+use super::collective::{Collective, CommError, ReduceOp, alltoall_block};
 
 /// The MPI world communicator. Owns the MPI environment: dropping it finalises MPI.
 pub struct Mpi {
@@ -183,6 +183,45 @@ impl Collective for Mpi {
             .zip(&displs)
             .map(|(&c, &d)| buffer[d as usize..(d + c) as usize].to_vec())
             .collect())
+    }
+
+    fn alltoall(&mut self, send: &[u8]) -> Result<Vec<u8>, CommError> {
+        let seq = self.seq;
+        self.seq += 1;
+        let n = self.world.size() as usize;
+        alltoall_block(seq, send, n)?;
+        // MPI_Alltoall needs equal sizes on every rank: a rank whose buffer differs would
+        // corrupt the exchange, so the lengths are compared first (as allgather's are sent).
+        let mut lengths = vec![0u64; n];
+        let len = send.len() as u64;
+        mpi::request::scope(|scope| {
+            let mut request = Some(self.world.immediate_all_gather_into(
+                scope,
+                &len,
+                &mut lengths[..],
+            ));
+            self.wait("alltoall (lengths)", seq, || poll(&mut request));
+        });
+        if let Some(rank) = lengths.iter().position(|&l| l != len) {
+            return Err(CommError::Mismatch {
+                seq,
+                detail: format!(
+                    "alltoall of {} bytes on rank {rank} but {len} on rank {}",
+                    lengths[rank],
+                    self.world.rank()
+                ),
+            });
+        }
+        let mut received = vec![0u8; send.len()];
+        mpi::request::scope(|scope| {
+            let mut request = Some(self.world.immediate_all_to_all_into(
+                scope,
+                send,
+                &mut received[..],
+            ));
+            self.wait("alltoall", seq, || poll(&mut request));
+        });
+        Ok(received)
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {

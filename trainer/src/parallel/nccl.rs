@@ -37,7 +37,7 @@ use cubecl::server::Handle;
 use cudarc::driver::{CudaContext, CudaStream, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use cudarc::nccl::safe::{Comm, Id, ReduceOp as NcclOp};
 
-use super::collective::{Collective, CommError, DeviceCollective, ReduceOp};
+use super::collective::{Collective, CommError, DeviceCollective, ReduceOp, alltoall_block};
 
 fn nccl_error(e: impl std::fmt::Debug) -> CommError {
     CommError::Backend {
@@ -329,6 +329,48 @@ impl Collective for Nccl {
             .zip(&lengths)
             .map(|(chunk, &len)| chunk[..len].to_vec())
             .collect())
+    }
+
+    fn alltoall(&mut self, send: &[u8]) -> Result<Vec<u8>, CommError> {
+        let seq = self.next_seq();
+        let n = self.world_size();
+        let block = alltoall_block(seq, send, n)?;
+        let rank = self.rank();
+        let mut received = vec![0u8; send.len()];
+        // This rank's own block stays on the host; the others go as one NCCL group of
+        // send/recv pairs (NCCL's all-to-all recipe), staged through device memory.
+        received[rank * block..(rank + 1) * block]
+            .copy_from_slice(&send[rank * block..(rank + 1) * block]);
+        if n > 1 && block > 0 {
+            let device_send = self.stream.clone_htod(send).map_err(nccl_error)?;
+            let mut device_recv = (0..n)
+                .map(|_| self.stream.alloc_zeros::<u8>(block))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(nccl_error)?;
+            {
+                let sends: Vec<_> = (0..n)
+                    .map(|peer| device_send.slice(peer * block..(peer + 1) * block))
+                    .collect();
+                let recvs: Vec<_> = device_recv.iter_mut().map(|r| r.slice_mut(..)).collect();
+                let mut group = self.comm.group();
+                for (peer, (s, r)) in sends.into_iter().zip(recvs).enumerate() {
+                    if peer == rank {
+                        continue;
+                    }
+                    group.send(s, peer as i32).map_err(nccl_error)?;
+                    group.recv(r, peer as i32).map_err(nccl_error)?;
+                }
+            }
+            self.wait("alltoall", seq)?;
+            for (peer, buffer) in device_recv.iter().enumerate() {
+                if peer != rank {
+                    self.stream
+                        .memcpy_dtoh(buffer, &mut received[peer * block..(peer + 1) * block])
+                        .map_err(nccl_error)?;
+                }
+            }
+        }
+        Ok(received)
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {

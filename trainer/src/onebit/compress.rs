@@ -1,0 +1,134 @@
+//! 1-bit compression with error feedback, element by element as DeepSpeed's
+//! `NcclBackend.compressed_allreduce` (`deepspeed/runtime/comm/nccl.py`) computes it:
+//!
+//! ```text
+//! x ← x + e                       (error feedback: what the last compression lost)
+//! s ← ‖x‖₂ / √n                   (one scale for the buffer)
+//! c ← s · sign(x)                 (sign(x) = +1 for x ≥ 0, −1 for x < 0)
+//! e ← x − c
+//! ```
+//!
+//! Signs travel packed 8 per byte, the first element in the most significant bit (NumPy's and
+//! CuPy's `packbits`, which DeepSpeed uses). A zero (and −0, and NaN) is sent as +1: DeepSpeed's
+//! `sign().add_(1).bool()` maps 0 to `true`.
+
+/// Whether `x` is sent as +1 (`true`) or −1.
+#[inline]
+pub fn sign_bit(x: f32) -> bool {
+    // `!(x < 0)`: +0, −0 and NaN are +1, as DeepSpeed's `sign(x) + 1 != 0`.
+    !(x < 0.0)
+}
+
+/// The scale of a compressed buffer: its root mean square `‖x‖₂ / √n` (accumulated in f64),
+/// 0 for an empty buffer.
+pub fn rms_scale(values: &[f32]) -> f32 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    let sum: f64 = values.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+    (sum / values.len() as f64).sqrt() as f32
+}
+
+/// Packs the sign bits of `values` 8 per byte, the first value in the most significant bit.
+/// A length that is not a multiple of 8 leaves the last byte's low bits 0.
+pub fn pack_signs(values: &[f32]) -> Vec<u8> {
+    values
+        .chunks(8)
+        .map(|chunk| {
+            chunk.iter().enumerate().fold(0u8, |byte, (i, &x)| {
+                byte | (u8::from(sign_bit(x)) << (7 - i))
+            })
+        })
+        .collect()
+}
+
+/// The ±1 values of the first `n` signs packed by [`pack_signs`], times `scale`, added to `out`
+/// (`out[i] += scale · sign[i]`, `out.len() == n`).
+///
+/// # Panics
+/// If `bytes` holds fewer than `n` bits (a bug: the message layout fixes the sizes).
+pub fn add_scaled_signs(bytes: &[u8], scale: f32, out: &mut [f32]) {
+    assert!(bytes.len() * 8 >= out.len(), "too few packed signs");
+    for (i, x) in out.iter_mut().enumerate() {
+        let bit = (bytes[i / 8] >> (7 - i % 8)) & 1;
+        *x += if bit == 1 { scale } else { -scale };
+    }
+}
+
+/// Compresses `buffer` (which already holds the value plus the error feedback) in place of
+/// nothing: returns its scale and packed signs, and writes what the compression lost into
+/// `error` (`error = buffer − scale · sign(buffer)`, element by element).
+///
+/// # Panics
+/// If the lengths differ.
+pub fn compress(buffer: &[f32], error: &mut [f32]) -> (f32, Vec<u8>) {
+    assert_eq!(
+        buffer.len(),
+        error.len(),
+        "buffer and error differ in length"
+    );
+    let scale = rms_scale(buffer);
+    for (e, &x) in error.iter_mut().zip(buffer) {
+        *e = x - if sign_bit(x) { scale } else { -scale };
+    }
+    (scale, pack_signs(buffer))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signs_round_trip_through_packing() {
+        // 13 values: one full byte, one partial; zeros, −0 and NaN are +1.
+        let values = [
+            1.5,
+            -2.0,
+            0.0,
+            -0.0,
+            f32::NAN,
+            -1e-30,
+            3.0,
+            -4.0,
+            5.0,
+            -6.0,
+            -7.0,
+            8.0,
+            -9.0,
+        ];
+        let packed = pack_signs(&values);
+        assert_eq!(packed.len(), 2);
+        // 1 0 1 1 1 0 1 0 → 0b1011_1010; then 1 0 0 1 0 (000) → 0b1001_0000.
+        assert_eq!(packed, vec![0b1011_1010, 0b1001_0000]);
+        let mut out = vec![0.0; values.len()];
+        add_scaled_signs(&packed, 2.0, &mut out);
+        let expected: Vec<f32> = values
+            .iter()
+            .map(|&x| if sign_bit(x) { 2.0 } else { -2.0 })
+            .collect();
+        assert_eq!(out, expected);
+    }
+
+    #[test]
+    fn compressed_plus_error_is_the_input() {
+        let buffer: Vec<f32> = (0..37)
+            .map(|i| ((i * 7919) % 23) as f32 * 0.1 - 1.1)
+            .collect();
+        let mut error = vec![0.0; buffer.len()];
+        let (scale, packed) = compress(&buffer, &mut error);
+        let rms = (buffer.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>() / buffer.len() as f64)
+            .sqrt();
+        assert!((f64::from(scale) - rms).abs() < 1e-6, "{scale} vs {rms}");
+        let mut decompressed = vec![0.0; buffer.len()];
+        add_scaled_signs(&packed, scale, &mut decompressed);
+        for ((c, e), x) in decompressed.iter().zip(&error).zip(&buffer) {
+            // c + e = x to f32 rounding of the one subtraction that made e.
+            assert!(
+                (c + e - x).abs() <= f32::EPSILON * x.abs().max(scale),
+                "{c} + {e} vs {x}"
+            );
+            assert_eq!(c.abs(), scale);
+            assert_eq!(*c >= 0.0, *x >= 0.0);
+        }
+    }
+}
