@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::TrainError;
 use crate::checkpoint::CheckpointConfig;
+pub use crate::onebit::OnebitConfig;
 use crate::parallel::{BucketStorage, ClipMode, TiedEmbedding};
 
 /// Everything a training run needs.
@@ -122,6 +123,30 @@ pub enum OptimizerKind {
     AdamW,
     /// Layer-wise adaptive moments (You et al. 2020), as MLPerf's BERT reference.
     Lamb,
+    /// 1-bit Adam (Tang et al. 2021): AdamW for `onebit.freeze_step` steps, then momenta
+    /// averaged by a 1-bit compressed allreduce with the variance frozen (`crate::onebit`).
+    #[serde(rename = "onebit-adam")]
+    OnebitAdam,
+    /// 1-bit LAMB (Li et al. 2022): LAMB for `onebit.freeze_step` steps, then compressed
+    /// momenta, the variance and the trust ratios frozen and adapted (`crate::onebit`).
+    #[serde(rename = "onebit-lamb")]
+    OnebitLamb,
+}
+
+impl OptimizerKind {
+    /// The exact optimizer a 1-bit one runs in its warm-up (itself for AdamW and LAMB).
+    pub fn exact(self) -> Self {
+        match self {
+            Self::OnebitAdam => Self::AdamW,
+            Self::OnebitLamb => Self::Lamb,
+            other => other,
+        }
+    }
+
+    /// Whether this is 1-bit Adam or 1-bit LAMB.
+    pub fn is_onebit(self) -> bool {
+        matches!(self, Self::OnebitAdam | Self::OnebitLamb)
+    }
 }
 
 /// Optimizer hyper-parameters. Weight decay never applies to biases and LayerNorm weights
@@ -144,6 +169,8 @@ pub struct OptimizerConfig {
     /// Gradients are scaled so that their global L2 norm is at most this; 0 turns clipping off.
     /// Default: 1.0.
     pub max_grad_norm: f64,
+    /// 1-bit Adam and LAMB (`name = "onebit-adam"` or `"onebit-lamb"`).
+    pub onebit: OnebitConfig,
 }
 
 impl Default for OptimizerConfig {
@@ -156,6 +183,7 @@ impl Default for OptimizerConfig {
             epsilon: 1e-6,
             weight_decay: 0.01,
             max_grad_norm: 1.0,
+            onebit: OnebitConfig::default(),
         }
     }
 }
@@ -384,6 +412,15 @@ impl TrainConfig {
             .unwrap_or((self.schedule.warmup_proportion * self.train.steps as f64).round() as u64)
     }
 
+    /// The last step of 1-bit Adam's or LAMB's warm-up: as configured, else 20% of the steps
+    /// (at least 1).
+    pub fn freeze_step(&self) -> u64 {
+        self.optimizer
+            .onebit
+            .freeze_step
+            .unwrap_or(((0.2 * self.train.steps as f64).round() as u64).max(1))
+    }
+
     /// Checks what can be checked before any file is read.
     ///
     /// # Errors
@@ -423,6 +460,17 @@ impl TrainConfig {
             return invalid(
                 "optimizer.max_grad_norm/weight_decay",
                 "must not be negative".into(),
+            );
+        }
+        if o.name.is_onebit() {
+            o.onebit.validate(self.freeze_step())?;
+        } else if o.onebit != OnebitConfig::default() {
+            return invalid(
+                "optimizer.onebit",
+                format!(
+                    "applies to onebit-adam and onebit-lamb, not to {:?}",
+                    o.name
+                ),
             );
         }
         if !(0.0..=1.0).contains(&self.schedule.warmup_proportion) {

@@ -7,6 +7,7 @@
 //! holding the state of its own parameters.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
@@ -18,10 +19,12 @@ use burn::tensor::{Device, Shape, Tensor, TensorPrimitive};
 use ember_backend_ext::{AdamHyper, AdamKind, AdamTensors, FusedOps, lamb_multi_tensor};
 
 use crate::config::{OptimizerConfig, OptimizerKind};
+use crate::onebit::{OnebitOptimizer, OnebitStep};
+use crate::parallel::{CommError, CommThread};
 
 mod state;
 use crate::grads::{named_params, split_off};
-pub use state::{Moments, OptimizerState, ParamMoments};
+pub use state::{DeviceMoments, Moments, OptimizerState, ParamMoments};
 
 /// Whether weight decay applies to the parameter at `path` (an ember module path): not to
 /// biases, LayerNorm weights (`gamma`) and LayerNorm biases (`beta`).
@@ -141,7 +144,7 @@ pub struct MultiTensorOptimizer<B: AutodiffBackend<InnerBackend: FusedOps>> {
     weight_decay: f32,
     no_decay_ids: HashSet<ParamId>,
     /// `(m, v, t)` of each parameter stepped so far.
-    state: HashMap<
+    pub(crate) state: HashMap<
         ParamId,
         (
             FloatTensor<B::InnerBackend>,
@@ -162,7 +165,7 @@ struct Flat<B: AutodiffBackend> {
 impl<B: AutodiffBackend<InnerBackend: FusedOps>> MultiTensorOptimizer<B> {
     fn new<M: AutodiffModule<B>>(config: &OptimizerConfig, module: &M) -> Self {
         Self {
-            lamb: config.name == OptimizerKind::Lamb,
+            lamb: config.name.exact() == OptimizerKind::Lamb,
             beta_1: config.beta1,
             beta_2: config.beta2,
             epsilon: config.epsilon,
@@ -342,14 +345,21 @@ pub enum PreTrainingOptimizer<M: AutodiffModule<B>, B: AutodiffBackend<InnerBack
     Lamb(GroupedOptimizer<Lamb, M, B>),
     /// AdamW or LAMB through the multi-tensor ops.
     MultiTensor(MultiTensorOptimizer<B>),
+    /// 1-bit Adam or 1-bit LAMB (`crate::onebit`).
+    Onebit(Box<OnebitOptimizer<M, B>>),
 }
 
 impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> PreTrainingOptimizer<M, B> {
     /// Builds the optimizer of `config` for `module` (whose parameter paths decide the groups);
     /// `fused` steps through `ember-backend-ext`'s multi-tensor ops
     /// ([`MultiTensorOptimizer`]), else Burn's `AdamW` or [`Lamb`] tensor by tensor.
+    /// 1-bit kinds build [`OnebitOptimizer`] (one rank's until
+    /// [`PreTrainingOptimizer::with_comm`]).
     pub fn new(config: &OptimizerConfig, module: &M, fused: bool) -> Self {
         match config.name {
+            OptimizerKind::OnebitAdam | OptimizerKind::OnebitLamb => {
+                Self::Onebit(Box::new(OnebitOptimizer::new(config, module, fused)))
+            }
             _ if fused => Self::MultiTensor(MultiTensorOptimizer::new(config, module)),
             OptimizerKind::AdamW => {
                 let adamw = |weight_decay| {
@@ -382,13 +392,57 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> PreTraini
         }
     }
 
-    /// One update of every parameter that has a gradient in `grads`.
-    pub fn step(&mut self, lr: LearningRate, module: M, grads: GradientsParams) -> M {
+    /// A 1-bit optimizer communicating through `comm`; other optimizers are unchanged.
+    pub fn with_comm(self, comm: Arc<CommThread<B::InnerBackend>>) -> Self {
         match self {
+            Self::Onebit(o) => Self::Onebit(Box::new(o.with_comm(comm))),
+            other => other,
+        }
+    }
+
+    /// The 1-bit optimizer, if this is one.
+    pub fn onebit(&self) -> Option<&OnebitOptimizer<M, B>> {
+        match self {
+            Self::Onebit(o) => Some(o),
+            _ => None,
+        }
+    }
+
+    /// Whether the next step leaves the gradients local (a 1-bit optimizer's compression
+    /// stage): the reducer must not allreduce them.
+    pub fn compressing(&self) -> bool {
+        self.onebit().is_some_and(OnebitOptimizer::compressing)
+    }
+
+    /// One update of every parameter that has a gradient in `grads`.
+    ///
+    /// # Panics
+    /// When a 1-bit optimizer's compressed allreduce fails: use
+    /// [`PreTrainingOptimizer::try_step`] there.
+    pub fn step(&mut self, lr: LearningRate, module: M, grads: GradientsParams) -> M {
+        match self.try_step(lr, module, grads) {
+            Ok((module, _)) => module,
+            Err(e) => panic!("the compressed allreduce failed: {e}"),
+        }
+    }
+
+    /// One update, with what a 1-bit optimizer communicated.
+    ///
+    /// # Errors
+    /// [`CommError`] from a 1-bit optimizer's compressed allreduce (never for the others).
+    pub fn try_step(
+        &mut self,
+        lr: LearningRate,
+        module: M,
+        grads: GradientsParams,
+    ) -> Result<(M, OnebitStep), CommError> {
+        let module = match self {
             Self::AdamW(o) => o.step(lr, module, grads),
             Self::Lamb(o) => o.step(lr, module, grads),
             Self::MultiTensor(o) => o.step(lr, module, grads),
-        }
+            Self::Onebit(o) => return o.step(lr, module, grads),
+        };
+        Ok((module, OnebitStep::default()))
     }
 }
 

@@ -28,9 +28,14 @@ pub struct TrainArgs {
     /// Peak learning rate after warmup (optimizer.lr)
     #[arg(long)]
     lr: Option<f64>,
-    /// Optimizer: adamw or lamb (optimizer.name)
+    /// Optimizer: adamw, lamb, onebit-adam or onebit-lamb (optimizer.name). The 1-bit ones
+    /// run AdamW/LAMB for --freeze-step steps, then average compressed momenta
     #[arg(long, value_parser = parse_optimizer)]
     optimizer: Option<OptimizerKind>,
+    /// 1-bit Adam/LAMB: steps of exact AdamW/LAMB before compression
+    /// (optimizer.onebit.freeze_step) [default: 20% of --steps]
+    #[arg(long)]
+    freeze_step: Option<u64>,
     /// Longest sequence in tokens, [CLS] and [SEP]s included (instances.max_seq_length)
     #[arg(long)]
     seq_len: Option<usize>,
@@ -165,8 +170,10 @@ fn parse_optimizer(s: &str) -> Result<OptimizerKind, String> {
     match s.to_ascii_lowercase().as_str() {
         "adamw" => Ok(OptimizerKind::AdamW),
         "lamb" => Ok(OptimizerKind::Lamb),
+        "onebit-adam" => Ok(OptimizerKind::OnebitAdam),
+        "onebit-lamb" => Ok(OptimizerKind::OnebitLamb),
         other => Err(format!(
-            "unknown optimizer {other:?} (expected adamw or lamb)"
+            "unknown optimizer {other:?} (expected adamw, lamb, onebit-adam or onebit-lamb)"
         )),
     }
 }
@@ -210,6 +217,9 @@ impl TrainArgs {
         }
         if let Some(v) = self.optimizer {
             config.optimizer.name = v;
+        }
+        if let Some(v) = self.freeze_step {
+            config.optimizer.onebit.freeze_step = Some(v);
         }
         if let Some(v) = self.seq_len {
             config.instances.max_seq_length = v;

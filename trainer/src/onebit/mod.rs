@@ -7,5 +7,12 @@
 
 pub mod allreduce;
 pub mod compress;
+pub mod config;
+pub mod optimizer;
+pub mod state;
+mod step;
 
 pub use allreduce::{BytesSent, CompressedAllreduce, padded_len, ring_allreduce_bytes};
+pub use config::OnebitConfig;
+pub use optimizer::{OnebitKind, OnebitOptimizer, OnebitStep};
+pub use state::onebit_rank_file;

@@ -29,6 +29,9 @@ pub struct ParamMoments {
     pub time: usize,
 }
 
+/// A parameter's moments m and v on the device, flat `[n]`, and its step count t.
+pub type DeviceMoments<B> = (Tensor<B, 1>, Tensor<B, 1>, usize);
+
 /// The whole optimizer's state, by ember parameter path. A parameter that has never been
 /// stepped has no entry.
 pub type OptimizerState = BTreeMap<String, ParamMoments>;
@@ -202,6 +205,30 @@ where
         out
     }
 
+    fn device_moments(&self, module: &M) -> HashMap<ParamId, DeviceMoments<B::InnerBackend>> {
+        struct Read<O: SimpleOptimizer<B::InnerBackend>, B: AutodiffBackend> {
+            records: HashMap<ParamId, AdaptorRecord<O, B>>,
+            out: HashMap<ParamId, DeviceMoments<B::InnerBackend>>,
+        }
+        impl<O: Moments<B::InnerBackend>, B: AutodiffBackend> ModuleVisitor<B> for Read<O, B> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                if let Some(record) = self.records.remove(&param.id) {
+                    let (m, v, time) = O::moments(record.into_state::<D>());
+                    let n = m.shape().num_elements();
+                    self.out
+                        .insert(param.id, (m.reshape([n]), v.reshape([n]), time));
+                }
+            }
+        }
+        let mut read = Read::<O, B> {
+            records: self.decay.to_record().into_iter().collect(),
+            out: HashMap::new(),
+        };
+        read.records.extend(self.no_decay.to_record());
+        module.visit(&mut read);
+        read.out
+    }
+
     fn load_state(&mut self, module: &M, state: &mut OptimizerState) -> Result<(), String> {
         let no_decay = self.no_decay_ids.clone();
         load_adaptor(&mut self.decay, module, state, &|id| {
@@ -311,6 +338,29 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> PreTraini
             Self::AdamW(o) => o.state(module),
             Self::Lamb(o) => o.state(module),
             Self::MultiTensor(o) => o.state::<M>(module),
+            Self::Onebit(o) => o.state(module),
+        }
+    }
+
+    /// Each stepped parameter's moments m and v where they live (flat `[n]` handles on the
+    /// device, no copy) and its step count t, by id: 1-bit LAMB reads them in its warm-up to
+    /// track the trust ratios (`crate::onebit::optimizer`).
+    pub fn device_moments(&self, module: &M) -> HashMap<ParamId, DeviceMoments<B::InnerBackend>> {
+        match self {
+            Self::AdamW(o) => o.device_moments(module),
+            Self::Lamb(o) => o.device_moments(module),
+            Self::MultiTensor(o) => o
+                .state
+                .iter()
+                .map(|(id, (m, v, t))| {
+                    let wrap = |x: &burn::tensor::ops::FloatTensor<B::InnerBackend>| {
+                        Tensor::from_primitive(TensorPrimitive::Float(x.clone()))
+                    };
+                    (*id, (wrap(m), wrap(v), *t))
+                })
+                .collect(),
+            // The compression stage's moments live on the host (`crate::onebit`).
+            Self::Onebit(o) => o.exact.device_moments(module),
         }
     }
 
@@ -325,6 +375,7 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> PreTraini
             Self::AdamW(o) => o.load_state(module, &mut state)?,
             Self::Lamb(o) => o.load_state(module, &mut state)?,
             Self::MultiTensor(o) => o.load_state::<M>(module, &mut state)?,
+            Self::Onebit(o) => o.load_state(module, &mut state)?,
         }
         match state.keys().next() {
             Some(unknown) => Err(format!(

@@ -146,6 +146,19 @@ pub enum Buffer<B: Backend> {
 }
 
 impl<B: FusedOps> Buffer<B> {
+    /// Number of f32 elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Buffer::Host(values) => values.len(),
+            Buffer::Device(tensor) => tensor.dims()[0],
+        }
+    }
+
+    /// Whether the buffer holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// The gradients of a bucket's parameters, in bucket order, as one flat buffer: on the
     /// device by concatenation, or on the host (each gradient read from the device: the host
     /// path's cost, Note [Bucket storage]).

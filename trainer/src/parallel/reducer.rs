@@ -52,6 +52,8 @@ pub struct ReducedStep<B: FusedOps> {
     pub grad_norm: Scalar<B>,
     /// Communication timings.
     pub timings: StepTimings,
+    /// Elements this rank allreduced in the step (0 when the buckets stayed local).
+    pub elements_allreduced: usize,
 }
 
 /// A bucket's allreduce on the communication thread.
@@ -79,6 +81,8 @@ struct StepState<B: FusedOps> {
     local_sq_norms: Vec<Scalar<B>>,
     /// Allreduces in flight, in bucket order.
     in_flight: Vec<(usize, InFlight<B>)>,
+    /// Elements handed to the allreduce in this step.
+    elements_allreduced: usize,
     /// A gradient that arrived twice or for an unknown parameter: a bug, reported by
     /// `finalize_backward`.
     error: Option<String>,
@@ -98,6 +102,8 @@ pub struct Reducer<B: FusedOps> {
     /// K of the bucket clip mode; the plan's reduction count when unset.
     bucket_clip_count: Option<usize>,
     on_device: bool,
+    /// Buckets stay local, not allreduced ([`Reducer::set_local`]).
+    local: bool,
     state: Arc<Mutex<StepState<B>>>,
     comm: Arc<CommThread<B>>,
 }
@@ -110,6 +116,7 @@ struct Shared<B: FusedOps> {
     max_norm: f64,
     bucket_clip_count: Option<usize>,
     on_device: bool,
+    local: bool,
     comm: Arc<CommThread<B>>,
 }
 
@@ -156,6 +163,7 @@ impl<B: FusedOps> Reducer<B> {
             next_launch: 0,
             local_sq_norms: Vec::new(),
             in_flight: Vec::new(),
+            elements_allreduced: 0,
             error: None,
             last_launch: None,
             tied: plan.tied.as_ref().map(TiedRows::new),
@@ -167,9 +175,23 @@ impl<B: FusedOps> Reducer<B> {
             max_norm,
             bucket_clip_count: None,
             on_device,
+            local: false,
             state: Arc::new(Mutex::new(state)),
             comm,
         }
+    }
+
+    /// Leaves the buckets local from the next step on (`true`): flattened and clipped as
+    /// always, but not allreduced, so that [`Reducer::gradients`] gives this rank's own
+    /// gradient (1-bit Adam's compression stage, which averages momenta instead; DeepSpeed's
+    /// `enable_backward_allreduce = False`). The clip modes then measure local norms.
+    pub fn set_local(&mut self, local: bool) {
+        self.local = local;
+    }
+
+    /// The communication thread the reducer allreduces through.
+    pub fn comm(&self) -> &Arc<CommThread<B>> {
+        &self.comm
     }
 
     /// Pins K of [`ClipMode::Bucket`] (each bucket clipped to `max_norm/√K`) instead of the
@@ -207,6 +229,7 @@ impl<B: FusedOps> Reducer<B> {
             max_norm: self.max_norm,
             bucket_clip_count: self.bucket_clip_count,
             on_device: self.on_device,
+            local: self.local,
             comm: self.comm.clone(),
         }
     }
@@ -298,6 +321,7 @@ impl<B: FusedOps> Reducer<B> {
             shared.all_reduce_rows(&mut state);
         }
         let in_flight = std::mem::take(&mut state.in_flight);
+        let elements_allreduced = std::mem::take(&mut state.elements_allreduced);
         let rows_in_flight = state.tied.as_mut().and_then(|t| t.in_flight.take());
         let last_launch = state.last_launch;
         drop(state);
@@ -332,6 +356,7 @@ impl<B: FusedOps> Reducer<B> {
                 wait_after_backward: done - backward_done,
                 tail: last_launch.map_or(Duration::ZERO, |t| done.saturating_duration_since(t)),
             },
+            elements_allreduced,
         })
     }
 
@@ -513,6 +538,9 @@ impl<B: FusedOps> Shared<B> {
     fn all_reduce_bucket(&self, state: &mut StepState<B>, k: usize) {
         let buffer = state.buffers[k].take().expect("a complete bucket");
         let buffer = self.bucket_clip(state, buffer);
+        if !self.local {
+            state.elements_allreduced += buffer.len();
+        }
         let rx = self.submit(buffer);
         state.in_flight.push((k, rx));
         state.last_launch = Some(Instant::now());
@@ -536,6 +564,9 @@ impl<B: FusedOps> Shared<B> {
             .and_then(|t| t.buffer.take())
             .expect("checked");
         let buffer = self.bucket_clip(state, buffer);
+        if !self.local {
+            state.elements_allreduced += buffer.len();
+        }
         let rx = self.submit(buffer);
         state.tied.as_mut().expect("checked").in_flight = Some(rx);
         state.last_launch = Some(Instant::now());
@@ -559,6 +590,11 @@ impl<B: FusedOps> Shared<B> {
 
     /// Hands a buffer to the communication thread for its average over the ranks.
     fn submit(&self, buffer: Buffer<B>) -> InFlight<B> {
+        if self.local {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let _ = tx.send(Ok(buffer));
+            return rx;
+        }
         match buffer {
             Buffer::Host(values) => self.comm.submit(move |c| {
                 let mut values = values;

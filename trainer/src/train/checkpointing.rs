@@ -14,6 +14,8 @@ use crate::checkpoint::{
     FileDigest, MANIFEST, Manifest, RankState, RunState, check_resume_compatible, newest_complete,
     prune, rank_file, read_json, read_optimizer_state, step_dir, write_file, write_optimizer_state,
 };
+use crate::onebit::onebit_rank_file;
+use crate::optim::PreTrainingOptimizer;
 use crate::parallel::{CommThread, GradHookBackend};
 use crate::{TrainConfig, TrainError};
 
@@ -77,8 +79,15 @@ impl<B: GradHookBackend> Trainer<B> {
                 .expect("a rank state serialises")
                 .as_bytes(),
         )?;
-        let digest = FileDigest::of_file(&path)?;
-        let report = serde_json::to_vec(&(name, digest)).expect("a digest serialises");
+        let mut files = vec![(name, FileDigest::of_file(&path)?)];
+        // 1-bit Adam/LAMB: this rank's error feedback (Note [Checkpoints]).
+        if let Some(onebit) = self.optimizer.onebit() {
+            let name = onebit_rank_file(rank);
+            let path = dir.join(&name);
+            write_file(&path, &onebit.rank_state(model))?;
+            files.push((name, FileDigest::of_file(&path)?));
+        }
+        let report = serde_json::to_vec(&files).expect("a digest serialises");
         let reports = comm.call(move |c| c.allgather(&report))?;
         if rank != 0 {
             return Ok(dir);
@@ -91,9 +100,9 @@ impl<B: GradHookBackend> Trainer<B> {
             files: Default::default(),
         };
         for report in reports {
-            let (name, digest): (String, FileDigest) = serde_json::from_slice(&report)
+            let files: Vec<(String, FileDigest)> = serde_json::from_slice(&report)
                 .map_err(|e| output_error(&dir, format!("a rank's file report: {e}")))?;
-            manifest.files.insert(name, digest);
+            manifest.files.extend(files);
         }
         let weights = dir.join("model.safetensors");
         model.valid().save_hf_safetensors(&weights)?;
@@ -226,6 +235,20 @@ impl<B: GradHookBackend> Trainer<B> {
         self.optimizer
             .load_state(&model, read_optimizer_state(&optimizer_file)?)
             .map_err(|reason| output_error(&optimizer_file, reason))?;
+        if self.optimizer.onebit().is_some() {
+            let name = onebit_rank_file(rank);
+            let path = dir.join(&name);
+            if rank != 0 {
+                manifest.check_file(&dir, &name)?;
+            }
+            let bytes = std::fs::read(&path).map_err(|e| output_error(&path, e))?;
+            let PreTrainingOptimizer::Onebit(onebit) = &mut self.optimizer else {
+                unreachable!("checked above")
+            };
+            onebit
+                .load_rank_state(&model, &bytes)
+                .map_err(|reason| output_error(&path, reason))?;
+        }
         let rank_path = dir.join(rank_file(rank));
         let state: RankState = read_json(&rank_path)?;
         if state.rank != rank {

@@ -65,6 +65,10 @@ pub struct TrainSummary {
     pub steps: u64,
     /// Training loss (MLM + NSP) of each step, averaged over ranks, in order.
     pub losses: Vec<f64>,
+    /// Bytes this rank sent for each step of this run (not of a resumed run's earlier steps):
+    /// gradients (a ring allreduce's share) or, in 1-bit Adam/LAMB's compression stage,
+    /// compressed momenta.
+    pub comm_bytes: Vec<u64>,
     /// The last evaluation.
     pub eval: EvalResult,
     /// Masked-LM accuracy of always predicting the most frequent masked token.
@@ -303,6 +307,7 @@ pub fn train_rank<B: GradHookBackend>(
     let mut stopped_by = None;
     let mut last_checkpoint = None;
     let mut step = first_step;
+    let mut comm_bytes = Vec::new();
     let run_state = |step, log: &RunLog<_>, last_eval| RunState {
         step,
         world_size,
@@ -317,6 +322,15 @@ pub fn train_rank<B: GradHookBackend>(
             .next_step(config.parallel.grad_accum, &comm)?;
         let record;
         (model, record) = trainer.step(model, step, micro_batches, device, &options)?;
+        if rank == 0 && record.compressed && step + 1 == trainer.optimizer_freeze_step() + 1 {
+            info!(
+                step = step + 1,
+                warmup_bytes_per_step = comm_bytes.last().copied().unwrap_or_default(),
+                compressed_bytes_per_step = record.comm_bytes,
+                "1-bit compression: momenta averaged compressed from here on, the variance frozen"
+            );
+        }
+        comm_bytes.push(record.comm_bytes);
         step += 1;
         log.record(record, &comm)?;
         if step % config.train.eval_every == 0 || step == config.train.steps {
@@ -379,6 +393,7 @@ pub fn train_rank<B: GradHookBackend>(
     Ok(TrainSummary {
         steps: step,
         losses: std::mem::take(&mut log.losses),
+        comm_bytes,
         eval,
         unigram_baseline: rank_data.unigram_baseline,
         unigram_token: rank_data.unigram_token.clone(),
@@ -489,6 +504,7 @@ fn start_run<B: GradHookBackend>(
             mean_tokens_per_sample = format!("{:.1}", rank_data.mean_len),
             tokens_per_step = format!("{:.0}", rank_data.mean_len * global_batch_size as f64),
             optimizer = ?config.optimizer.name,
+            freeze_step = config.optimizer.name.is_onebit().then(|| config.freeze_step()),
             peak_lr = config.optimizer.lr,
             warmup_steps = config.warmup_steps(),
             steps = config.train.steps,

@@ -118,6 +118,11 @@ pub(crate) struct StepRecord<B: Backend> {
     /// Seconds the step waited for its buckets after backward.
     pub comm_wait_s: f64,
     pub host_syncs: Option<HostSyncCounts>,
+    /// Bytes this rank sent for the step's gradients (a ring allreduce's 2(W−1)/W of the
+    /// buckets) or, in 1-bit Adam/LAMB's compression stage, for its momenta.
+    pub comm_bytes: u64,
+    /// Whether the step was in 1-bit Adam/LAMB's compression stage.
+    pub compressed: bool,
 }
 
 /// Metrics, progress and the losses of a run (rank 0 writes; every rank reads its losses).
@@ -268,6 +273,7 @@ impl<B: Backend> RunLog<B> {
                 "nsp_loss": l[2], "lr": last.lr, "grad_norm": grad_norm,
                 "tokens": self.tokens, "step_s": last.seconds,
                 "backward_s": last.backward_seconds, "comm_wait_s": last.comm_wait_s,
+                "comm_bytes": last.comm_bytes, "compressed": last.compressed,
                 "elapsed_s": self.started.elapsed().as_secs_f64(),
             });
             if let Some(syncs) = last.host_syncs {

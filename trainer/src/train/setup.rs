@@ -102,7 +102,12 @@ impl<B: GradHookBackend> Trainer<B> {
         )
         .with_bucket_clip_count(config.parallel.bucket_clip_count);
         let fused = config.model.kernels.fused::<B>();
-        let optimizer = PreTrainingOptimizer::new(&config.optimizer, &model, fused);
+        let mut optimizer_config = config.optimizer.clone();
+        if optimizer_config.name.is_onebit() {
+            optimizer_config.onebit.freeze_step = Some(config.freeze_step());
+        }
+        let optimizer =
+            PreTrainingOptimizer::new(&optimizer_config, &model, fused).with_comm(comm.clone());
         let schedule = WarmupPolyDecay::new(
             config.optimizer.lr,
             config.warmup_steps(),
@@ -123,6 +128,15 @@ impl<B: GradHookBackend> Trainer<B> {
             check_gradients_every: config.parallel.check_gradients_every,
         };
         Ok((trainer, model))
+    }
+}
+
+impl<B: GradHookBackend> Trainer<B> {
+    /// The last warm-up step of a 1-bit optimizer (`u64::MAX` for the others).
+    pub(crate) fn optimizer_freeze_step(&self) -> u64 {
+        self.optimizer
+            .onebit()
+            .map_or(u64::MAX, |o| o.freeze_step())
     }
 }
 

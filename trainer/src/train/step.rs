@@ -16,6 +16,7 @@ use super::output::{HostSyncCounts, StepRecord};
 use super::setup::Trainer;
 use crate::eval::forward_loss_hooked;
 use crate::grads::{peek_grads, take_grads};
+use crate::onebit::ring_allreduce_bytes;
 use crate::parallel::{DeliveryCheck, GradHookBackend, GradHooks};
 use crate::{LossNormalization, RunOptions, TrainError};
 
@@ -64,6 +65,8 @@ impl<B: GradHookBackend> Trainer<B> {
         let mut backward_seconds = 0.0;
         let mut syncs_at_backward = None;
         let mut checks = Vec::new();
+        // 1-bit Adam/LAMB's compression stage averages momenta, not gradients.
+        self.reducer.set_local(self.optimizer.compressing());
         self.reducer.begin_step(
             micro_batches
                 .iter()
@@ -129,7 +132,15 @@ impl<B: GradHookBackend> Trainer<B> {
         }
         let grads = self.reducer.gradients::<B, _>(&model, device);
         let lr = self.schedule.lr(step);
-        let model = self.optimizer.step(lr, model, grads);
+        let (model, onebit) = self.optimizer.try_step(lr, model, grads)?;
+        let comm_bytes = if onebit.compressed {
+            onebit.bytes.total()
+        } else {
+            ring_allreduce_bytes(
+                reduced.elements_allreduced,
+                self.reducer.comm().world_size(),
+            )
+        };
         let host_syncs = match (syncs_at_start, syncs_at_backward, syncs_at_wait, count()) {
             (Some(start), Some(backward), Some(wait), Some(end)) => Some(HostSyncCounts {
                 backward: wait - backward,
@@ -147,6 +158,8 @@ impl<B: GradHookBackend> Trainer<B> {
             backward_seconds,
             comm_wait_s: reduced.timings.wait_after_backward.as_secs_f64(),
             host_syncs,
+            comm_bytes,
+            compressed: onebit.compressed,
         };
         Ok((model, record))
     }

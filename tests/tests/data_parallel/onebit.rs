@@ -1,0 +1,66 @@
+//! 1-bit Adam and 1-bit LAMB through the trainer: the warm-up is the exact optimizer bit for
+//! bit, the compression stage leaves the gradients local and sends over 16× fewer bytes, and
+//! it trains (the convergence comparison on the embedded corpus is `onebit_convergence` in
+//! `xtask/tests/train_cli.rs`, and the README's table).
+
+use super::*;
+use ember_trainer::config::OptimizerKind;
+
+fn summary(config: &TrainConfig, world_size: usize) -> ember_trainer::TrainSummary {
+    train_in_process_with_data::<B>(
+        config,
+        world_size,
+        &Default::default(),
+        RunOptions::default(),
+        Some(shared_data()),
+    )
+    .unwrap()
+}
+
+#[test]
+fn warm_up_is_the_exact_optimizer_and_compression_sends_over_16_times_fewer_bytes() {
+    let _serial = serial();
+    for (exact, onebit) in [
+        (OptimizerKind::AdamW, OptimizerKind::OnebitAdam),
+        (OptimizerKind::Lamb, OptimizerKind::OnebitLamb),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = small_config(dir.path());
+        config.train.steps = 8;
+        config.train.eval_every = 8;
+        config.train.batch_size = 2;
+        config.optimizer.name = exact;
+        let reference = summary(&config, 2);
+        config.optimizer.name = onebit;
+        config.optimizer.onebit.freeze_step = Some(4);
+        let compressed = summary(&config, 2);
+        // Warm-up (steps 1-4) and the step after it: the loss of step 5 is computed before
+        // its update, from weights the exact optimizer made.
+        assert_eq!(
+            &compressed.losses[..5],
+            &reference.losses[..5],
+            "{onebit:?}: the warm-up differs from {exact:?}"
+        );
+        assert_ne!(
+            &compressed.losses[5..],
+            &reference.losses[5..],
+            "{onebit:?}: the compression stage changed nothing"
+        );
+        for loss in &compressed.losses {
+            assert!(loss.is_finite(), "{onebit:?}: {:?}", compressed.losses);
+        }
+        // The last loss stays close to the exact run's (a few steps of compressed momenta).
+        let (a, b) = (compressed.losses[7], reference.losses[7]);
+        assert!((a - b).abs() < 0.05 * b, "{onebit:?}: {a} vs {b}");
+        // Bytes: the warm-up's gradients (a ring allreduce's share of the buckets and of the
+        // step's rows of the tied table, which vary), then compressed momenta.
+        assert_eq!(&compressed.comm_bytes[..4], &reference.comm_bytes[..4]);
+        let warmup = *reference.comm_bytes.iter().min().unwrap();
+        for &bytes in &compressed.comm_bytes[4..] {
+            assert!(
+                bytes > 0 && warmup as f64 / bytes as f64 > 16.0,
+                "{onebit:?}: {warmup} bytes per warm-up step, {bytes} compressed"
+            );
+        }
+    }
+}

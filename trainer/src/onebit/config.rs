@@ -1,0 +1,94 @@
+//! The settings of 1-bit Adam and 1-bit LAMB (`[optimizer.onebit]`).
+
+use serde::{Deserialize, Serialize};
+
+use crate::TrainError;
+
+/// Settings of 1-bit Adam and 1-bit LAMB (`[optimizer.onebit]`); the defaults are DeepSpeed's
+/// (`deepspeed/runtime/fp16/onebit/lamb.py`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OnebitConfig {
+    /// Steps of exact AdamW/LAMB before compression starts (DeepSpeed's `freeze_step`).
+    /// Default: unset, 20% of `train.steps` (DeepSpeed's BERT examples freeze at 15–25%).
+    pub freeze_step: Option<u64>,
+    /// 1-bit LAMB: the warm-up's trust ratios are clipped to `[min_coeff, max_coeff]` before
+    /// they are averaged. Defaults: 0.01 and 10.
+    pub min_coeff: f32,
+    /// See `min_coeff`.
+    pub max_coeff: f32,
+    /// 1-bit LAMB: the averaging factor of the warm-up's trust ratios. Default: 0.9.
+    pub coeff_beta: f32,
+    /// 1-bit LAMB: bounds of the compression stage's scaling factor. Defaults: 0.5 and 4.
+    pub factor_min: f32,
+    /// See `factor_min`.
+    pub factor_max: f32,
+    /// 1-bit LAMB: the most the factor changes from one step to the next, as a fraction.
+    /// Default: 0.1.
+    pub factor_threshold: f32,
+    /// Masks the momentum of the elements whose variance is exactly 0 at the freeze (they
+    /// never had a gradient, as position embeddings past the sequence length): 1-bit
+    /// compression cannot send a 0, and their update divides by ε. DeepSpeed asks the user
+    /// for this mask (`exp_avg_mask`). Default: true.
+    pub mask_unused: bool,
+}
+
+impl Default for OnebitConfig {
+    fn default() -> Self {
+        Self {
+            freeze_step: None,
+            min_coeff: 0.01,
+            max_coeff: 10.0,
+            coeff_beta: 0.9,
+            factor_min: 0.5,
+            factor_max: 4.0,
+            factor_threshold: 0.1,
+            mask_unused: true,
+        }
+    }
+}
+
+impl OnebitConfig {
+    /// Checks the settings, with `freeze_step` the resolved warm-up length.
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidSetting`] naming the setting.
+    pub fn validate(&self, freeze_step: u64) -> Result<(), TrainError> {
+        let invalid =
+            |field: &'static str, reason: String| Err(TrainError::InvalidSetting { field, reason });
+        if freeze_step == 0 {
+            return invalid(
+                "optimizer.onebit.freeze_step",
+                "must be at least 1: the compression stage divides by the variance the warm-up estimates".into(),
+            );
+        }
+        if !(self.min_coeff > 0.0 && self.min_coeff <= self.max_coeff) {
+            return invalid(
+                "optimizer.onebit.min_coeff/max_coeff",
+                format!(
+                    "need 0 < min_coeff ≤ max_coeff, got {} and {}",
+                    self.min_coeff, self.max_coeff
+                ),
+            );
+        }
+        if !(self.factor_min > 0.0 && self.factor_min <= self.factor_max) {
+            return invalid(
+                "optimizer.onebit.factor_min/factor_max",
+                format!(
+                    "need 0 < factor_min ≤ factor_max, got {} and {}",
+                    self.factor_min, self.factor_max
+                ),
+            );
+        }
+        if !(0.0..1.0).contains(&self.coeff_beta) || !(0.0..1.0).contains(&self.factor_threshold) {
+            return invalid(
+                "optimizer.onebit.coeff_beta/factor_threshold",
+                format!(
+                    "must be in [0, 1), got {} and {}",
+                    self.coeff_beta, self.factor_threshold
+                ),
+            );
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,184 @@
+//! One step of the compression stage (the formulas are in `optimizer.rs`'s module docs), on
+//! the host: the parameters and local gradients are read, the momenta averaged by the
+//! compressed allreduce, and the new parameters written back.
+
+use std::collections::HashMap;
+
+use burn::module::AutodiffModule;
+use burn::optim::{GradientsParams, LearningRate};
+use burn::tensor::backend::AutodiffBackend;
+use ember_backend_ext::FusedOps;
+
+use super::allreduce::BytesSent;
+use super::optimizer::{OnebitKind, OnebitOptimizer, OnebitStep, ReadHost, WriteHost};
+use crate::parallel::CommError;
+
+/// ‖x‖₂, accumulated in f64.
+fn norm(x: &[f32]) -> f64 {
+    x.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt()
+}
+
+impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOptimizer<M, B> {
+    /// The compression stage's step (see the module docs of `optimizer.rs`).
+    pub(crate) fn compressed_step(
+        &mut self,
+        lr: LearningRate,
+        module: M,
+        mut grads: GradientsParams,
+    ) -> Result<(M, OnebitStep), CommError> {
+        let mut read = ReadHost::<B> {
+            grads: &mut grads,
+            out: HashMap::new(),
+            backend: std::marker::PhantomData,
+        };
+        module.visit(&mut read);
+        let mut host = read.out;
+        let lamb = self.kind == OnebitKind::Lamb;
+        let (b1, b2, eps) = (self.hyper.beta1, self.hyper.beta2, self.hyper.epsilon);
+        let weight_decay = self.hyper.weight_decay;
+        let s = self.settings.clone();
+        let stage = self.stage.as_mut().expect("the compression stage");
+        stage.time += 1;
+        self.steps += 1;
+
+        // 1. Each rank's momentum from its local gradient (no gradient: a zero one).
+        let mut previous = Vec::new();
+        for p in &mut stage.params {
+            if lamb {
+                previous.push(p.m.clone());
+            }
+            match host.get(&p.id).and_then(|(_, g)| g.as_ref()) {
+                Some(g) => {
+                    for (m, &g) in p.m.iter_mut().zip(g) {
+                        *m = b1 * *m + (1.0 - b1) * g;
+                    }
+                }
+                None => p.m.iter_mut().for_each(|m| *m *= b1),
+            }
+            if lamb {
+                p.m.iter_mut().for_each(|m| *m *= p.scaling_coeff);
+            }
+        }
+
+        // 2. The compressed average: one segment per tensor (Adam), one for all (LAMB).
+        let values: Vec<Vec<f32>> = match self.kind {
+            OnebitKind::Adam => stage
+                .params
+                .iter_mut()
+                .map(|p| std::mem::take(&mut p.m))
+                .collect(),
+            OnebitKind::Lamb => vec![
+                stage
+                    .params
+                    .iter_mut()
+                    .flat_map(|p| std::mem::take(&mut p.m))
+                    .collect(),
+            ],
+        };
+        let allreduce = stage
+            .allreduce
+            .take()
+            .expect("error feedback between steps");
+        let (allreduce, values, bytes) = match &self.comm {
+            Some(comm) => comm.call(move |c| {
+                let (mut allreduce, mut values) = (allreduce, values);
+                let sent = allreduce.run(c, &mut values)?;
+                Ok((allreduce, values, sent))
+            })?,
+            None => (allreduce, values, BytesSent::default()),
+        };
+        stage.allreduce = Some(allreduce);
+        let mut values = values.into_iter();
+        match self.kind {
+            OnebitKind::Adam => {
+                for (p, v) in stage.params.iter_mut().zip(values) {
+                    p.m = v;
+                }
+            }
+            OnebitKind::Lamb => {
+                let flat = values.next().expect("one segment");
+                let mut offset = 0;
+                for p in &mut stage.params {
+                    let n = p.v.len();
+                    p.m = flat[offset..offset + n].to_vec();
+                    offset += n;
+                }
+            }
+        }
+
+        // 3. The update with the frozen variance.
+        let bc1 = 1.0 - b1.powi(stage.time as i32);
+        let bc2 = 1.0 - b2.powi(stage.frozen_time as i32);
+        let bc2_fresh = 1.0 - b2.powi(stage.time as i32);
+        let lr = lr as f32;
+        let mut updated = HashMap::new();
+        for (k, p) in stage.params.iter_mut().enumerate() {
+            if lamb {
+                p.m.iter_mut().for_each(|m| *m /= p.scaling_coeff);
+            }
+            if let Some(mask) = &stage.masks[k] {
+                for (m, &masked) in p.m.iter_mut().zip(mask) {
+                    if masked {
+                        *m = 0.0;
+                    }
+                }
+            }
+            let Some((mut w, _)) = host.remove(&p.id) else {
+                continue;
+            };
+            let decay = if p.decay { weight_decay } else { 0.0 };
+            let denom: Vec<f32> = p.v.iter().map(|&v| (v / bc2).sqrt() + eps).collect();
+            let prelim: Vec<f32> =
+                p.m.iter()
+                    .zip(&denom)
+                    .map(|(&m, &d)| (m / bc1) / d)
+                    .collect();
+            let update: Vec<f32> = prelim
+                .iter()
+                .zip(&w)
+                .map(|(&u, &w)| u + decay * w)
+                .collect();
+            let step = if lamb {
+                for ((f, &m), &prev) in p.v_fresh.iter_mut().zip(&p.m).zip(&previous[k]) {
+                    let g = (m - b1 * prev) / (1.0 - b1);
+                    *f = b2 * *f + (1.0 - b2) * g * g;
+                }
+                let mut factor = p
+                    .v_fresh
+                    .iter()
+                    .zip(&denom)
+                    .map(|(&f, &d)| d / ((f / bc2_fresh).sqrt() + eps))
+                    .fold(f32::MIN, f32::max);
+                if decay > 0.0 {
+                    let update_norm = norm(&update);
+                    let ratio = if update_norm > 0.0 {
+                        (norm(&prelim) / update_norm).min(1.0) as f32
+                    } else {
+                        1.0
+                    };
+                    factor = factor * ratio + (1.0 - ratio);
+                }
+                factor = factor.clamp(s.factor_min, s.factor_max).clamp(
+                    p.last_factor * (1.0 - s.factor_threshold),
+                    p.last_factor * (1.0 + s.factor_threshold),
+                );
+                p.last_factor = factor;
+                lr * p.coeff_freeze * factor
+            } else {
+                lr
+            };
+            for (w, u) in w.iter_mut().zip(&update) {
+                *w -= step * u;
+            }
+            updated.insert(p.id, w);
+        }
+        let module = module.map(&mut WriteHost(updated));
+        Ok((
+            module,
+            OnebitStep {
+                compressed: true,
+                bytes,
+            },
+        ))
+    }
+}
