@@ -47,6 +47,9 @@ pub enum BenchCommand {
     /// Writing and loading the weights and optimizer state of a full-state checkpoint, against
     /// a plain file of the same size.
     Checkpoint(crate::bench_checkpoint::CheckpointArgs),
+    /// Bytes sent and step time of AdamW vs 1-bit Adam and LAMB vs 1-bit LAMB (2 ranks, the
+    /// whole trainer, a modelled network link).
+    Onebit(crate::bench_onebit::OnebitArgs),
 }
 
 /// Flags of `bench overlap`.
@@ -90,6 +93,7 @@ pub fn run(command: BenchCommand) -> Result<()> {
         BenchCommand::Kernels(args) => crate::bench_kernels::run(args),
         BenchCommand::Step(args) => crate::bench_step::run(args),
         BenchCommand::Checkpoint(args) => crate::bench_checkpoint::run(args),
+        BenchCommand::Onebit(args) => crate::bench_onebit::run(args),
     }
 }
 

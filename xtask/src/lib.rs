@@ -15,6 +15,7 @@
 mod bench;
 mod bench_checkpoint;
 mod bench_kernels;
+mod bench_onebit;
 mod bench_step;
 mod comm_check;
 mod convert;

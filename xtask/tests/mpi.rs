@@ -94,6 +94,53 @@ fn mpirun_two_processes_equal_two_in_process_ranks() {
     eprintln!("largest difference between MPI and in-process ranks: {worst:e}");
 }
 
+/// 1-bit Adam and 1-bit LAMB over MPI (the compressed allreduce's all-to-all and allgather on
+/// MPI_Ialltoall and MPI_Iallgatherv) end with the parameters of two in-process ranks: two
+/// warm-up steps, then three compressed.
+#[test]
+fn onebit_optimizers_over_mpirun_equal_in_process_ranks() {
+    for optimizer in ["onebit-adam", "onebit-lamb"] {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("onebit.toml");
+        std::fs::write(
+            &config,
+            CONFIG
+                .replace("steps = 3", "steps = 5")
+                .replace("eval_every = 3", "eval_every = 5"),
+        )
+        .unwrap();
+        let config = config.to_str().unwrap();
+        let flags = [
+            "train",
+            "--config",
+            config,
+            "--optimizer",
+            optimizer,
+            "--freeze-step",
+            "2",
+            "--no-progress",
+            "--out",
+        ];
+        let mut threads = flags.to_vec();
+        threads.extend(["threads", "--nproc", "2"]);
+        ember(&threads, dir.path());
+        let mut mpi = vec!["launch", "--nproc", "2", "--"];
+        mpi.extend(flags);
+        mpi.push("mpi");
+        let text = ember(&mpi, dir.path());
+        assert!(text.contains("ember: 5 steps"), "{text}");
+        let metrics = std::fs::read_to_string(dir.path().join("mpi/metrics.jsonl")).unwrap();
+        let compressed = metrics.matches("\"compressed\":true").count();
+        assert_eq!(compressed, 3, "{optimizer}: {metrics}");
+        let worst = ember_tests::assert_same_weights(
+            &dir.path().join("threads/model.safetensors"),
+            &dir.path().join("mpi/model.safetensors"),
+            1e-5,
+        );
+        eprintln!("{optimizer}: largest difference between MPI and in-process ranks: {worst:e}");
+    }
+}
+
 /// The collectives of a launched job are timed by `comm-check`; a rank held back past the
 /// timeout before an allgather ends the whole job with an error naming the allgather, well
 /// before the held-back rank would have arrived.

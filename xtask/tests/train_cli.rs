@@ -1,8 +1,8 @@
 //! `ember train` as a user runs it. Runs that survive a kill (Note [Checkpoints] in
 //! `trainer/src/checkpoint/mod.rs`): a child is SIGKILLed between checkpoints or while one is
 //! being written, `--resume` continues it, and its losses and final weights equal those of a
-//! run never interrupted, bit for bit, with 1 rank and 2 in-process ranks, dropout on, AdamW
-//! and LAMB. SIGTERM writes a checkpoint and exits 0. The run draws `curves.png`.
+//! run never interrupted, bit for bit, with 1 rank and 2 in-process ranks, dropout on, AdamW,
+//! LAMB, 1-bit Adam and 1-bit LAMB. SIGTERM writes a checkpoint and exits 0. The run draws `curves.png`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -114,14 +114,25 @@ fn assert_same_run(full: &Path, resumed: &Path, what: &str) {
             == std::fs::read(resumed.join("model.safetensors")).unwrap(),
         "{what}: model.safetensors differs from the uninterrupted run's"
     );
-    let last = |out: &Path| {
+    let last = |out: &Path, name: &str| {
         let dir = out.join("checkpoints/step-0000030");
-        std::fs::read(dir.join("optimizer.safetensors")).unwrap()
+        std::fs::read(dir.join(name)).ok()
     };
     assert!(
-        last(full) == last(resumed),
+        last(full, "optimizer.safetensors").is_some()
+            && last(full, "optimizer.safetensors") == last(resumed, "optimizer.safetensors"),
         "{what}: the final optimizer state differs"
     );
+    // 1-bit Adam/LAMB: each rank's error feedback too.
+    for rank in [
+        "rank-00000.onebit.safetensors",
+        "rank-00001.onebit.safetensors",
+    ] {
+        assert!(
+            last(full, rank) == last(resumed, rank),
+            "{what}: {rank} differs"
+        );
+    }
 }
 
 /// SIGKILL at a random step between checkpoints, then `--resume`: the same losses, weights
@@ -130,13 +141,29 @@ fn assert_same_run(full: &Path, resumed: &Path, what: &str) {
 fn killed_between_checkpoints_resumes_bit_for_bit() {
     let dir = tempfile::tempdir().unwrap();
     let config = config(dir.path(), 30, 5);
-    for (nproc, optimizer) in [("1", "adamw"), ("1", "lamb"), ("2", "adamw"), ("2", "lamb")] {
-        let what = format!("{nproc} rank(s), {optimizer}");
-        let extra = ["--nproc", nproc, "--optimizer", optimizer];
-        let full = dir.path().join(format!("full-{nproc}-{optimizer}"));
+    // 1-bit Adam/LAMB freezing at step 3: the kill (steps 6-9) resumes from step 5's
+    // checkpoint in the compression stage (error feedback, LAMB's fresh variance and
+    // factors); freezing at step 7: from the warm-up (LAMB's averaged trust ratios).
+    for (nproc, optimizer, freeze) in [
+        ("1", "adamw", ""),
+        ("1", "lamb", ""),
+        ("2", "adamw", ""),
+        ("2", "lamb", ""),
+        ("2", "onebit-adam", "3"),
+        ("2", "onebit-lamb", "3"),
+        ("2", "onebit-lamb", "7"),
+    ] {
+        let what = format!("{nproc} rank(s), {optimizer} {freeze}");
+        let mut extra = vec!["--nproc", nproc, "--optimizer", optimizer];
+        if !freeze.is_empty() {
+            extra.extend(["--freeze-step", freeze]);
+        }
+        let full = dir
+            .path()
+            .join(format!("full-{nproc}-{optimizer}-{freeze}"));
         run(&config, &full, &extra);
 
-        let cut = dir.path().join(format!("cut-{nproc}-{optimizer}"));
+        let cut = dir.path().join(format!("cut-{nproc}-{optimizer}-{freeze}"));
         let kill_at = 6 + (std::process::id() as u64 + nproc.len() as u64 * 7) % 4; // 6..=9
         let child = command(&config, &cut, &extra)
             .stdout(Stdio::null())
@@ -147,7 +174,7 @@ fn killed_between_checkpoints_resumes_bit_for_bit() {
             losses(&cut).last().is_some_and(|(s, _)| *s >= kill_at)
         });
         let resumed_from = losses(&cut).len();
-        let mut resume = extra.to_vec();
+        let mut resume = extra.clone();
         let cut_str = cut.to_str().unwrap().to_string();
         resume.extend(["--resume", &cut_str]);
         let output = run(&config, &cut, &resume);

@@ -11,6 +11,8 @@ pub mod config;
 pub mod optimizer;
 pub mod state;
 mod step;
+#[cfg(test)]
+mod tests;
 
 pub use allreduce::{BytesSent, CompressedAllreduce, padded_len, ring_allreduce_bytes};
 pub use config::OnebitConfig;
