@@ -20,7 +20,7 @@
 //! issues an all-to-all and two allgathers per tensor). With one rank nothing is compressed:
 //! the buffers are already the average (DeepSpeed likewise skips the call when `size == 1`).
 
-use super::compress::{add_scaled_signs, compress};
+use super::compress::{add_scaled_signs, compress_in_place};
 use crate::parallel::{Collective, CommError};
 
 /// The length DeepSpeed pads a buffer of `len` elements to for `world_size` ranks: the next
@@ -126,11 +126,11 @@ impl CompressedAllreduce {
         let mut signs = Vec::with_capacity(segments);
         for (s, v) in values.iter().enumerate() {
             assert_eq!(v.len(), self.lengths[s], "segment {s}'s length");
-            let mut buffer = self.worker_errors[s].clone();
-            for (x, &y) in buffer.iter_mut().zip(v) {
-                *x += y;
+            let error = &mut self.worker_errors[s];
+            for (e, &y) in error.iter_mut().zip(v) {
+                *e += y;
             }
-            let (scale, packed) = compress(&buffer, &mut self.worker_errors[s]);
+            let (scale, packed) = compress_in_place(error);
             scales.push(scale);
             signs.push(packed);
         }
@@ -166,10 +166,11 @@ impl CompressedAllreduce {
                     &mut chunk,
                 );
             }
-            for (x, &e) in chunk.iter_mut().zip(&self.server_errors[s]) {
-                *x += e;
+            let error = &mut self.server_errors[s];
+            for (e, &x) in error.iter_mut().zip(&chunk) {
+                *e += x;
             }
-            let (scale, packed) = compress(&chunk, &mut self.server_errors[s]);
+            let (scale, packed) = compress_in_place(error);
             message.extend_from_slice(&scale.to_le_bytes());
             server_signs.push(packed);
             offset += c;

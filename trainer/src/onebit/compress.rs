@@ -32,14 +32,18 @@ pub fn rms_scale(values: &[f32]) -> f32 {
 /// Packs the sign bits of `values` 8 per byte, the first value in the most significant bit.
 /// A length that is not a multiple of 8 leaves the last byte's low bits 0.
 pub fn pack_signs(values: &[f32]) -> Vec<u8> {
-    values
-        .chunks(8)
-        .map(|chunk| {
-            chunk.iter().enumerate().fold(0u8, |byte, (i, &x)| {
-                byte | (u8::from(sign_bit(x)) << (7 - i))
-            })
+    let byte = |chunk: &[f32]| {
+        chunk.iter().enumerate().fold(0u8, |byte, (i, &x)| {
+            byte | (u8::from(sign_bit(x)) << (7 - i))
         })
-        .collect()
+    };
+    let chunks = values.chunks_exact(8);
+    let tail = chunks.remainder();
+    let mut packed: Vec<u8> = chunks.map(byte).collect();
+    if !tail.is_empty() {
+        packed.push(byte(tail));
+    }
+    packed
 }
 
 /// The ±1 values of the first `n` signs packed by [`pack_signs`], times `scale`, added to `out`
@@ -49,29 +53,45 @@ pub fn pack_signs(values: &[f32]) -> Vec<u8> {
 /// If `bytes` holds fewer than `n` bits (a bug: the message layout fixes the sizes).
 pub fn add_scaled_signs(bytes: &[u8], scale: f32, out: &mut [f32]) {
     assert!(bytes.len() * 8 >= out.len(), "too few packed signs");
-    for (i, x) in out.iter_mut().enumerate() {
-        let bit = (bytes[i / 8] >> (7 - i % 8)) & 1;
-        *x += if bit == 1 { scale } else { -scale };
+    let add = |byte: u8, chunk: &mut [f32]| {
+        for (i, x) in chunk.iter_mut().enumerate() {
+            *x += if (byte >> (7 - i)) & 1 == 1 {
+                scale
+            } else {
+                -scale
+            };
+        }
+    };
+    let full = out.len() / 8;
+    let mut chunks = out.chunks_exact_mut(8);
+    for (chunk, &byte) in (&mut chunks).zip(bytes) {
+        add(byte, chunk);
+    }
+    let tail = chunks.into_remainder();
+    if !tail.is_empty() {
+        add(bytes[full], tail);
     }
 }
 
-/// Compresses `buffer` (which already holds the value plus the error feedback) in place of
-/// nothing: returns its scale and packed signs, and writes what the compression lost into
-/// `error` (`error = buffer − scale · sign(buffer)`, element by element).
-///
-/// # Panics
-/// If the lengths differ.
-pub fn compress(buffer: &[f32], error: &mut [f32]) -> (f32, Vec<u8>) {
-    assert_eq!(
-        buffer.len(),
-        error.len(),
-        "buffer and error differ in length"
-    );
-    let scale = rms_scale(buffer);
-    for (e, &x) in error.iter_mut().zip(buffer) {
-        *e = x - if sign_bit(x) { scale } else { -scale };
+/// Compresses `x` (the value plus the error feedback) and leaves in it what the compression
+/// lost: returns the scale and the packed signs, and `x ← x − scale · sign(x)` element by
+/// element (two passes, no temporary).
+pub fn compress_in_place(x: &mut [f32]) -> (f32, Vec<u8>) {
+    let scale = rms_scale(x);
+    let mut packed = Vec::with_capacity(x.len().div_ceil(8));
+    for chunk in x.chunks_mut(8) {
+        let mut byte = 0u8;
+        for (i, v) in chunk.iter_mut().enumerate() {
+            if sign_bit(*v) {
+                byte |= 1 << (7 - i);
+                *v -= scale;
+            } else {
+                *v += scale;
+            }
+        }
+        packed.push(byte);
     }
-    (scale, pack_signs(buffer))
+    (scale, packed)
 }
 
 #[cfg(test)]
@@ -114,8 +134,9 @@ mod tests {
         let buffer: Vec<f32> = (0..37)
             .map(|i| ((i * 7919) % 23) as f32 * 0.1 - 1.1)
             .collect();
-        let mut error = vec![0.0; buffer.len()];
-        let (scale, packed) = compress(&buffer, &mut error);
+        let mut error = buffer.clone();
+        let (scale, packed) = compress_in_place(&mut error);
+        assert_eq!(packed, pack_signs(&buffer));
         let rms = (buffer.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>() / buffer.len() as f64)
             .sqrt();
         assert!((f64::from(scale) - rms).abs() < 1e-6, "{scale} vs {rms}");

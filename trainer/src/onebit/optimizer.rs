@@ -35,7 +35,7 @@
 //! - ember's warm-up LAMB does not clip its trust ratio (as ember's LAMB); the clipped ratio is
 //!   only what `lamb_coeff_freeze` averages.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -43,6 +43,7 @@ use burn::optim::{GradientsParams, LearningRate};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use ember_backend_ext::FusedOps;
+use ember_model::checkpoint::read_unshared;
 
 use super::allreduce::{BytesSent, CompressedAllreduce};
 use crate::config::{OnebitConfig, OptimizerConfig, OptimizerKind};
@@ -70,6 +71,9 @@ pub(crate) struct CompressedParam {
     pub m: Vec<f32>,
     /// Variance v, frozen at the freeze step.
     pub v: Vec<f32>,
+    /// The parameter's value: only this optimizer changes it in the compression stage, so the
+    /// host keeps it (read once; reading a shared Burn tensor back is slow).
+    pub w: Vec<f32>,
     /// 1-bit LAMB: the fresh variance rebuilt from the averaged momenta.
     pub v_fresh: Vec<f32>,
     /// 1-bit LAMB: `united_scale / this tensor's momentum scale` at the freeze.
@@ -334,6 +338,7 @@ pub(crate) fn compressed_param(
         m: moments.moment_1.into_vec::<f32>().expect("f32 moments"),
         v: moments.moment_2.into_vec::<f32>().expect("f32 moments"),
         v_fresh: Vec::new(),
+        w: Vec::new(),
         scaling_coeff: 1.0,
         coeff_freeze,
         last_factor: 1.0,
@@ -355,23 +360,30 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for WeightsById<B> {
     }
 }
 
-/// Reads each parameter's value and gradient to the host (flat), by id.
+/// Reads each parameter's gradient to the host (flat), and its value where `values` asks, by
+/// id. Through `read_unshared` (Note [Reading shared tensors]): a copy of a shared NdArray
+/// tensor is gathered element by element.
 pub(crate) struct ReadHost<'a, B: AutodiffBackend> {
     pub grads: &'a mut GradientsParams,
-    pub out: HashMap<ParamId, (Vec<f32>, Option<Vec<f32>>)>,
+    pub values: HashSet<ParamId>,
+    pub out: HashMap<ParamId, (Option<Vec<f32>>, Option<Vec<f32>>)>,
     pub backend: std::marker::PhantomData<B>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for ReadHost<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let read = |t: Tensor<B::InnerBackend, D>| {
-            t.into_data()
+            read_unshared(t)
                 .convert::<f32>()
                 .into_vec::<f32>()
                 .expect("f32 data")
         };
         let grad = self.grads.remove::<B::InnerBackend, D>(param.id).map(read);
-        self.out.insert(param.id, (read(param.val().inner()), grad));
+        let value = self
+            .values
+            .contains(&param.id)
+            .then(|| read(param.val().inner()));
+        self.out.insert(param.id, (value, grad));
     }
 }
 

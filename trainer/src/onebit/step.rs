@@ -26,8 +26,19 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
         module: M,
         mut grads: GradientsParams,
     ) -> Result<(M, OnebitStep), CommError> {
+        let started = std::time::Instant::now();
+        let values = self
+            .stage
+            .as_ref()
+            .expect("the compression stage")
+            .params
+            .iter()
+            .filter(|p| p.w.is_empty())
+            .map(|p| p.id)
+            .collect();
         let mut read = ReadHost::<B> {
             grads: &mut grads,
+            values,
             out: HashMap::new(),
             backend: std::marker::PhantomData,
         };
@@ -41,6 +52,7 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
         stage.time += 1;
         self.steps += 1;
 
+        let read_s = started.elapsed().as_secs_f64();
         // 1. Each rank's momentum from its local gradient (no gradient: a zero one).
         let mut previous = Vec::new();
         for p in &mut stage.params {
@@ -60,6 +72,7 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
             }
         }
 
+        let momentum_s = started.elapsed().as_secs_f64();
         // 2. The compressed average: one segment per tensor (Adam), one for all (LAMB).
         let values: Vec<Vec<f32>> = match self.kind {
             OnebitKind::Adam => stage
@@ -106,6 +119,7 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
             }
         }
 
+        let allreduce_s = started.elapsed().as_secs_f64();
         // 3. The update with the frozen variance.
         let bc1 = 1.0 - b1.powi(stage.time as i32);
         let bc2 = 1.0 - b2.powi(stage.frozen_time as i32);
@@ -123,10 +137,20 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
                     }
                 }
             }
-            let Some((mut w, _)) = host.remove(&p.id) else {
-                continue;
-            };
+            if let Some((Some(value), _)) = host.remove(&p.id) {
+                p.w = value;
+            }
+            let w = &mut p.w;
             let decay = if p.decay { weight_decay } else { 0.0 };
+            if !lamb {
+                // Adam: one pass, no temporaries.
+                for ((w, &m), &v) in w.iter_mut().zip(&p.m).zip(&p.v) {
+                    let u = (m / bc1) / ((v / bc2).sqrt() + eps) + decay * *w;
+                    *w -= lr * u;
+                }
+                updated.insert(p.id, w.clone());
+                continue;
+            }
             let denom: Vec<f32> = p.v.iter().map(|&v| (v / bc2).sqrt() + eps).collect();
             let prelim: Vec<f32> =
                 p.m.iter()
@@ -135,44 +159,49 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
                     .collect();
             let update: Vec<f32> = prelim
                 .iter()
-                .zip(&w)
+                .zip(w.iter())
                 .map(|(&u, &w)| u + decay * w)
                 .collect();
-            let step = if lamb {
-                for ((f, &m), &prev) in p.v_fresh.iter_mut().zip(&p.m).zip(&previous[k]) {
-                    let g = (m - b1 * prev) / (1.0 - b1);
-                    *f = b2 * *f + (1.0 - b2) * g * g;
-                }
-                let mut factor = p
-                    .v_fresh
-                    .iter()
-                    .zip(&denom)
-                    .map(|(&f, &d)| d / ((f / bc2_fresh).sqrt() + eps))
-                    .fold(f32::MIN, f32::max);
-                if decay > 0.0 {
-                    let update_norm = norm(&update);
-                    let ratio = if update_norm > 0.0 {
-                        (norm(&prelim) / update_norm).min(1.0) as f32
-                    } else {
-                        1.0
-                    };
-                    factor = factor * ratio + (1.0 - ratio);
-                }
-                factor = factor.clamp(s.factor_min, s.factor_max).clamp(
-                    p.last_factor * (1.0 - s.factor_threshold),
-                    p.last_factor * (1.0 + s.factor_threshold),
-                );
-                p.last_factor = factor;
-                lr * p.coeff_freeze * factor
-            } else {
-                lr
-            };
+            for ((f, &m), &prev) in p.v_fresh.iter_mut().zip(&p.m).zip(&previous[k]) {
+                let g = (m - b1 * prev) / (1.0 - b1);
+                *f = b2 * *f + (1.0 - b2) * g * g;
+            }
+            let mut factor = p
+                .v_fresh
+                .iter()
+                .zip(&denom)
+                .map(|(&f, &d)| d / ((f / bc2_fresh).sqrt() + eps))
+                .fold(f32::MIN, f32::max);
+            if decay > 0.0 {
+                let update_norm = norm(&update);
+                let ratio = if update_norm > 0.0 {
+                    (norm(&prelim) / update_norm).min(1.0) as f32
+                } else {
+                    1.0
+                };
+                factor = factor * ratio + (1.0 - ratio);
+            }
+            factor = factor.clamp(s.factor_min, s.factor_max).clamp(
+                p.last_factor * (1.0 - s.factor_threshold),
+                p.last_factor * (1.0 + s.factor_threshold),
+            );
+            p.last_factor = factor;
+            let step = lr * p.coeff_freeze * factor;
             for (w, u) in w.iter_mut().zip(&update) {
                 *w -= step * u;
             }
-            updated.insert(p.id, w);
+            updated.insert(p.id, w.clone());
         }
+        let update_s = started.elapsed().as_secs_f64();
         let module = module.map(&mut WriteHost(updated));
+        tracing::debug!(
+            read_s,
+            momentum_s = momentum_s - read_s,
+            allreduce_s = allreduce_s - momentum_s,
+            update_s = update_s - allreduce_s,
+            write_s = started.elapsed().as_secs_f64() - update_s,
+            "1-bit step phases"
+        );
         Ok((
             module,
             OnebitStep {
