@@ -5,7 +5,7 @@
 #                                       # them into gpu-check/bins.tar.gz (~22 MB; the two binaries
 #                                       # are ~86 MB unpacked, over the device machine's 64 MiB carry)
 #   scripts/gpu-check.sh run [PART...]  # on the GPU machine; PART: step, kernels, bench-kernels,
-#                                       # resume (default: all, in that order); logs in $OUT (or
+#                                       # resume, onebit (default: all, in that order); logs in $OUT (or
 #                                       # gpu-check/out), one table per part
 #
 # Parts:
@@ -22,6 +22,11 @@
 #                  checkpoint copied to another folder; prints
 #                  whether the losses and the final weights are the same bit for bit (they
 #                  are on NdArray; on a GPU, atomics in reductions may make them differ).
+#   onebit         1-bit Adam and 1-bit LAMB on CUDA, one rank, BERT-base at sequence length 128:
+#                  median step time of the warm-up (exact optimizer, fused kernels) against the
+#                  compression stage, which runs on the host (crate::onebit: gradients read to the
+#                  host, momenta compressed there, parameters written back). One rank compresses
+#                  nothing (the average of one), so this measures the host path's cost alone.
 #
 # The GPU machine needs the NVIDIA driver, and NCCL for `step`: cubecl-cuda and cudarc load
 # libcuda, nvrtc and libnccl at run time. The script adds the libraries of the machine's
@@ -47,7 +52,7 @@ build)
 run)
     shift
     parts=("$@")
-    [ ${#parts[@]} -gt 0 ] || parts=(step kernels bench-kernels resume)
+    [ ${#parts[@]} -gt 0 ] || parts=(step kernels bench-kernels resume onebit)
     out="${OUT:-$dir/out}"
     mkdir -p "$out"
     if [ ! -x "$dir/xtask" ] || [ ! -x "$dir/kernels" ]; then
@@ -99,8 +104,23 @@ run)
             fi
             echo "| resume on CUDA (tiny, 6 + 6 steps) | $verdict |" | tee "$out/resume.md"
             ;;
+        onebit)
+            echo "== 1-bit Adam/LAMB on CUDA: warm-up vs compression-stage step time (base, seq 128)"
+            o="$out/onebit"
+            rm -rf "$o" && mkdir -p "$o"
+            echo "| optimizer | warm-up step s (median) | compression step s (median) |" | tee "$o.md"
+            echo "|---|---:|---:|" | tee -a "$o.md"
+            for opt in onebit-adam onebit-lamb; do
+                timeout 240 "$dir/xtask" train --device cuda --preset base --seq-len 128 --batch-size 32 \
+                    --steps 12 --freeze-step 6 --eval-every 12 --log-every 1 --optimizer "$opt" \
+                    --no-progress --out "$o/$opt" 2>&1 | tail -1 || status=$?
+                med() { sort -g | awk '{a[NR]=$1} END {print (NR ? a[int((NR+1)/2)] : "n/a")}'; }
+                steps() { grep '"event":"train"' "$o/$opt/metrics.jsonl" | grep "\"compressed\":$1" | grep -o '"step_s":[^,}]*' | cut -d: -f2 | tail -n +2; }
+                echo "| $opt | $(steps false | med) | $(steps true | med) |" | tee -a "$o.md"
+            done
+            ;;
         *)
-            echo "unknown part $part (step, kernels, bench-kernels, resume)" >&2
+            echo "unknown part $part (step, kernels, bench-kernels, resume, onebit)" >&2
             status=2
             ;;
         esac
@@ -109,7 +129,7 @@ run)
     exit $status
     ;;
 *)
-    echo "usage: $0 build | run [step|kernels|bench-kernels|resume ...]" >&2
+    echo "usage: $0 build | run [step|kernels|bench-kernels|resume|onebit ...]" >&2
     exit 2
     ;;
 esac

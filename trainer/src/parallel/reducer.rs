@@ -13,15 +13,14 @@
 //! the averaged buckets and applies the clip modes that need them all; and
 //! [`Reducer::gradients`] gives the optimizer each parameter's averaged gradient.
 
+mod handover;
+
 use std::collections::HashMap;
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
-use burn::optim::GradientsParams;
-use burn::tensor::Tensor;
-use burn::tensor::backend::AutodiffBackend;
+use burn::module::ParamId;
 use burn::tensor::ops::FloatTensor;
 use ember_backend_ext::FusedOps;
 
@@ -403,69 +402,6 @@ impl<B: FusedOps> Reducer<B> {
             parts.push(tied.cross_term(decoder_bucket, offset));
         }
         Scalar::sum(parts)
-    }
-
-    /// The averaged (and clipped) gradients of the last [`Reducer::finalize_backward`], as
-    /// Burn gradients of `module`'s parameters on `device`: slices of the device buckets, or
-    /// uploads of the host ones.
-    pub fn gradients<AB: AutodiffBackend<InnerBackend = B>, M: AutodiffModule<AB>>(
-        &self,
-        module: &M,
-        device: &B::Device,
-    ) -> GradientsParams {
-        struct WriteBack<'a, B: FusedOps> {
-            plan: &'a BucketPlan,
-            index: &'a HashMap<ParamId, (usize, usize)>,
-            buffers: &'a [Option<Buffer<B>>],
-            tied: Option<&'a TiedRows<B>>,
-            device: &'a B::Device,
-            grads: GradientsParams,
-        }
-        impl<AB: AutodiffBackend<InnerBackend = B>, B: FusedOps> ModuleVisitor<AB> for WriteBack<'_, B> {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
-                if let Some(tied) = self.tied.filter(|t| t.table == param.id) {
-                    // The decoder's share, the rows added (Note [Tied embedding split]).
-                    let (k, offset) = self.plan.decoder_place().expect("a split plan");
-                    let shape: [usize; D] = param.shape().dims();
-                    let buffer = self.buffers[k].as_ref().expect("every bucket was averaged");
-                    let decoder = buffer.part(offset, shape, self.device);
-                    self.grads
-                        .register(param.id, tied.gradient(decoder, self.device));
-                    return;
-                }
-                let Some(&(k, i)) = self.index.get(&param.id) else {
-                    return;
-                };
-                let p = &self.plan.buckets[k].params[i];
-                let shape: [usize; D] = p.shape.clone().try_into().expect("the plan's shape");
-                let buffer = self.buffers[k].as_ref().expect("every bucket was averaged");
-                self.grads
-                    .register(param.id, buffer.part(p.offset, shape, self.device));
-            }
-        }
-        let state = self.lock();
-        let mut write = WriteBack::<B> {
-            plan: &self.plan,
-            index: &self.index,
-            buffers: &state.buffers,
-            tied: state.tied.as_ref(),
-            device,
-            grads: GradientsParams::new(),
-        };
-        module.visit(&mut write);
-        write.grads
-    }
-
-    /// The flat buffer of bucket `k` as it stands (after [`Reducer::finalize_backward`]:
-    /// averaged), on the host: for tests.
-    ///
-    /// # Panics
-    /// If bucket `k` has no buffer (not complete, or in flight).
-    pub fn bucket_values(&self, k: usize) -> Vec<f32> {
-        self.lock().buffers[k]
-            .as_ref()
-            .expect("bucket k holds a buffer")
-            .to_vec()
     }
 }
 
