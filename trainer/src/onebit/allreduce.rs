@@ -215,26 +215,17 @@ impl CompressedAllreduce {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
     use std::time::Duration;
 
     use super::*;
     use crate::parallel::InProcess;
+    use crate::parallel::in_process::tests::run_group;
 
-    /// Runs `body` on every rank of an in-process group of `world_size` threads.
     fn on_ranks<T: Send + 'static>(
         world_size: usize,
         body: impl Fn(InProcess) -> T + Send + Sync + 'static,
     ) -> Vec<T> {
-        let body = Arc::new(body);
-        let handles: Vec<_> = InProcess::group(world_size, Duration::from_secs(30))
-            .into_iter()
-            .map(|comm| {
-                let body = body.clone();
-                std::thread::spawn(move || body(comm))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+        run_group(world_size, Duration::from_secs(30), body)
     }
 
     /// Deterministic values in [-1, 1) for (rank, call, segment, element).

@@ -42,13 +42,20 @@ fn host_grads(model: &Linear<B>, step: usize) -> (Vec<f32>, Vec<f32>) {
     (values(w), b.into_data().to_vec::<f32>().unwrap())
 }
 
-#[test]
-fn onebit_adam_on_one_rank_is_adamw_then_adam_with_the_variance_frozen() {
+/// A `Linear(4, 3)` (seeded, both parameters drawn), with the 1-bit optimizer `kind` freezing
+/// at `freeze` and the exact optimizer of its warm-up, weight decay 0.1.
+fn setup(
+    kind: OptimizerKind,
+    freeze: u64,
+    seed: u64,
+) -> (
+    Linear<B>,
+    PreTrainingOptimizer<Linear<B>, B>,
+    PreTrainingOptimizer<Linear<B>, B>,
+) {
     let device = Default::default();
-    let freeze = 3;
-    let lr = 1e-2;
     let config = OptimizerConfig {
-        name: OptimizerKind::OnebitAdam,
+        name: kind,
         weight_decay: 0.1,
         onebit: crate::config::OnebitConfig {
             freeze_step: Some(freeze),
@@ -57,14 +64,22 @@ fn onebit_adam_on_one_rank_is_adamw_then_adam_with_the_variance_frozen() {
         ..Default::default()
     };
     let exact_config = OptimizerConfig {
-        name: OptimizerKind::AdamW,
+        name: kind.exact(),
         ..config.clone()
     };
-    B::seed(&device, 5);
+    B::seed(&device, seed);
     let model: Linear<B> = LinearConfig::new(4, 3).init(&device);
     let _ = (model.weight.val(), model.bias.as_ref().unwrap().val());
-    let mut onebit = PreTrainingOptimizer::new(&config, &model, false);
-    let mut exact = PreTrainingOptimizer::new(&exact_config, &model, false);
+    let onebit = PreTrainingOptimizer::new(&config, &model, false);
+    let exact = PreTrainingOptimizer::new(&exact_config, &model, false);
+    (model, onebit, exact)
+}
+
+#[test]
+fn onebit_adam_on_one_rank_is_adamw_then_adam_with_the_variance_frozen() {
+    let freeze = 3;
+    let lr = 1e-2;
+    let (model, mut onebit, mut exact) = setup(OptimizerKind::OnebitAdam, freeze, 5);
     let (mut a, mut b) = (model.clone(), model);
     for step in 0..freeze as usize {
         let (ga, gb) = (grads(&a, step), grads(&b, step));
@@ -141,28 +156,10 @@ fn norm(x: &[f32]) -> f64 {
 
 #[test]
 fn onebit_lamb_on_one_rank_follows_deepspeeds_formulas() {
-    let device = Default::default();
     let freeze = 3usize;
     let lr = 1e-2;
     let wd = 0.1f32;
-    let config = OptimizerConfig {
-        name: OptimizerKind::OnebitLamb,
-        weight_decay: wd,
-        onebit: crate::config::OnebitConfig {
-            freeze_step: Some(freeze as u64),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    let exact_config = OptimizerConfig {
-        name: OptimizerKind::Lamb,
-        ..config.clone()
-    };
-    B::seed(&device, 6);
-    let model: Linear<B> = LinearConfig::new(4, 3).init(&device);
-    let _ = (model.weight.val(), model.bias.as_ref().unwrap().val());
-    let mut onebit = PreTrainingOptimizer::new(&config, &model, false);
-    let mut exact = PreTrainingOptimizer::new(&exact_config, &model, false);
+    let (model, mut onebit, mut exact) = setup(OptimizerKind::OnebitLamb, freeze as u64, 6);
     let (b1, b2, eps) = (0.9f32, 0.999f32, 1e-6f32);
     let (mut a, mut b) = (model.clone(), model);
     // Warm-up: exact LAMB, and the averaged clipped trust ratio of each tensor by hand.

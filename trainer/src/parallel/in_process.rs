@@ -351,10 +351,11 @@ impl<B: Backend> DeviceCollective<B> for InProcess {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn run_group<T: Send + 'static>(
+    /// Runs `body` on every rank of an in-process group of `world_size` threads.
+    pub(crate) fn run_group<T: Send + 'static>(
         world_size: usize,
         timeout: Duration,
         body: impl Fn(InProcess) -> T + Send + Sync + 'static,
