@@ -32,6 +32,11 @@ fn grads(model: &Linear<B>, step: usize) -> GradientsParams {
     GradientsParams::from_grads(loss.backward(), model)
 }
 
+fn bias_values(model: &Linear<B>) -> Vec<f32> {
+    let bias = model.bias.as_ref().unwrap().val().inner();
+    bias.into_data().to_vec::<f32>().unwrap()
+}
+
 /// The weight's and the bias's gradients, flat.
 fn host_grads(model: &Linear<B>, step: usize) -> (Vec<f32>, Vec<f32>) {
     let mut g = grads(model, step);
@@ -100,15 +105,7 @@ fn onebit_adam_on_one_rank_is_adamw_then_adam_with_the_variance_frozen() {
     let v_b = state["bias"].moment_2.to_vec::<f32>().unwrap();
     let (b1, b2, eps) = (0.9f32, 0.999f32, 1e-6f32);
     let mut w = values(b.weight.val().inner());
-    let mut bias = b
-        .bias
-        .as_ref()
-        .unwrap()
-        .val()
-        .inner()
-        .into_data()
-        .to_vec::<f32>()
-        .unwrap();
+    let mut bias = bias_values(&b);
     for step in freeze as usize..freeze as usize + 3 {
         let (g_w, g_b) = host_grads(&b, step);
         let g = grads(&b, step);
@@ -127,15 +124,7 @@ fn onebit_adam_on_one_rank_is_adamw_then_adam_with_the_variance_frozen() {
             }
         }
         let got_w = values(b.weight.val().inner());
-        let got_b = b
-            .bias
-            .as_ref()
-            .unwrap()
-            .val()
-            .inner()
-            .into_data()
-            .to_vec::<f32>()
-            .unwrap();
+        let got_b = bias_values(&b);
         for (got, want) in [(&got_w, &w), (&got_b, &bias)] {
             for (x, y) in got.iter().zip(want.iter()) {
                 assert!((x - y).abs() < 1e-6, "step {step}: {got:?} vs {want:?}");
@@ -165,17 +154,7 @@ fn onebit_lamb_on_one_rank_follows_deepspeeds_formulas() {
     // Warm-up: exact LAMB, and the averaged clipped trust ratio of each tensor by hand.
     let mut coeff = [0.0f32; 2];
     for step in 0..freeze {
-        let before = [
-            values(a.weight.val().inner()),
-            a.bias
-                .as_ref()
-                .unwrap()
-                .val()
-                .inner()
-                .into_data()
-                .to_vec::<f32>()
-                .unwrap(),
-        ];
+        let before = [values(a.weight.val().inner()), bias_values(&a)];
         let (ga, gb) = (grads(&a, step), grads(&b, step));
         a = exact.step(lr, a, ga);
         b = onebit.step(lr, b, gb);
@@ -215,17 +194,7 @@ fn onebit_lamb_on_one_rank_follows_deepspeeds_formulas() {
     let united = (scales[0] + scales[1]) / 2.0;
     let mut v_fresh = v.clone();
     let mut last_factor = [1.0f32; 2];
-    let mut w = [
-        values(b.weight.val().inner()),
-        b.bias
-            .as_ref()
-            .unwrap()
-            .val()
-            .inner()
-            .into_data()
-            .to_vec::<f32>()
-            .unwrap(),
-    ];
+    let mut w = [values(b.weight.val().inner()), bias_values(&b)];
     let mut factors_seen = Vec::new();
     for step in freeze..freeze + 4 {
         let g = host_grads(&b, step);
@@ -266,17 +235,7 @@ fn onebit_lamb_on_one_rank_follows_deepspeeds_formulas() {
                 w[k][i] -= lr as f32 * coeff[k] * factor * update[i];
             }
         }
-        let got = [
-            values(b.weight.val().inner()),
-            b.bias
-                .as_ref()
-                .unwrap()
-                .val()
-                .inner()
-                .into_data()
-                .to_vec::<f32>()
-                .unwrap(),
-        ];
+        let got = [values(b.weight.val().inner()), bias_values(&b)];
         for k in 0..2 {
             for (x, y) in got[k].iter().zip(&w[k]) {
                 assert!(
