@@ -20,7 +20,7 @@
 //! issues an all-to-all and two allgathers per tensor). With one rank nothing is compressed:
 //! the buffers are already the average (DeepSpeed likewise skips the call when `size == 1`).
 
-use super::compress::{add_scaled_signs, compress_in_place};
+use super::compress::{add_chunk, compress_chunk, rms_scale, scales_per_chunk};
 use crate::parallel::{Collective, CommError};
 
 /// The length DeepSpeed pads a buffer of `len` elements to for `world_size` ranks: the next
@@ -75,11 +75,20 @@ pub struct CompressedAllreduce {
     pub worker_errors: Vec<Vec<f32>>,
     /// Each segment's server error: this rank's chunk, `padded_len / world_size` long.
     pub server_errors: Vec<Vec<f32>>,
+    /// Elements per scale within a chunk (a multiple of 8); 0: one scale per buffer on the
+    /// worker and one per chunk on the server, DeepSpeed's.
+    block: usize,
 }
 
 impl CompressedAllreduce {
-    /// Zero errors for segments of `lengths` elements, for `rank` of `world_size`.
-    pub fn new(lengths: Vec<usize>, world_size: usize, rank: usize) -> Self {
+    /// Zero errors for segments of `lengths` elements, for `rank` of `world_size`, with one
+    /// scale per `block` elements of a chunk (a multiple of 8; 0: DeepSpeed's one scale per
+    /// buffer).
+    ///
+    /// # Panics
+    /// If `block` is not a multiple of 8 (the settings are validated before).
+    pub fn new(lengths: Vec<usize>, world_size: usize, rank: usize, block: usize) -> Self {
+        assert!(block % 8 == 0, "scale blocks pack whole bytes");
         let padded: Vec<usize> = lengths.iter().map(|&n| padded_len(n, world_size)).collect();
         Self {
             world_size,
@@ -87,6 +96,7 @@ impl CompressedAllreduce {
             worker_errors: padded.iter().map(|&p| vec![0.0; p]).collect(),
             server_errors: padded.iter().map(|&p| vec![0.0; p / world_size]).collect(),
             lengths,
+            block,
         }
     }
 
@@ -95,9 +105,29 @@ impl CompressedAllreduce {
         &self.lengths
     }
 
-    /// Bytes of one packed chunk of segment `s`.
-    fn chunk_bytes(&self, s: usize) -> usize {
-        self.worker_errors[s].len() / self.world_size / 8
+    /// Elements of one chunk of segment `s` (its padded length over the ranks).
+    fn chunk_len(&self, s: usize) -> usize {
+        self.worker_errors[s].len() / self.world_size
+    }
+
+    /// Where segment `s`'s scales and signs start in a message, and how many of each (scales,
+    /// sign bytes). A message (one all-to-all block, or the allgather's) is every segment's
+    /// scales of one chunk, then every segment's packed signs of that chunk.
+    fn layout(&self) -> (Vec<(usize, usize, usize, usize)>, usize) {
+        let segments = self.lengths.len();
+        let scales: Vec<usize> = (0..segments)
+            .map(|s| scales_per_chunk(self.chunk_len(s), self.block))
+            .collect();
+        let mut scale_offset = 0;
+        let mut sign_offset = 4 * scales.iter().sum::<usize>();
+        let mut layout = Vec::with_capacity(segments);
+        for (s, &n) in scales.iter().enumerate() {
+            let bytes = self.chunk_len(s) / 8;
+            layout.push((scale_offset, n, sign_offset, bytes));
+            scale_offset += 4 * n;
+            sign_offset += bytes;
+        }
+        (layout, sign_offset)
     }
 
     /// Replaces each of `values` (one per segment, of the lengths given to
@@ -105,7 +135,8 @@ impl CompressedAllreduce {
     /// every rank, and updates the error feedback. Returns the bytes this rank sent.
     ///
     /// # Errors
-    /// [`CommError`] from the all-to-all or the allgather.
+    /// [`CommError`] from the all-to-all or the allgather; [`CommError::Mismatch`] when a
+    /// rank's message has another size.
     ///
     /// # Panics
     /// If `values` does not match the segments (a bug of the caller).
@@ -119,96 +150,96 @@ impl CompressedAllreduce {
         if w == 1 {
             return Ok(BytesSent::default());
         }
-        let segments = values.len();
+        let (layout, message_len) = self.layout();
+        let scales_of = |message: &[u8], (offset, n, _, _): (usize, usize, usize, usize)| {
+            message[offset..offset + 4 * n]
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+                .collect::<Vec<f32>>()
+        };
 
-        // 1. Worker: x = v + e, compressed; e = x − s·sign(x).
-        let mut scales = Vec::with_capacity(segments);
-        let mut signs = Vec::with_capacity(segments);
+        // 1. Worker: x = v + e, compressed chunk by chunk (one scale for the whole buffer, or
+        // one per block); e = what that lost.
+        let mut send = vec![0u8; message_len * w];
         for (s, v) in values.iter().enumerate() {
             assert_eq!(v.len(), self.lengths[s], "segment {s}'s length");
+            let c = self.chunk_len(s);
             let error = &mut self.worker_errors[s];
             for (e, &y) in error.iter_mut().zip(v) {
                 *e += y;
             }
-            let (scale, packed) = compress_in_place(error);
-            scales.push(scale);
-            signs.push(packed);
+            let whole = (self.block == 0).then(|| rms_scale(error));
+            let (scale_offset, _, sign_offset, bytes) = layout[s];
+            for (j, chunk) in error.chunks_mut(c).enumerate() {
+                let (scales, signs) = compress_chunk(chunk, self.block, whole);
+                let message = &mut send[j * message_len..(j + 1) * message_len];
+                for (k, scale) in scales.iter().enumerate() {
+                    let at = scale_offset + 4 * k;
+                    message[at..at + 4].copy_from_slice(&scale.to_le_bytes());
+                }
+                message[sign_offset..sign_offset + bytes].copy_from_slice(&signs);
+            }
         }
 
-        // 2. All-to-all: block j = [every segment's scale][each segment's chunk j].
-        let header = 4 * segments;
-        let block = header + (0..segments).map(|s| self.chunk_bytes(s)).sum::<usize>();
-        let mut send = Vec::with_capacity(block * w);
-        for j in 0..w {
-            for scale in &scales {
-                send.extend_from_slice(&scale.to_le_bytes());
-            }
-            for (s, packed) in signs.iter().enumerate() {
-                let c = self.chunk_bytes(s);
-                send.extend_from_slice(&packed[j * c..(j + 1) * c]);
-            }
-        }
+        // 2. All-to-all: rank j receives every rank's chunk j.
         let received = comm.alltoall(&send)?;
 
-        // 3. Server: this rank's chunk averaged over the ranks, plus the server error,
-        // compressed again.
-        let mut message = Vec::with_capacity(block);
-        let mut server_signs = Vec::with_capacity(segments);
-        let mut offset = header;
-        for s in 0..segments {
-            let c = self.chunk_bytes(s);
-            let mut chunk = vec![0.0f32; c * 8];
-            for from in received.chunks(block) {
-                let scale = f32::from_le_bytes(from[4 * s..4 * s + 4].try_into().expect("4 bytes"));
-                add_scaled_signs(
-                    &from[offset..offset + c],
-                    scale * (1.0 / w as f32),
-                    &mut chunk,
-                );
+        // 3. Server: this rank's chunk averaged over the ranks (Σᵢ sᵢ/W · signᵢ), plus the
+        // server error, compressed again.
+        let mut message = vec![0u8; message_len];
+        for (s, &place) in layout.iter().enumerate() {
+            let (scale_offset, _, sign_offset, bytes) = place;
+            let mut chunk = vec![0.0f32; self.chunk_len(s)];
+            for from in received.chunks(message_len) {
+                let scales = scales_of(from, place);
+                let signs = &from[sign_offset..sign_offset + bytes];
+                add_chunk(&scales, signs, self.block, 1.0 / w as f32, &mut chunk);
             }
             let error = &mut self.server_errors[s];
             for (e, &x) in error.iter_mut().zip(&chunk) {
                 *e += x;
             }
-            let (scale, packed) = compress_in_place(error);
-            message.extend_from_slice(&scale.to_le_bytes());
-            server_signs.push(packed);
-            offset += c;
-        }
-        for packed in &server_signs {
-            message.extend_from_slice(packed);
+            let (scales, signs) = compress_chunk(error, self.block, None);
+            for (k, scale) in scales.iter().enumerate() {
+                let at = scale_offset + 4 * k;
+                message[at..at + 4].copy_from_slice(&scale.to_le_bytes());
+            }
+            message[sign_offset..sign_offset + bytes].copy_from_slice(&signs);
         }
 
         // 4. Allgather: every server chunk, rebuilt as scale · sign.
         let all = comm.allgather(&message)?;
+        if let Some((j, from)) = all.iter().enumerate().find(|(_, m)| m.len() != message_len) {
+            return Err(CommError::Mismatch {
+                seq: 0,
+                detail: format!(
+                    "compressed allreduce: rank {j} sent {} bytes, rank {} expected {message_len}",
+                    from.len(),
+                    self.rank
+                ),
+            });
+        }
         for (s, v) in values.iter_mut().enumerate() {
-            let c = self.chunk_bytes(s);
-            let offset = header + (0..s).map(|t| self.chunk_bytes(t)).sum::<usize>();
-            let mut rebuilt = vec![0.0f32; c * 8 * w];
-            for (j, from) in all.iter().enumerate() {
-                if from.len() != block {
-                    return Err(CommError::Mismatch {
-                        seq: 0,
-                        detail: format!(
-                            "compressed allreduce: rank {j} sent {} bytes, rank {} expected {block}",
-                            from.len(),
-                            self.rank
-                        ),
-                    });
-                }
-                let scale = f32::from_le_bytes(from[4 * s..4 * s + 4].try_into().expect("4 bytes"));
-                add_scaled_signs(
-                    &from[offset..offset + c],
-                    scale,
-                    &mut rebuilt[j * c * 8..(j + 1) * c * 8],
+            let c = self.chunk_len(s);
+            let place = layout[s];
+            let (_, _, sign_offset, bytes) = place;
+            let mut rebuilt = vec![0.0f32; c * w];
+            for (from, out) in all.iter().zip(rebuilt.chunks_mut(c)) {
+                let scales = scales_of(from, place);
+                add_chunk(
+                    &scales,
+                    &from[sign_offset..sign_offset + bytes],
+                    self.block,
+                    1.0,
+                    out,
                 );
             }
             rebuilt.truncate(v.len());
             *v = rebuilt;
         }
         Ok(BytesSent {
-            alltoall: ((w - 1) * block) as u64,
-            allgather: ((w - 1) * message.len()) as u64,
+            alltoall: ((w - 1) * message_len) as u64,
+            allgather: ((w - 1) * message_len) as u64,
         })
     }
 }
@@ -242,10 +273,12 @@ mod tests {
     }
 
     /// The papers' formula, serially over all ranks at once (written here, not a call of the
-    /// code under test): per segment, each rank's `x = pad(v) + e`, `s = rms(x)`,
-    /// `e ← x − s·sgn(x)`; per chunk j, `c = Σᵢ sᵢ/W · sgn(xᵢ)[j] + E_j`, `S = rms(c)`,
-    /// `E_j ← c − S·sgn(c)`; the result is `S_j · sgn(c_j)`, chunk by chunk.
+    /// code under test): per segment, each rank's `x = pad(v) + e`, scales `s` (the RMS of the
+    /// whole buffer, or of each block of a chunk), `e ← x − s·sgn(x)`; per chunk j,
+    /// `c = Σᵢ sᵢ/W · sgn(xᵢ)[j] + E_j`, scales `S` (of the chunk, or of each block),
+    /// `E_j ← c − S·sgn(c)`; the result is `S · sgn(c)`, chunk by chunk.
     struct Serial {
+        block: usize,
         worker: Vec<Vec<Vec<f32>>>, // [rank][segment][padded]
         server: Vec<Vec<Vec<f32>>>, // [chunk j][segment][chunk]
     }
@@ -258,10 +291,22 @@ mod tests {
         (x.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / x.len() as f64).sqrt() as f32
     }
 
+    /// Each element's scale: blocks of `block` within chunks of `chunk`; `block` 0: the RMS of
+    /// all of `x`.
+    fn element_scales(x: &[f32], chunk: usize, block: usize) -> Vec<f32> {
+        if block == 0 {
+            return vec![rms(x); x.len()];
+        }
+        x.chunks(chunk)
+            .flat_map(|c| c.chunks(block).flat_map(|b| vec![rms(b); b.len()]))
+            .collect()
+    }
+
     impl Serial {
-        fn new(lengths: &[usize], w: usize) -> Self {
+        fn new(lengths: &[usize], w: usize, block: usize) -> Self {
             let padded: Vec<usize> = lengths.iter().map(|&n| padded_len(n, w)).collect();
             Self {
+                block,
                 worker: (0..w)
                     .map(|_| padded.iter().map(|&p| vec![0.0; p]).collect())
                     .collect(),
@@ -280,13 +325,12 @@ mod tests {
                     let mut xs = Vec::new();
                     let mut scales = Vec::new();
                     for (i, input) in inputs.iter().enumerate() {
-                        let mut x = vec![0.0; padded];
+                        let x: Vec<f32> = (0..padded)
+                            .map(|k| input[s].get(k).copied().unwrap_or(0.0) + self.worker[i][s][k])
+                            .collect();
+                        let scale = element_scales(&x, chunk, self.block);
                         for k in 0..padded {
-                            x[k] = input[s].get(k).copied().unwrap_or(0.0) + self.worker[i][s][k];
-                        }
-                        let scale = rms(&x);
-                        for k in 0..padded {
-                            self.worker[i][s][k] = x[k] - scale * sgn(x[k]);
+                            self.worker[i][s][k] = x[k] - scale[k] * sgn(x[k]);
                         }
                         xs.push(x);
                         scales.push(scale);
@@ -296,16 +340,17 @@ mod tests {
                         let mut c = vec![0.0f32; chunk];
                         for i in 0..w {
                             for k in 0..chunk {
-                                c[k] += scales[i] / w as f32 * sgn(xs[i][j * chunk + k]);
+                                let at = j * chunk + k;
+                                c[k] += scales[i][at] * (1.0 / w as f32) * sgn(xs[i][at]);
                             }
                         }
                         for k in 0..chunk {
                             c[k] += self.server[j][s][k];
                         }
-                        let scale = rms(&c);
+                        let scale = element_scales(&c, chunk, self.block);
                         for k in 0..chunk {
-                            self.server[j][s][k] = c[k] - scale * sgn(c[k]);
-                            out.push(scale * sgn(c[k]));
+                            self.server[j][s][k] = c[k] - scale[k] * sgn(c[k]);
+                            out.push(scale[k] * sgn(c[k]));
                         }
                     }
                     out.truncate(inputs[0][s].len());
@@ -339,12 +384,15 @@ mod tests {
     #[test]
     fn compressed_allreduce_equals_the_serial_formula_on_2_and_4_ranks() {
         let lengths = vec![1usize, 13, 100, 257];
-        for w in [2usize, 4] {
+        // One scale per buffer (DeepSpeed's), and per 16 elements (chunks of 8 to 72
+        // elements: whole and partial blocks).
+        for (w, block) in [(2usize, 0usize), (4, 0), (2, 16), (4, 16)] {
             let calls = 3;
             let lengths_for_ranks = lengths.clone();
             let results = on_ranks(w, move |mut comm| {
                 let rank = comm.rank();
-                let mut reducer = CompressedAllreduce::new(lengths_for_ranks.clone(), w, rank);
+                let mut reducer =
+                    CompressedAllreduce::new(lengths_for_ranks.clone(), w, rank, block);
                 let mut outputs = Vec::new();
                 for call in 0..calls {
                     let mut values: Vec<Vec<f32>> = lengths_for_ranks
@@ -357,7 +405,7 @@ mod tests {
                 }
                 (outputs, reducer)
             });
-            let mut serial = Serial::new(&lengths, w);
+            let mut serial = Serial::new(&lengths, w, block);
             for call in 0..calls {
                 let inputs: Vec<Vec<Vec<f32>>> = (0..w)
                     .map(|r| {
@@ -392,26 +440,32 @@ mod tests {
                         "server error",
                     );
                 }
-                // Bytes: (W−1) blocks of [4 scales][chunk signs] out, (W−1) messages in the
-                // allgather.
-                let padded: usize = lengths.iter().map(|&n| padded_len(n, w)).sum();
-                let block = (16 + padded / w / 8) as u64;
+                // Bytes: (W−1) messages of [each segment's chunk scales][its chunk's signs]
+                // out in the all-to-all, and (W−1) in the allgather.
+                let message: usize = lengths
+                    .iter()
+                    .map(|&n| {
+                        let chunk = padded_len(n, w) / w;
+                        let scales = if block == 0 { 1 } else { chunk.div_ceil(block) };
+                        4 * scales + chunk / 8
+                    })
+                    .sum();
                 let sent = outputs[0].1;
-                assert_eq!(sent.alltoall, (w as u64 - 1) * block);
-                assert_eq!(sent.allgather, (w as u64 - 1) * block);
+                assert_eq!(sent.alltoall, (w - 1) as u64 * message as u64);
+                assert_eq!(sent.allgather, (w - 1) as u64 * message as u64);
             }
         }
     }
 
     /// At a layer's size the bytes are about 1/32 of the f32 ring allreduce's (signs, one bit
-    /// instead of 32; scales and padding are the rest).
+    /// instead of 32; scales and padding are the rest: with a scale per 128 elements, 1/25.6).
     #[test]
     fn the_compressed_allreduce_sends_over_16_times_fewer_bytes() {
-        for w in [2usize, 4] {
+        for (w, block) in [(2usize, 0usize), (4, 0), (2, 128), (4, 128)] {
             let lengths = vec![768 * 768, 768, 3 * 768];
             let total: usize = lengths.iter().sum();
             let sent = on_ranks(w, move |mut comm| {
-                let mut reducer = CompressedAllreduce::new(lengths.clone(), w, comm.rank());
+                let mut reducer = CompressedAllreduce::new(lengths.clone(), w, comm.rank(), block);
                 let mut values: Vec<Vec<f32>> = lengths
                     .iter()
                     .enumerate()
@@ -420,7 +474,10 @@ mod tests {
                 reducer.run(&mut comm, &mut values).unwrap()
             });
             let ratio = ring_allreduce_bytes(total, w) as f64 / sent[0].total() as f64;
-            assert!(ratio > 16.0 && ratio <= 32.0, "W={w}: {ratio}");
+            assert!(
+                ratio > 16.0 && ratio <= 32.0,
+                "W={w}, block {block}: {ratio}"
+            );
         }
     }
 
@@ -432,7 +489,7 @@ mod tests {
         let n = 200;
         let results = on_ranks(2, move |mut comm| {
             let rank = comm.rank();
-            let mut reducer = CompressedAllreduce::new(vec![n], 2, rank);
+            let mut reducer = CompressedAllreduce::new(vec![n], 2, rank, 0);
             let fixed = input(rank, 0, 0, n);
             let mut sum = vec![0.0f64; n];
             let mut first = Vec::new();

@@ -78,6 +78,12 @@ pub fn add_scaled_signs(bytes: &[u8], scale: f32, out: &mut [f32]) {
 /// element (two passes, no temporary).
 pub fn compress_in_place(x: &mut [f32]) -> (f32, Vec<u8>) {
     let scale = rms_scale(x);
+    (scale, compress_with_scale(x, scale))
+}
+
+/// As [`compress_in_place`] with a given scale: the packed signs of `x`, and `x ← x − scale ·
+/// sign(x)`.
+pub fn compress_with_scale(x: &mut [f32], scale: f32) -> Vec<u8> {
     let mut packed = Vec::with_capacity(x.len().div_ceil(8));
     for chunk in x.chunks_mut(8) {
         let mut byte = 0u8;
@@ -91,7 +97,43 @@ pub fn compress_in_place(x: &mut [f32]) -> (f32, Vec<u8>) {
         }
         packed.push(byte);
     }
-    (scale, packed)
+    packed
+}
+
+/// Scales a chunk of `len` elements has: one (`block` 0, DeepSpeed's granularity), else one
+/// per `block` elements, the last block possibly shorter.
+pub fn scales_per_chunk(len: usize, block: usize) -> usize {
+    if block == 0 { 1 } else { len.div_ceil(block) }
+}
+
+/// Compresses a chunk in place with one scale per `block` elements (`block` a multiple of 8;
+/// 0: one scale, `whole` if given, else the chunk's own RMS). Returns the scales and the packed
+/// signs; `x` keeps what the compression lost.
+pub fn compress_chunk(x: &mut [f32], block: usize, whole: Option<f32>) -> (Vec<f32>, Vec<u8>) {
+    if block == 0 {
+        let scale = whole.unwrap_or_else(|| rms_scale(x));
+        return (vec![scale], compress_with_scale(x, scale));
+    }
+    let mut scales = Vec::with_capacity(scales_per_chunk(x.len(), block));
+    let mut packed = Vec::with_capacity(x.len().div_ceil(8));
+    for part in x.chunks_mut(block) {
+        let (scale, bits) = compress_in_place(part);
+        scales.push(scale);
+        packed.extend_from_slice(&bits);
+    }
+    (scales, packed)
+}
+
+/// Adds `factor · scale_b · sign` to `out`, block by block (the inverse of [`compress_chunk`]).
+pub fn add_chunk(scales: &[f32], signs: &[u8], block: usize, factor: f32, out: &mut [f32]) {
+    let block = if block == 0 { out.len().max(1) } else { block };
+    for ((part, bits), &scale) in out
+        .chunks_mut(block)
+        .zip(signs.chunks(block.div_ceil(8)))
+        .zip(scales)
+    {
+        add_scaled_signs(bits, scale * factor, part);
+    }
 }
 
 #[cfg(test)]

@@ -31,6 +31,12 @@ pub struct OnebitConfig {
     /// compression cannot send a 0, and their update divides by ε. DeepSpeed asks the user
     /// for this mask (`exp_avg_mask`). Default: true.
     pub mask_unused: bool,
+    /// Elements per scale in the compressed allreduce (a multiple of 8): each block of a
+    /// chunk is sent as its signs and its own RMS. 0 is DeepSpeed's granularity, one scale
+    /// per buffer (per tensor for 1-bit Adam, for all momenta for 1-bit LAMB), which ruins
+    /// the elements whose momentum is far below the buffer's RMS while their variance is small
+    /// (rare tokens' embedding rows with small batches: see the README). Default: 128.
+    pub scale_block: usize,
 }
 
 impl Default for OnebitConfig {
@@ -44,6 +50,7 @@ impl Default for OnebitConfig {
             factor_max: 4.0,
             factor_threshold: 0.1,
             mask_unused: true,
+            scale_block: 128,
         }
     }
 }
@@ -86,6 +93,15 @@ impl OnebitConfig {
                 format!(
                     "must be in [0, 1), got {} and {}",
                     self.coeff_beta, self.factor_threshold
+                ),
+            );
+        }
+        if self.scale_block % 8 != 0 {
+            return invalid(
+                "optimizer.onebit.scale_block",
+                format!(
+                    "{} is not a multiple of 8 (each block's signs pack into whole bytes)",
+                    self.scale_block
                 ),
             );
         }

@@ -316,7 +316,12 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
             OnebitKind::Lamb => vec![params.iter().map(|p| p.m.len()).sum()],
         };
         CompressionStage {
-            allreduce: Some(CompressedAllreduce::new(lengths, world_size, rank)),
+            allreduce: Some(CompressedAllreduce::new(
+                lengths,
+                world_size,
+                rank,
+                self.settings.scale_block,
+            )),
             params,
             time,
             frozen_time,
