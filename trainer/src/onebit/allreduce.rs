@@ -88,7 +88,7 @@ impl CompressedAllreduce {
     /// # Panics
     /// If `block` is not a multiple of 8 (the settings are validated before).
     pub fn new(lengths: Vec<usize>, world_size: usize, rank: usize, block: usize) -> Self {
-        assert!(block % 8 == 0, "scale blocks pack whole bytes");
+        assert!(block.is_multiple_of(8), "scale blocks pack whole bytes");
         let padded: Vec<usize> = lengths.iter().map(|&n| padded_len(n, world_size)).collect();
         Self {
             world_size,

@@ -14,6 +14,7 @@
 
 /// Whether `x` is sent as +1 (`true`) or −1.
 #[inline]
+#[allow(clippy::neg_cmp_op_on_partial_ord)] // NaN must give +1, as in DeepSpeed
 pub fn sign_bit(x: f32) -> bool {
     // `!(x < 0)`: +0, −0 and NaN are +1, as DeepSpeed's `sign(x) + 1 != 0`.
     !(x < 0.0)

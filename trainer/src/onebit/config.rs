@@ -96,7 +96,7 @@ impl OnebitConfig {
                 ),
             );
         }
-        if self.scale_block % 8 != 0 {
+        if !self.scale_block.is_multiple_of(8) {
             return invalid(
                 "optimizer.onebit.scale_block",
                 format!(

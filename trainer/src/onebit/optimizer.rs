@@ -365,13 +365,16 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for WeightsById<B> {
     }
 }
 
+/// A parameter's value (when read) and gradient (when it has one), flat, on the host.
+pub(crate) type HostValues = (Option<Vec<f32>>, Option<Vec<f32>>);
+
 /// Reads each parameter's gradient to the host (flat), and its value where `values` asks, by
 /// id. Through `read_unshared` (Note [Reading shared tensors]): a copy of a shared NdArray
 /// tensor is gathered element by element.
 pub(crate) struct ReadHost<'a, B: AutodiffBackend> {
     pub grads: &'a mut GradientsParams,
     pub values: HashSet<ParamId>,
-    pub out: HashMap<ParamId, (Option<Vec<f32>>, Option<Vec<f32>>)>,
+    pub out: HashMap<ParamId, HostValues>,
     pub backend: std::marker::PhantomData<B>,
 }
 

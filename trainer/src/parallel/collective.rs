@@ -184,7 +184,7 @@ impl<B: Backend> DeviceCollective<B> for SingleRank {
 /// # Errors
 /// [`CommError::Mismatch`] when `send.len()` is not a multiple of `world_size`.
 pub fn alltoall_block(seq: u64, send: &[u8], world_size: usize) -> Result<usize, CommError> {
-    if send.len() % world_size != 0 {
+    if !send.len().is_multiple_of(world_size) {
         return Err(CommError::Mismatch {
             seq,
             detail: format!(
