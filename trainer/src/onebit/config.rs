@@ -37,6 +37,25 @@ pub struct OnebitConfig {
     /// the elements whose momentum is far below the buffer's RMS while their variance is small
     /// (rare tokens' embedding rows with small batches: see the README). Default: 128.
     pub scale_block: usize,
+    /// The denominator of the compression stage's update: `frozen` (the papers' and
+    /// DeepSpeed's: the variance at the freeze) or `frozen-or-fresh` (element by element the
+    /// larger of the frozen variance and a fresh one rebuilt from the averaged momenta, as
+    /// 1-bit LAMB rebuilds it: no communication). A frozen variance is wrong for what had no
+    /// gradient in the warm-up: a rare token first seen after the freeze gets an update
+    /// divided by the variance of its near-zero gradients (the README's run: embedding entries
+    /// of 21, accuracy at the baseline). Default: frozen-or-fresh.
+    pub variance: OnebitVariance,
+}
+
+/// The variance the compression stage divides by (`optimizer.onebit.variance`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OnebitVariance {
+    /// The variance at the freeze (Tang et al. 2021; DeepSpeed).
+    Frozen,
+    /// max(frozen, fresh) element by element, the fresh variance rebuilt from the averaged
+    /// momenta.
+    FrozenOrFresh,
 }
 
 impl Default for OnebitConfig {
@@ -51,6 +70,7 @@ impl Default for OnebitConfig {
             factor_threshold: 0.1,
             mask_unused: true,
             scale_block: 128,
+            variance: OnebitVariance::FrozenOrFresh,
         }
     }
 }

@@ -47,6 +47,7 @@ use ember_model::checkpoint::read_unshared;
 
 use super::allreduce::{BytesSent, CompressedAllreduce};
 use crate::config::{OnebitConfig, OptimizerConfig, OptimizerKind};
+use crate::onebit::OnebitVariance;
 use crate::grads::named_params;
 use crate::optim::{OptimizerState, ParamMoments, PreTrainingOptimizer, uses_weight_decay};
 use crate::parallel::{CommError, CommThread};
@@ -273,6 +274,12 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
         self.stage = Some(self.stage_for(params, steps, steps));
     }
 
+    /// Whether the compression stage rebuilds a fresh variance from the averaged momenta
+    /// (1-bit LAMB's factor, `optimizer.onebit.variance = frozen-or-fresh`).
+    pub(crate) fn tracks_fresh_variance(&self) -> bool {
+        self.kind == OnebitKind::Lamb || self.settings.variance == OnebitVariance::FrozenOrFresh
+    }
+
     /// The compression stage over `params` (moments at step `time`, the variance frozen at
     /// step `frozen_time`), with zero error feedback and (1-bit LAMB) the scaling coefficients
     /// of these momenta.
@@ -297,6 +304,10 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
                 } else {
                     1.0
                 };
+            }
+        }
+        if self.tracks_fresh_variance() {
+            for p in &mut params {
                 p.v_fresh = p.v.clone();
             }
         }

@@ -112,12 +112,14 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
                     tensors.push((format!("worker_error.{s}"), vec![w.len()], f32_bytes(w)));
                     tensors.push((format!("server_error.{s}"), vec![e.len()], f32_bytes(e)));
                 }
-                if self.kind == OnebitKind::Lamb {
-                    for p in &stage.params {
+                for p in &stage.params {
+                    if self.kind == OnebitKind::Lamb {
                         header.lamb.insert(
                             p.path.clone(),
                             (p.scaling_coeff, p.coeff_freeze, p.last_factor),
                         );
+                    }
+                    if !p.v_fresh.is_empty() {
                         tensors.push((
                             format!("{}.exp_avg_sq_fresh", p.path),
                             vec![p.v_fresh.len()],
@@ -207,8 +209,8 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
                     errors.worker_errors[s] = w;
                     errors.server_errors[s] = e;
                 }
-                if self.kind == OnebitKind::Lamb {
-                    for p in &mut stage.params {
+                for p in &mut stage.params {
+                    if self.kind == OnebitKind::Lamb {
                         let &(scaling, coeff, last) = header
                             .lamb
                             .get(&p.path)
@@ -216,6 +218,8 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
                         p.scaling_coeff = scaling;
                         p.coeff_freeze = coeff;
                         p.last_factor = last;
+                    }
+                    if !p.v_fresh.is_empty() {
                         p.v_fresh = read(&format!("{}.exp_avg_sq_fresh", p.path), p.v.len())?;
                     }
                 }

@@ -11,6 +11,7 @@ use ember_backend_ext::FusedOps;
 
 use super::allreduce::BytesSent;
 use super::optimizer::{OnebitKind, OnebitOptimizer, OnebitStep, ReadHost, WriteHost};
+use crate::onebit::OnebitVariance;
 use crate::parallel::CommError;
 
 /// ‖x‖₂, accumulated in f64.
@@ -45,6 +46,8 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
         module.visit(&mut read);
         let mut host = read.out;
         let lamb = self.kind == OnebitKind::Lamb;
+        let fresh = self.tracks_fresh_variance();
+        let floor = self.settings.variance == OnebitVariance::FrozenOrFresh;
         let (b1, b2, eps) = (self.hyper.beta1, self.hyper.beta2, self.hyper.epsilon);
         let weight_decay = self.hyper.weight_decay;
         let s = self.settings.clone();
@@ -56,7 +59,7 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
         // 1. Each rank's momentum from its local gradient (no gradient: a zero one).
         let mut previous = Vec::new();
         for p in &mut stage.params {
-            if lamb {
+            if fresh {
                 previous.push(p.m.clone());
             }
             match host.get(&p.id).and_then(|(_, g)| g.as_ref()) {
@@ -142,16 +145,31 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
             }
             let w = &mut p.w;
             let decay = if p.decay { weight_decay } else { 0.0 };
+            if fresh {
+                // The gradient the averaged momenta imply, into the fresh variance.
+                for ((f, &m), &prev) in p.v_fresh.iter_mut().zip(&p.m).zip(&previous[k]) {
+                    let g = (m - b1 * prev) / (1.0 - b1);
+                    *f = b2 * *f + (1.0 - b2) * g * g;
+                }
+            }
+            // √v̂ + ε of the frozen variance, or of the larger of it and the fresh one.
+            let denom = |v: f32, f: f32| {
+                let v = v / bc2;
+                if floor { v.max(f / bc2_fresh) } else { v }.sqrt() + eps
+            };
+            let fresh_or_zero = |i: usize| p.v_fresh.get(i).copied().unwrap_or(0.0);
             if !lamb {
                 // Adam: one pass, no temporaries.
-                for ((w, &m), &v) in w.iter_mut().zip(&p.m).zip(&p.v) {
-                    let u = (m / bc1) / ((v / bc2).sqrt() + eps) + decay * *w;
+                for (i, (w, &m)) in w.iter_mut().zip(&p.m).enumerate() {
+                    let u = (m / bc1) / denom(p.v[i], fresh_or_zero(i)) + decay * *w;
                     *w -= lr * u;
                 }
                 updated.insert(p.id, w.clone());
                 continue;
             }
-            let denom: Vec<f32> = p.v.iter().map(|&v| (v / bc2).sqrt() + eps).collect();
+            let denom: Vec<f32> = (0..p.v.len())
+                .map(|i| denom(p.v[i], fresh_or_zero(i)))
+                .collect();
             let prelim: Vec<f32> =
                 p.m.iter()
                     .zip(&denom)
@@ -162,10 +180,6 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
                 .zip(w.iter())
                 .map(|(&u, &w)| u + decay * w)
                 .collect();
-            for ((f, &m), &prev) in p.v_fresh.iter_mut().zip(&p.m).zip(&previous[k]) {
-                let g = (m - b1 * prev) / (1.0 - b1);
-                *f = b2 * *f + (1.0 - b2) * g * g;
-            }
             let mut factor = p
                 .v_fresh
                 .iter()

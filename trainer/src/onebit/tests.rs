@@ -9,6 +9,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
 use crate::config::{OptimizerConfig, OptimizerKind};
+use crate::onebit::OnebitVariance;
 use crate::optim::PreTrainingOptimizer;
 
 type B = Autodiff<NdArray>;
@@ -53,6 +54,7 @@ fn setup(
     kind: OptimizerKind,
     freeze: u64,
     seed: u64,
+    variance: OnebitVariance,
 ) -> (
     Linear<B>,
     PreTrainingOptimizer<Linear<B>, B>,
@@ -64,6 +66,7 @@ fn setup(
         weight_decay: 0.1,
         onebit: crate::config::OnebitConfig {
             freeze_step: Some(freeze),
+            variance,
             ..Default::default()
         },
         ..Default::default()
@@ -80,11 +83,19 @@ fn setup(
     (model, onebit, exact)
 }
 
+/// `frozen`: Adam dividing by the variance at the freeze. `frozen-or-fresh`: by the larger of
+/// it and the variance of the gradients the momenta imply (one rank: the gradients).
 #[test]
 fn onebit_adam_on_one_rank_is_adamw_then_adam_with_the_variance_frozen() {
+    for variance in [OnebitVariance::Frozen, OnebitVariance::FrozenOrFresh] {
+        adam_on_one_rank(variance);
+    }
+}
+
+fn adam_on_one_rank(variance: OnebitVariance) {
     let freeze = 3;
     let lr = 1e-2;
-    let (model, mut onebit, mut exact) = setup(OptimizerKind::OnebitAdam, freeze, 5);
+    let (model, mut onebit, mut exact) = setup(OptimizerKind::OnebitAdam, freeze, 5, variance);
     let (mut a, mut b) = (model.clone(), model);
     for step in 0..freeze as usize {
         let (ga, gb) = (grads(&a, step), grads(&b, step));
@@ -106,6 +117,8 @@ fn onebit_adam_on_one_rank_is_adamw_then_adam_with_the_variance_frozen() {
     let (b1, b2, eps) = (0.9f32, 0.999f32, 1e-6f32);
     let mut w = values(b.weight.val().inner());
     let mut bias = bias_values(&b);
+    let (mut f_w, mut f_b) = (v_w.clone(), v_b.clone());
+    let mut fresh_won = false;
     for step in freeze as usize..freeze as usize + 3 {
         let (g_w, g_b) = host_grads(&b, step);
         let g = grads(&b, step);
@@ -113,13 +126,22 @@ fn onebit_adam_on_one_rank_is_adamw_then_adam_with_the_variance_frozen() {
         let t = step as i32 + 1;
         let bc1 = 1.0 - b1.powi(t);
         let bc2 = 1.0 - b2.powi(freeze as i32);
-        for (m, v, g, x, decay) in [
-            (&mut m_w, &v_w, &g_w, &mut w, 0.1f32),
-            (&mut m_b, &v_b, &g_b, &mut bias, 0.0),
+        let bc2_fresh = 1.0 - b2.powi(t);
+        for (m, v, f, g, x, decay) in [
+            (&mut m_w, &v_w, &mut f_w, &g_w, &mut w, 0.1f32),
+            (&mut m_b, &v_b, &mut f_b, &g_b, &mut bias, 0.0),
         ] {
             for k in 0..m.len() {
+                let previous = m[k];
                 m[k] = b1 * m[k] + (1.0 - b1) * g[k];
-                let u = (m[k] / bc1) / ((v[k] / bc2).sqrt() + eps) + decay * x[k];
+                let rebuilt = (m[k] - b1 * previous) / (1.0 - b1);
+                f[k] = b2 * f[k] + (1.0 - b2) * rebuilt * rebuilt;
+                let mut second = v[k] / bc2;
+                if variance == OnebitVariance::FrozenOrFresh && f[k] / bc2_fresh > second {
+                    second = f[k] / bc2_fresh;
+                    fresh_won = true;
+                }
+                let u = (m[k] / bc1) / (second.sqrt() + eps) + decay * x[k];
                 x[k] -= lr as f32 * u;
             }
         }
@@ -136,6 +158,8 @@ fn onebit_adam_on_one_rank_is_adamw_then_adam_with_the_variance_frozen() {
     assert_eq!(after["weight"].moment_2.to_vec::<f32>().unwrap(), v_w);
     assert_eq!(after["weight"].moment_1.to_vec::<f32>().unwrap(), m_w);
     assert_eq!(after["weight"].time, freeze as usize + 3);
+    // The gradients grow as the weights do: the fresh variance took over somewhere.
+    assert_eq!(fresh_won, variance == OnebitVariance::FrozenOrFresh);
 }
 
 /// ‖x‖₂ in f64.
@@ -148,7 +172,9 @@ fn onebit_lamb_on_one_rank_follows_deepspeeds_formulas() {
     let freeze = 3usize;
     let lr = 1e-2;
     let wd = 0.1f32;
-    let (model, mut onebit, mut exact) = setup(OptimizerKind::OnebitLamb, freeze as u64, 6);
+    // DeepSpeed's formulas: the frozen variance in the update.
+    let (model, mut onebit, mut exact) =
+        setup(OptimizerKind::OnebitLamb, freeze as u64, 6, OnebitVariance::Frozen);
     let (b1, b2, eps) = (0.9f32, 0.999f32, 1e-6f32);
     let (mut a, mut b) = (model.clone(), model);
     // Warm-up: exact LAMB, and the averaged clipped trust ratio of each tensor by hand.
