@@ -25,6 +25,12 @@
 //! freeze); 1-bit Adam compresses each tensor on its own (DeepSpeed's f32 path).
 //!
 //! Where ember differs from DeepSpeed (docs/ARCHITECTURE.md, 1-bit optimizers):
+//! - **the denominator** is by default element by element the larger of the frozen variance
+//!   and the fresh one rebuilt from the averaged momenta (`optimizer.onebit.variance =
+//!   frozen-or-fresh`; `frozen` is DeepSpeed's): a variance frozen while an element had almost
+//!   no gradient (a rare token) divides that element's later, real gradients by nearly zero;
+//! - **one scale per 128 elements** (`optimizer.onebit.scale_block`; 0 is DeepSpeed's one per
+//!   buffer);
 //! - **bias correction** continues through both stages (m̂ = m/(1−β1ᵗ), v̂ = v/(1−β2ᵀ) with T
 //!   the freeze step), so that the warm-up is ember's exact AdamW/LAMB; DeepSpeed's 1-bit
 //!   optimizers apply none in either stage;
@@ -47,8 +53,8 @@ use ember_model::checkpoint::read_unshared;
 
 use super::allreduce::{BytesSent, CompressedAllreduce};
 use crate::config::{OnebitConfig, OptimizerConfig, OptimizerKind};
-use crate::onebit::OnebitVariance;
 use crate::grads::named_params;
+use crate::onebit::OnebitVariance;
 use crate::optim::{OptimizerState, ParamMoments, PreTrainingOptimizer, uses_weight_decay};
 use crate::parallel::{CommError, CommThread};
 

@@ -173,8 +173,12 @@ fn onebit_lamb_on_one_rank_follows_deepspeeds_formulas() {
     let lr = 1e-2;
     let wd = 0.1f32;
     // DeepSpeed's formulas: the frozen variance in the update.
-    let (model, mut onebit, mut exact) =
-        setup(OptimizerKind::OnebitLamb, freeze as u64, 6, OnebitVariance::Frozen);
+    let (model, mut onebit, mut exact) = setup(
+        OptimizerKind::OnebitLamb,
+        freeze as u64,
+        6,
+        OnebitVariance::Frozen,
+    );
     let (b1, b2, eps) = (0.9f32, 0.999f32, 1e-6f32);
     let (mut a, mut b) = (model.clone(), model);
     // Warm-up: exact LAMB, and the averaged clipped trust ratio of each tensor by hand.
