@@ -6,13 +6,17 @@
 use super::*;
 use ember_trainer::config::OptimizerKind;
 
-fn summary(config: &TrainConfig, world_size: usize) -> ember_trainer::TrainSummary {
+fn summary(
+    config: &TrainConfig,
+    world_size: usize,
+    data: Arc<PreparedData>,
+) -> ember_trainer::TrainSummary {
     train_in_process_with_data::<B>(
         config,
         world_size,
         &Default::default(),
         RunOptions::default(),
-        Some(shared_data()),
+        Some(data),
     )
     .unwrap()
 }
@@ -30,10 +34,10 @@ fn warm_up_is_the_exact_optimizer_and_compression_sends_over_16_times_fewer_byte
         config.train.eval_every = 8;
         config.train.batch_size = 2;
         config.optimizer.name = exact;
-        let reference = summary(&config, 2);
+        let reference = summary(&config, 2, shared_data());
         config.optimizer.name = onebit;
         config.optimizer.onebit.freeze_step = Some(4);
-        let compressed = summary(&config, 2);
+        let compressed = summary(&config, 2, shared_data());
         // Warm-up (steps 1-4) and the step after it: the loss of step 5 is computed before
         // its update, from weights the exact optimizer made.
         assert_eq!(
@@ -94,22 +98,15 @@ fn onebit_optimizers_reach_the_accuracy_of_the_exact_ones() {
         for name in [exact, onebit] {
             config.optimizer.name = name;
             config.optimizer.lr = lr;
-            let summary = train_in_process_with_data::<B>(
-                &config,
-                4,
-                &Default::default(),
-                RunOptions::default(),
-                Some(data.clone()),
-            )
-            .unwrap();
-            assert_eq!(summary.steps, STEPS);
-            let baseline = summary.unigram_baseline;
+            let run = summary(&config, 4, data.clone());
+            assert_eq!(run.steps, STEPS);
+            let baseline = run.unigram_baseline;
             assert!(
-                summary.eval.mlm_accuracy > baseline + 0.01,
+                run.eval.mlm_accuracy > baseline + 0.01,
                 "{name:?} did not learn: {} (baseline {baseline})",
-                summary.eval.mlm_accuracy
+                run.eval.mlm_accuracy
             );
-            accuracy.push(summary.eval.mlm_accuracy);
+            accuracy.push(run.eval.mlm_accuracy);
         }
         report.push(format!(
             "{exact:?} {:.4} / {onebit:?} {:.4}",
