@@ -357,8 +357,16 @@ pub(crate) fn compressed_param(
     let shape = moments.moment_1.shape.as_slice().to_vec();
     let decay = uses_weight_decay(&path);
     CompressedParam {
-        m: moments.moment_1.into_vec::<f32>().expect("f32 moments"),
-        v: moments.moment_2.into_vec::<f32>().expect("f32 moments"),
+        m: moments
+            .moment_1
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .expect("converted to f32"),
+        v: moments
+            .moment_2
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .expect("converted to f32"),
         v_fresh: Vec::new(),
         w: Vec::new(),
         scaling_coeff: 1.0,

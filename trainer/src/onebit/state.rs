@@ -63,11 +63,28 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
             return self.exact.load_state(module, std::mem::take(state));
         }
         let ids: HashMap<String, _> = named_params::<B, M>(module).into_iter().collect();
+        struct Dims(HashMap<burn::module::ParamId, Vec<usize>>);
+        impl<B: AutodiffBackend> burn::module::ModuleVisitor<B> for Dims {
+            fn visit_float<const D: usize>(
+                &mut self,
+                param: &burn::module::Param<burn::tensor::Tensor<B, D>>,
+            ) {
+                self.0.insert(param.id, param.val().dims().to_vec());
+            }
+        }
+        let mut dims = Dims(HashMap::new());
+        module.visit(&mut dims);
         let mut params = Vec::new();
-        for (path, _) in named_params::<B, M>(module) {
+        for (path, id) in named_params::<B, M>(module) {
             if let Some(moments) = state.remove(&path) {
-                if moments.moment_1.shape != moments.moment_2.shape {
-                    return Err(format!("{path}: the two moments differ in shape"));
+                for (which, data) in [("m", &moments.moment_1), ("v", &moments.moment_2)] {
+                    if data.shape.as_slice() != dims.0[&id].as_slice() {
+                        return Err(format!(
+                            "{path}: the saved {which} has shape {:?}, the parameter {:?}",
+                            data.shape.as_slice(),
+                            dims.0[&id]
+                        ));
+                    }
                 }
                 params.push(compressed_param(path.clone(), ids[&path], moments, 0.0));
             }
