@@ -2,7 +2,7 @@
 //! from bit-identical initial weights): in-process ranks against one rank with the whole batch
 //! and gradient accumulation (here), hooks (`hooks.rs`), clipping (`clipping.rs`), loss
 //! normalisation and dropout keys (`details.rs`), start-up agreement and failing ranks
-//! (`failures.rs`).
+//! (`failures.rs`), 1-bit Adam and LAMB (`onebit.rs`).
 
 mod clipping;
 mod details;

@@ -322,7 +322,7 @@ pub fn train_rank<B: GradHookBackend>(
             .next_step(config.parallel.grad_accum, &comm)?;
         let record;
         (model, record) = trainer.step(model, step, micro_batches, device, &options)?;
-        if rank == 0 && record.compressed && step + 1 == trainer.optimizer_freeze_step() + 1 {
+        if rank == 0 && record.compressed && step == trainer.optimizer_freeze_step() {
             info!(
                 step = step + 1,
                 warmup_bytes_per_step = comm_bytes.last().copied().unwrap_or_default(),
