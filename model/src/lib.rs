@@ -35,6 +35,7 @@ pub mod checkpoint;
 mod config;
 mod embed;
 mod error;
+mod flops;
 mod hook;
 mod pretrained;
 mod pretraining;

@@ -50,6 +50,21 @@ pub enum BenchCommand {
     /// Bytes sent and step time of AdamW vs 1-bit Adam and LAMB vs 1-bit LAMB (2 ranks, the
     /// whole trainer, a modelled network link).
     Onebit(crate::bench_onebit::OnebitArgs),
+    /// ember's training step against Hugging Face BertForPreTraining + torch.optim.AdamW in
+    /// the same run: samples/s, ratio, MFU against the GEMM peak measured in the run.
+    TrainStep(crate::bench_train_step::TrainStepArgs),
+}
+
+/// `cargo xtask bench [--setup-reference] [COMMAND]`.
+#[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = false, subcommand_required = false)]
+pub struct BenchArgs {
+    /// Create bench/reference/.venv with torch and transformers (a large download, once) for
+    /// `bench train-step --reference pytorch`
+    #[arg(long)]
+    setup_reference: bool,
+    #[command(subcommand)]
+    command: Option<BenchCommand>,
 }
 
 /// Flags of `bench overlap`.
@@ -87,13 +102,23 @@ pub struct OverlapArgs {
     tied: Vec<TiedEmbedding>,
 }
 
-pub fn run(command: BenchCommand) -> Result<()> {
+pub fn run(args: BenchArgs) -> Result<()> {
+    if args.setup_reference {
+        crate::bench_train_step::setup_reference()?;
+    }
+    let Some(command) = args.command else {
+        if args.setup_reference {
+            return Ok(());
+        }
+        anyhow::bail!("bench: name a benchmark (cargo xtask bench --help lists them)");
+    };
     match command {
         BenchCommand::Overlap(args) => overlap(args),
         BenchCommand::Kernels(args) => crate::bench_kernels::run(args),
         BenchCommand::Step(args) => crate::bench_step::run(args),
         BenchCommand::Checkpoint(args) => crate::bench_checkpoint::run(args),
         BenchCommand::Onebit(args) => crate::bench_onebit::run(args),
+        BenchCommand::TrainStep(args) => crate::bench_train_step::run(args),
     }
 }
 

@@ -10,13 +10,15 @@
 //!   `balance-report`: padding efficiency and rank imbalance of each sampler.
 //! - `bench overlap`: how much of the gradient allreduce the bucketed hooks hide; `bench
 //!   kernels`: the fused ops against their reference; `bench step`: a training step's time and
-//!   host synchronisations, device against host buckets.
+//!   host synchronisations, device against host buckets; `bench train-step`: the training
+//!   step against PyTorch's in the same run.
 
 mod bench;
 mod bench_checkpoint;
 mod bench_kernels;
 mod bench_onebit;
 mod bench_step;
+mod bench_train_step;
 mod comm_check;
 mod convert;
 mod curves;
@@ -75,8 +77,7 @@ enum Command {
     /// input line.
     Embed(embed::EmbedArgs),
     /// Benchmarks.
-    #[command(subcommand)]
-    Bench(bench::BenchCommand),
+    Bench(bench::BenchArgs),
 }
 
 /// The workspace root (the folder of the top-level Cargo.toml), so that default paths work
@@ -105,7 +106,7 @@ pub fn cli_main() -> ExitCode {
         Command::BalanceReport(args) => data::balance(args),
         Command::Convert(args) => convert::run(args),
         Command::Embed(args) => embed::run(args),
-        Command::Bench(command) => bench::run(command),
+        Command::Bench(args) => bench::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""The PyTorch reference of `cargo xtask bench train-step`: Hugging Face `BertForPreTraining`
+trained with `torch.optim.AdamW` on the batch and weights that ember exported.
+
+The step is the one NVIDIA's MLPerf BERT and ember take: the encoder over the whole batch, the
+masked-LM head only at the masked positions (`cls.predictions` over the gathered hidden states,
+as NVIDIA's `BertForPreTraining` with `masked_lm_positions`), the next-sentence head on the
+pooled output; loss = mean masked-LM cross-entropy + mean next-sentence cross-entropy; backward;
+AdamW with weight decay on every parameter but biases and LayerNorm (ember's groups,
+`trainer/src/optim.rs`, `uses_weight_decay`).
+
+Run by the harness as a server, one JSON object per line each way (stdin -> stdout):
+  {"cmd": "loss"}                 -> {"loss", "mlm_loss", "nsp_loss"}   (forward, no update)
+  {"cmd": "steps", "n": N}        -> {"seconds": [N], "losses": [N]}     (N training steps)
+  {"cmd": "gemm", "n": S, "reps": R} -> {"gflops"}  (fp32 [S,S] x [S,S], best of R)
+  {"cmd": "quit"}
+On start it prints {"ready": true, ...} with the versions, thread count and parameter count.
+
+Inputs: --model DIR (config.json + model.safetensors under Hugging Face's names, dropout 0),
+--batch FILE (safetensors: input_ids, token_type_ids, attention_mask [B, S];
+masked_lm_positions, masked_lm_ids [B, P]; masked_lm_weights [B, P] (1 = real prediction);
+next_sentence_labels [B]). Needs: torch, transformers, safetensors (`cargo xtask bench
+--setup-reference` installs them into bench/reference/.venv).
+"""
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import load_file
+from transformers import BertForPreTraining
+
+
+def reply(obj):
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batch", required=True)
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--lr", type=float, required=True)
+    parser.add_argument("--beta1", type=float, required=True)
+    parser.add_argument("--beta2", type=float, required=True)
+    parser.add_argument("--eps", type=float, required=True)
+    parser.add_argument("--weight-decay", type=float, required=True)
+    parser.add_argument("--compile", action="store_true", help="torch.compile the step's model")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = BertForPreTraining.from_pretrained(args.model)
+    model.train()  # dropout probabilities are 0 in the exported config: train mode changes nothing
+    batch = load_file(args.batch)
+    input_ids = batch["input_ids"].long()
+    token_type_ids = batch["token_type_ids"].long()
+    attention_mask = batch["attention_mask"].long()
+    b, s = input_ids.shape
+    real = batch["masked_lm_weights"] > 0
+    flat = (batch["masked_lm_positions"].long() + torch.arange(b).unsqueeze(1) * s)[real]
+    labels = batch["masked_lm_ids"].long()[real]
+    nsp_labels = batch["next_sentence_labels"].long()
+
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        (no_decay if ("bias" in name or "LayerNorm" in name) else decay).append(param)
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+        betas=(args.beta1, args.beta2),
+        eps=args.eps,
+    )
+    hidden = model.config.hidden_size
+
+    def losses():
+        out = model.bert(
+            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
+        )
+        sequence_output, pooled = out[0], out[1]
+        masked = sequence_output.reshape(-1, hidden).index_select(0, flat)
+        mlm = F.cross_entropy(model.cls.predictions(masked), labels)
+        nsp = F.cross_entropy(model.cls.seq_relationship(pooled), nsp_labels)
+        return mlm, nsp
+
+    step_losses = torch.compile(losses) if args.compile else losses
+
+    reply(
+        {
+            "ready": True,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "threads": torch.get_num_threads(),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "attn_implementation": model.config._attn_implementation,
+        }
+    )
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "loss":
+            with torch.no_grad():
+                mlm, nsp = losses()
+            reply({"loss": (mlm + nsp).item(), "mlm_loss": mlm.item(), "nsp_loss": nsp.item()})
+        elif cmd["cmd"] == "steps":
+            seconds, values = [], []
+            for _ in range(cmd["n"]):
+                start = time.perf_counter()
+                optimizer.zero_grad(set_to_none=True)
+                mlm, nsp = step_losses()
+                loss = mlm + nsp
+                loss.backward()
+                optimizer.step()
+                value = loss.item()
+                seconds.append(time.perf_counter() - start)
+                values.append(value)
+            reply({"seconds": seconds, "losses": values})
+        elif cmd["cmd"] == "gemm":
+            n, best = cmd["n"], float("inf")
+            a, c = torch.rand(n, n), torch.rand(n, n)
+            a @ c
+            for _ in range(cmd["reps"]):
+                start = time.perf_counter()
+                a @ c
+                best = min(best, time.perf_counter() - start)
+            reply({"gflops": 2 * n**3 / best / 1e9})
+        elif cmd["cmd"] == "quit":
+            return
+        else:
+            reply({"error": f"unknown command {cmd['cmd']}"})
+
+
+if __name__ == "__main__":
+    main()

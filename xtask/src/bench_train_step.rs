@@ -1,0 +1,744 @@
+//! `cargo xtask bench train-step`: ember's training step against PyTorch's in the same run.
+//!
+//! For each model × batch size × sequence length: ember initialises the model (dropout 0),
+//! exports its weights under Hugging Face's names and a random batch (no padding,
+//! `--max-predictions` masked positions per sequence) to a temporary folder, and starts
+//! `bench/reference/train_step.py` on them: Hugging Face `BertForPreTraining` with
+//! `torch.optim.AdamW`, the MLM head at the masked positions only, the same parameter groups
+//! and hyper-parameters. Both sides then:
+//! 1. compute the first step's loss on the same weights: they must agree within 1e-3, so that
+//!    a fast wrong step cannot win;
+//! 2. take one warm-up step (excluded), then `--rounds` rounds of `--steps` steps, alternating
+//!    ember and PyTorch so that the machine's drift hits both;
+//! 3. time an fp32 `[n, n] × [n, n]` GEMM (best of 5), ember's backend and PyTorch's.
+//!
+//! Reported per row: each side's samples/s (median step), the ratio ember / PyTorch, and each
+//! side's MFU = model FLOPs per step ([`BertConfig::train_step_flops`]) per second over the
+//! GEMM peak of this run (the faster of the two GEMMs). The table goes to stdout and, as
+//! markdown and JSON, to `--out` (`bench/results/`, git-ignored).
+//!
+//! ember's step is the model-level step the trainer runs on one rank: forward with the fused or
+//! composed encoder as `model.kernels = auto` picks, the masked-LM and next-sentence losses,
+//! backward, and the AdamW step through [`PreTrainingOptimizer`] (the multi-tensor path where
+//! the backend has it); the data-parallel hooks and the gradient clipping of the trainer are not
+//! in either side's step.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use burn::module::AutodiffModule;
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Int, Tensor, TensorData};
+use clap::Args;
+use ember_backend_ext::FusedOps;
+use ember_data::Batch;
+use ember_model::{BertConfig, BertForPreTraining, Preset};
+use ember_trainer::config::OptimizerConfig;
+use ember_trainer::eval::forward_loss;
+use ember_trainer::optim::PreTrainingOptimizer;
+use serde_json::{Value, json};
+
+/// Flags of `bench train-step`.
+#[derive(Args, Debug)]
+pub struct TrainStepArgs {
+    /// The step to compare with: pytorch (Hugging Face + torch.optim.AdamW), or none
+    #[arg(long, default_value = "pytorch", value_parser = ["pytorch", "none"])]
+    reference: String,
+    /// Models to time
+    #[arg(long, value_delimiter = ',', default_value = "tiny,mini,base")]
+    presets: Vec<Preset>,
+    /// Sequences per step (each value is a row per model)
+    #[arg(long, value_delimiter = ',', default_value = "8")]
+    batch_size: Vec<usize>,
+    /// Tokens per sequence, no padding (each value is a row per model)
+    #[arg(long, value_delimiter = ',', default_value = "128")]
+    seq_len: Vec<usize>,
+    /// Backend: cpu (NdArray); cuda needs the `cuda` feature
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    device: String,
+    /// Masked positions per sequence
+    #[arg(long, default_value_t = 20)]
+    max_predictions: usize,
+    /// Timed steps per round and side
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// Rounds, alternating ember and the reference
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Compute threads of both sides [default: the available cores]. ember's are rayon's
+    /// (`RAYON_NUM_THREADS`), read once per process: this flag sets it before the first use.
+    #[arg(long)]
+    threads: Option<usize>,
+    /// The reference's Python [default: bench/reference/.venv/bin/python, made by
+    /// `cargo xtask bench --setup-reference`]
+    #[arg(long)]
+    python: Option<PathBuf>,
+    /// Also time the reference under torch.compile (a second reference column)
+    #[arg(long)]
+    compile: bool,
+    /// Size n of the fp32 [n, n] × [n, n] GEMM that measures the peak
+    #[arg(long, default_value_t = 2048)]
+    gemm_size: usize,
+    /// Folder of the markdown and JSON results
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Learning rate of both AdamW steps
+    #[arg(long, default_value_t = 1e-4)]
+    lr: f64,
+}
+
+/// One timed configuration.
+struct Row {
+    preset: Preset,
+    batch_size: usize,
+    seq_len: usize,
+    parameters: usize,
+    flops: f64,
+    ember_s: f64,
+    ember_loss: f64,
+    references: Vec<(String, f64, f64)>, // (name, median step seconds, first loss)
+}
+
+pub fn run(args: TrainStepArgs) -> Result<()> {
+    if args.presets.is_empty() || args.batch_size.is_empty() || args.seq_len.is_empty() {
+        bail!("--presets, --batch-size and --seq-len each need at least one value");
+    }
+    if args.steps == 0 || args.rounds == 0 {
+        bail!("--steps and --rounds must be at least 1");
+    }
+    let threads = match args.threads {
+        Some(0) => bail!("--threads must be at least 1"),
+        Some(n) => n,
+        None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    // SAFETY: set before any thread of this process reads the environment (rayon's pool is
+    // built lazily at the first parallel op, which comes later).
+    unsafe { std::env::set_var("RAYON_NUM_THREADS", threads.to_string()) };
+    let python = match args.reference.as_str() {
+        "pytorch" => Some(reference_python(args.python.as_deref())?),
+        _ => None,
+    };
+    match args.device.as_str() {
+        "cpu" => bench::<burn::backend::Autodiff<burn::backend::NdArray>>(
+            &args,
+            &Default::default(),
+            python.as_deref(),
+            threads,
+        ),
+        "cuda" => bench_cuda(&args, python.as_deref(), threads),
+        other => bail!("unknown device {other}"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn bench_cuda(args: &TrainStepArgs, python: Option<&Path>, threads: usize) -> Result<()> {
+    bench::<burn::backend::Autodiff<burn::backend::Cuda>>(
+        args,
+        &Default::default(),
+        python,
+        threads,
+    )
+}
+
+#[cfg(not(feature = "cuda"))]
+fn bench_cuda(_: &TrainStepArgs, _: Option<&Path>, _: usize) -> Result<()> {
+    bail!(
+        "--device cuda needs the cuda feature: cargo run --release -p xtask --features cuda -- bench train-step ..."
+    )
+}
+
+/// The Python that runs the reference: `--python`, else the virtualenv of
+/// `cargo xtask bench --setup-reference`.
+fn reference_python(given: Option<&Path>) -> Result<PathBuf> {
+    let path = match given {
+        Some(path) => path.to_path_buf(),
+        None => crate::project_root().join("bench/reference/.venv/bin/python"),
+    };
+    if !path.is_file() {
+        bail!(
+            "{}: no such Python; run `cargo xtask bench --setup-reference` once (installs torch and transformers, a large download) or pass --python PATH, or --reference none",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// `cargo xtask bench --setup-reference`: bench/reference/.venv with torch, transformers and
+/// safetensors from PyPI.
+pub fn setup_reference() -> Result<()> {
+    let dir = crate::project_root().join("bench/reference/.venv");
+    let status = Command::new("python3")
+        .args(["-m", "venv"])
+        .arg(&dir)
+        .status()
+        .context("running python3 -m venv (Debian: apt install python3-venv)")?;
+    if !status.success() {
+        bail!("python3 -m venv {} failed ({status})", dir.display());
+    }
+    let pip = dir.join("bin/pip");
+    let status = Command::new(&pip)
+        .args(["install", "torch", "transformers", "safetensors", "numpy"])
+        .status()
+        .with_context(|| pip.display().to_string())?;
+    if !status.success() {
+        bail!(
+            "{} install torch transformers safetensors failed ({status})",
+            pip.display()
+        );
+    }
+    println!(
+        "ember: reference ready: {}",
+        dir.join("bin/python").display()
+    );
+    Ok(())
+}
+
+/// The inputs of one configuration, on the host (ember's tensors and the reference's file are
+/// made from the same vectors).
+struct HostInputs {
+    batch_size: usize,
+    seq_len: usize,
+    input_ids: Vec<i64>,
+    segment_ids: Vec<i64>,
+    positions: Vec<i64>, // [B, P] positions within each sequence
+    labels: Vec<i64>,    // [B, P]
+    next_sentence: Vec<i64>,
+}
+
+impl HostInputs {
+    /// A random batch without padding: tokens drawn from the vocabulary above the special
+    /// ids, segment B the second half, `predictions` distinct sorted positions per sequence
+    /// (never [CLS] at 0), labels drawn from the vocabulary. SplitMix64 from a fixed seed.
+    fn random(config: &BertConfig, batch_size: usize, seq_len: usize, predictions: usize) -> Self {
+        let mut state = 0x5eed_u64;
+        let mut next = move |bound: usize| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) % bound as u64) as i64
+        };
+        let vocab = config.vocab_size - 1000;
+        let mut inputs = HostInputs {
+            batch_size,
+            seq_len,
+            input_ids: Vec::new(),
+            segment_ids: Vec::new(),
+            positions: Vec::new(),
+            labels: Vec::new(),
+            next_sentence: Vec::new(),
+        };
+        for _ in 0..batch_size {
+            inputs
+                .input_ids
+                .extend((0..seq_len).map(|_| 1000 + next(vocab)));
+            inputs
+                .segment_ids
+                .extend((0..seq_len).map(|i| i64::from(i >= seq_len / 2)));
+            let mut chosen: Vec<i64> = Vec::new();
+            while chosen.len() < predictions {
+                let p = 1 + next(seq_len - 1);
+                if !chosen.contains(&p) {
+                    chosen.push(p);
+                }
+            }
+            chosen.sort_unstable();
+            inputs.positions.extend(&chosen);
+            inputs
+                .labels
+                .extend((0..predictions).map(|_| 1000 + next(vocab)));
+            inputs.next_sentence.push(next(2));
+        }
+        inputs
+    }
+
+    fn predictions(&self) -> usize {
+        self.positions.len()
+    }
+
+    fn batch<B: burn::tensor::backend::Backend>(&self, device: &B::Device) -> Batch<B> {
+        let (b, s, n) = (self.batch_size, self.seq_len, self.predictions());
+        let int2 = |values: &[i64]| {
+            Tensor::<B, 2, Int>::from_data(TensorData::new(values.to_vec(), [b, s]), device)
+        };
+        let int1 = |values: Vec<i64>| {
+            let len = values.len();
+            Tensor::<B, 1, Int>::from_data(TensorData::new(values, [len]), device)
+        };
+        let per_row = n / b;
+        let flat = self
+            .positions
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (i / per_row * s) as i64 + p)
+            .collect();
+        Batch {
+            input_ids: int2(&self.input_ids),
+            segment_ids: int2(&self.segment_ids),
+            input_mask: int2(&vec![1; b * s]),
+            masked_lm_flat_positions: int1(flat),
+            masked_lm_labels: int1(self.labels.clone()),
+            next_sentence_labels: int1(self.next_sentence.clone()),
+        }
+    }
+
+    /// The reference's batch file (see `bench/reference/train_step.py`).
+    fn write_safetensors(&self, path: &Path) -> Result<()> {
+        use safetensors::tensor::{Dtype, TensorView};
+        let (b, s, p) = (
+            self.batch_size,
+            self.seq_len,
+            self.predictions() / self.batch_size,
+        );
+        let bytes = |values: &[i64]| values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let ones: Vec<u8> = (0..b * p).flat_map(|_| 1.0f32.to_le_bytes()).collect();
+        let tensors: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)> = vec![
+            ("input_ids", Dtype::I64, vec![b, s], bytes(&self.input_ids)),
+            (
+                "token_type_ids",
+                Dtype::I64,
+                vec![b, s],
+                bytes(&self.segment_ids),
+            ),
+            (
+                "attention_mask",
+                Dtype::I64,
+                vec![b, s],
+                bytes(&vec![1; b * s]),
+            ),
+            (
+                "masked_lm_positions",
+                Dtype::I64,
+                vec![b, p],
+                bytes(&self.positions),
+            ),
+            ("masked_lm_ids", Dtype::I64, vec![b, p], bytes(&self.labels)),
+            ("masked_lm_weights", Dtype::F32, vec![b, p], ones),
+            (
+                "next_sentence_labels",
+                Dtype::I64,
+                vec![b],
+                bytes(&self.next_sentence),
+            ),
+        ];
+        let views = tensors
+            .iter()
+            .map(|(name, dtype, shape, data)| {
+                TensorView::new(*dtype, shape.clone(), data).map(|view| (name.to_string(), view))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        safetensors::serialize_to_file(views, None, path)
+            .with_context(|| path.display().to_string())
+    }
+}
+
+/// The reference process: one JSON request and one JSON reply per line.
+struct Reference {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    ready: Value,
+}
+
+impl Reference {
+    fn start(
+        python: &Path,
+        dir: &Path,
+        threads: usize,
+        optimizer: &OptimizerConfig,
+        compile: bool,
+    ) -> Result<Self> {
+        let script = crate::project_root().join("bench/reference/train_step.py");
+        let mut command = Command::new(python);
+        command
+            .arg(&script)
+            .arg("--model")
+            .arg(dir)
+            .arg("--batch")
+            .arg(dir.join("batch.safetensors"))
+            .args(["--threads", &threads.to_string()])
+            .args(["--lr", &optimizer.lr.to_string()])
+            .args(["--beta1", &optimizer.beta1.to_string()])
+            .args(["--beta2", &optimizer.beta2.to_string()])
+            .args(["--eps", &optimizer.epsilon.to_string()])
+            .args(["--weight-decay", &optimizer.weight_decay.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped());
+        if compile {
+            command.arg("--compile");
+        }
+        let mut child = command
+            .spawn()
+            .with_context(|| format!("starting {} {}", python.display(), script.display()))?;
+        let stdin = child.stdin.take().context("the reference's stdin")?;
+        let stdout = BufReader::new(child.stdout.take().context("the reference's stdout")?);
+        let mut reference = Reference {
+            child,
+            stdin,
+            stdout,
+            ready: Value::Null,
+        };
+        reference.ready = reference.read()?;
+        Ok(reference)
+    }
+
+    fn read(&mut self) -> Result<Value> {
+        let mut line = String::new();
+        self.stdout
+            .read_line(&mut line)
+            .context("reading the reference's reply")?;
+        if line.is_empty() {
+            let status = self.child.wait()?;
+            bail!("the PyTorch reference exited ({status}) before replying; its error is above");
+        }
+        let value: Value = serde_json::from_str(&line)
+            .with_context(|| format!("the reference replied {line:?}, not JSON"))?;
+        if let Some(error) = value.get("error") {
+            bail!("the reference: {error}");
+        }
+        Ok(value)
+    }
+
+    fn ask(&mut self, request: Value) -> Result<Value> {
+        writeln!(self.stdin, "{request}").context("writing to the reference")?;
+        self.read()
+    }
+
+    fn number(value: &Value, key: &str) -> Result<f64> {
+        value[key]
+            .as_f64()
+            .with_context(|| format!("the reference's reply {value} lacks {key}"))
+    }
+
+    fn steps(&mut self, n: usize) -> Result<Vec<f64>> {
+        let reply = self.ask(json!({"cmd": "steps", "n": n}))?;
+        reply["seconds"]
+            .as_array()
+            .with_context(|| format!("the reference's reply {reply} lacks seconds"))?
+            .iter()
+            .map(|s| s.as_f64().context("a step time that is not a number"))
+            .collect()
+    }
+}
+
+impl Drop for Reference {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "{}", json!({"cmd": "quit"}));
+        let _ = self.child.wait();
+    }
+}
+
+/// ember's side of one configuration: the model, its optimizer and the batch.
+struct EmberStep<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps> {
+    model: Option<BertForPreTraining<B>>,
+    optimizer: PreTrainingOptimizer<BertForPreTraining<B>, B>,
+    inputs: Batch<B>,
+    lr: f64,
+}
+
+impl<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps> EmberStep<B> {
+    fn loss(&self) -> f64 {
+        let model = self
+            .model
+            .as_ref()
+            .expect("the model is held between steps");
+        let (_, loss) = forward_loss(&model.valid(), self.inputs_valid());
+        loss.total.into_scalar().elem()
+    }
+
+    fn inputs_valid(&self) -> Batch<B::InnerBackend> {
+        let i = &self.inputs;
+        Batch {
+            input_ids: i.input_ids.clone().inner(),
+            segment_ids: i.segment_ids.clone().inner(),
+            input_mask: i.input_mask.clone().inner(),
+            masked_lm_flat_positions: i.masked_lm_flat_positions.clone().inner(),
+            masked_lm_labels: i.masked_lm_labels.clone().inner(),
+            next_sentence_labels: i.next_sentence_labels.clone().inner(),
+        }
+    }
+
+    /// One training step; its loss read to the host (which also waits for the device).
+    fn step(&mut self) -> f64 {
+        let model = self.model.take().expect("the model is held between steps");
+        let (_, loss) = forward_loss(&model, self.inputs.clone());
+        let value: f64 = loss.total.clone().into_scalar().elem();
+        let grads = GradientsParams::from_grads(loss.total.backward(), &model);
+        self.model = Some(self.optimizer.step(self.lr, model, grads));
+        value
+    }
+
+    fn timed_steps(&mut self, n: usize) -> Vec<f64> {
+        (0..n)
+            .map(|_| {
+                let start = Instant::now();
+                self.step();
+                start.elapsed().as_secs_f64()
+            })
+            .collect()
+    }
+}
+
+use burn::tensor::ElementConversion;
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
+/// Best of 5 fp32 `[n, n] × [n, n]` products on `device`, in GFLOP/s.
+fn ember_gemm_gflops<B: burn::tensor::backend::Backend>(n: usize, device: &B::Device) -> f64 {
+    use burn::tensor::Distribution;
+    let a = Tensor::<B, 2>::random([n, n], Distribution::Default, device);
+    let b = Tensor::<B, 2>::random([n, n], Distribution::Default, device);
+    let _ = a.clone().matmul(b.clone()).into_data();
+    let best = (0..5)
+        .map(|_| {
+            let start = Instant::now();
+            let _ = a.clone().matmul(b.clone()).into_data();
+            start.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min);
+    2.0 * (n as f64).powi(3) / best / 1e9
+}
+
+fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
+    args: &TrainStepArgs,
+    device: &B::Device,
+    python: Option<&Path>,
+    threads: usize,
+) -> Result<()> {
+    let optimizer_config = OptimizerConfig {
+        lr: args.lr,
+        ..OptimizerConfig::default()
+    };
+    let mut references: Vec<(&str, bool)> = Vec::new();
+    if python.is_some() {
+        references.push(("pytorch", false));
+        if args.compile {
+            references.push(("torch.compile", true));
+        }
+    }
+    let mut rows = Vec::new();
+    let mut versions = Value::Null;
+    let mut reference_gemm: Option<f64> = None;
+    for &preset in &args.presets {
+        let config = BertConfig {
+            hidden_dropout_prob: 0.0,
+            attention_probs_dropout_prob: 0.0,
+            ..BertConfig::preset(preset)
+        };
+        for &batch_size in &args.batch_size {
+            for &seq_len in &args.seq_len {
+                if args.max_predictions == 0 || args.max_predictions >= seq_len {
+                    bail!(
+                        "--max-predictions {} must be in 1..{seq_len} (the sequence length)",
+                        args.max_predictions
+                    );
+                }
+                if seq_len > config.max_position_embeddings {
+                    bail!(
+                        "--seq-len {seq_len} exceeds the model's {} positions",
+                        config.max_position_embeddings
+                    );
+                }
+                let dir =
+                    tempfile::tempdir().context("a temporary folder for the exported model")?;
+                let model: BertForPreTraining<B> = config.init_for_pretraining(device);
+                model.save_hf_safetensors(&dir.path().join("model.safetensors"))?;
+                std::fs::write(dir.path().join("config.json"), config.to_hf_json())?;
+                let inputs = HostInputs::random(&config, batch_size, seq_len, args.max_predictions);
+                inputs.write_safetensors(&dir.path().join("batch.safetensors"))?;
+                let parameters = burn::module::Module::num_params(&model);
+                let fused = ember_model::Kernels::Auto.fused::<B>();
+                let mut ember = EmberStep {
+                    optimizer: PreTrainingOptimizer::new(&optimizer_config, &model, fused),
+                    model: Some(model),
+                    inputs: inputs.batch(device),
+                    lr: args.lr,
+                };
+                let ember_loss = ember.loss();
+                let mut procs = Vec::new();
+                for &(name, compile) in &references {
+                    let mut reference = Reference::start(
+                        python.expect("references need python"),
+                        dir.path(),
+                        threads,
+                        &optimizer_config,
+                        compile,
+                    )?;
+                    if reference.ready["parameters"].as_u64() != Some(parameters as u64) {
+                        bail!(
+                            "{name} has {} parameters, ember {parameters}: not the same model",
+                            reference.ready["parameters"]
+                        );
+                    }
+                    let loss = Reference::number(&reference.ask(json!({"cmd": "loss"}))?, "loss")?;
+                    if (loss - ember_loss).abs() > 1e-3 {
+                        bail!(
+                            "{preset} batch {batch_size} seq {seq_len}: first-step loss ember {ember_loss:.6}, {name} {loss:.6}: differ by more than 1e-3, so the two steps are not the same computation"
+                        );
+                    }
+                    versions = reference.ready.clone();
+                    procs.push((name.to_string(), reference, loss, Vec::new()));
+                }
+                // Warm-up (excluded): one step each.
+                ember.step();
+                for (_, reference, _, _) in procs.iter_mut() {
+                    reference.steps(1)?;
+                }
+                let mut ember_times = Vec::new();
+                for _ in 0..args.rounds {
+                    ember_times.extend(ember.timed_steps(args.steps));
+                    for (_, reference, _, times) in procs.iter_mut() {
+                        times.extend(reference.steps(args.steps)?);
+                    }
+                }
+                if reference_gemm.is_none() && !procs.is_empty() {
+                    let reply = procs[0]
+                        .1
+                        .ask(json!({"cmd": "gemm", "n": args.gemm_size, "reps": 5}))?;
+                    reference_gemm = Some(Reference::number(&reply, "gflops")?);
+                }
+                let row = Row {
+                    preset,
+                    batch_size,
+                    seq_len,
+                    parameters,
+                    flops: config.train_step_flops(batch_size, seq_len, inputs.predictions()),
+                    ember_s: median(ember_times),
+                    ember_loss,
+                    references: procs
+                        .into_iter()
+                        .map(|(name, _, loss, times)| (name, median(times), loss))
+                        .collect(),
+                };
+                eprintln!("{}", row_line(&row, None));
+                rows.push(row);
+            }
+        }
+    }
+    let ember_gemm = ember_gemm_gflops::<B::InnerBackend>(args.gemm_size, &Default::default());
+    let peak = reference_gemm.map_or(ember_gemm, |r| r.max(ember_gemm));
+    let mut markdown = format!(
+        "Training step, {} on {threads} thread(s): ember ({}) against {}; fp32 GEMM {n}³: ember {ember_gemm:.0} GFLOP/s{}; MFU against the peak {peak:.0} GFLOP/s.\n\n",
+        args.device,
+        std::any::type_name::<B::InnerBackend>()
+            .rsplit("::")
+            .next()
+            .unwrap_or("backend"),
+        if references.is_empty() {
+            "no reference".to_string()
+        } else {
+            format!(
+                "PyTorch {} + transformers {} ({} attention)",
+                versions["torch"].as_str().unwrap_or("?"),
+                versions["transformers"].as_str().unwrap_or("?"),
+                versions["attn_implementation"].as_str().unwrap_or("?")
+            )
+        },
+        reference_gemm.map_or(String::new(), |r| format!(", PyTorch {r:.0} GFLOP/s")),
+        n = args.gemm_size,
+    );
+    markdown.push_str(&header(&references));
+    for row in &rows {
+        markdown.push_str(&row_line(row, Some(peak)));
+        markdown.push('\n');
+    }
+    println!("\n{markdown}");
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| crate::project_root().join("bench/results"));
+    std::fs::create_dir_all(&out).with_context(|| out.display().to_string())?;
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let base = out.join(format!("train-step-{}-{stamp}", args.device));
+    let json_rows: Vec<Value> = rows
+        .iter()
+        .map(|row| {
+            json!({
+                "preset": row.preset.name(),
+                "batch_size": row.batch_size,
+                "seq_len": row.seq_len,
+                "parameters": row.parameters,
+                "step_flops": row.flops,
+                "ember": {"step_s": row.ember_s, "samples_per_s": row.batch_size as f64 / row.ember_s, "mfu": row.flops / row.ember_s / (peak * 1e9), "first_loss": row.ember_loss},
+                "references": row.references.iter().map(|(name, s, loss)| json!({"name": name, "step_s": s, "samples_per_s": row.batch_size as f64 / s, "mfu": row.flops / s / (peak * 1e9), "first_loss": loss, "ratio": s / row.ember_s})).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    let summary = json!({
+        "device": args.device,
+        "threads": threads,
+        "gemm_size": args.gemm_size,
+        "gemm_gflops": {"ember": ember_gemm, "pytorch": reference_gemm},
+        "reference": versions,
+        "rows": json_rows,
+    });
+    write_atomically(&base.with_extension("md"), markdown.as_bytes())?;
+    write_atomically(
+        &base.with_extension("json"),
+        serde_json::to_string_pretty(&summary)?.as_bytes(),
+    )?;
+    println!("ember: wrote {}.{{md,json}}", base.display());
+    Ok(())
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = ember_model::checkpoint::temp_path(path);
+    std::fs::write(&tmp, bytes)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .with_context(|| path.display().to_string())
+}
+
+fn header(references: &[(&str, bool)]) -> String {
+    let mut head =
+        "| model | params | batch × seq | step GFLOP | ember samples/s | ember MFU |".to_string();
+    let mut rule = "|---|---|---|---|---|---|".to_string();
+    for (name, _) in references {
+        head.push_str(&format!(
+            " {name} samples/s | {name} MFU | ember / {name} |"
+        ));
+        rule.push_str("---|---|---|");
+    }
+    format!("{head}\n{rule}\n")
+}
+
+fn row_line(row: &Row, peak: Option<f64>) -> String {
+    let mfu = |s: f64| {
+        peak.map_or("–".to_string(), |p| {
+            format!("{:.0}%", 100.0 * row.flops / s / (p * 1e9))
+        })
+    };
+    let mut line = format!(
+        "| {} | {:.1} M | {} × {} | {:.1} | {:.2} | {} |",
+        row.preset,
+        row.parameters as f64 / 1e6,
+        row.batch_size,
+        row.seq_len,
+        row.flops / 1e9,
+        row.batch_size as f64 / row.ember_s,
+        mfu(row.ember_s)
+    );
+    for (_, s, _) in &row.references {
+        line.push_str(&format!(
+            " {:.2} | {} | {:.2}× |",
+            row.batch_size as f64 / s,
+            mfu(*s),
+            s / row.ember_s
+        ));
+    }
+    line
+}
