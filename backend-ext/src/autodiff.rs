@@ -148,8 +148,94 @@ fn untracked<B: FusedOps, C: CheckpointStrategy>(x: FloatTensor<B>) -> FloatTens
     <Autodiff<B, C> as AutodiffBackend>::from_inner(x)
 }
 
+/// `x · weight + bias`: parents x, weight, bias; state x and weight.
+#[derive(Debug)]
+struct LinearBackward;
+
+impl<B: FusedOps> Backward<B, 3> for LinearBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_weight, node_bias] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x, weight) = ops.state;
+        let [dx, dweight, dbias] = B::dense_backward(x, weight, grad);
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, dx);
+        }
+        if let Some(node) = node_weight {
+            grads.register::<B>(node.id, dweight);
+        }
+        if let Some(node) = node_bias {
+            grads.register::<B>(node.id, dbias);
+        }
+    }
+}
+
+/// `x · weight`: parents x, weight.
+#[derive(Debug)]
+struct LinearNoBiasBackward;
+
+impl<B: FusedOps> Backward<B, 2> for LinearNoBiasBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_weight] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x, weight) = ops.state;
+        let [dx, dweight, _] = B::dense_backward(x, weight, grad);
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, dx);
+        }
+        if let Some(node) = node_weight {
+            grads.register::<B>(node.id, dweight);
+        }
+    }
+}
+
 impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
     const HAS_KERNELS: bool = B::HAS_KERNELS;
+
+    fn dense(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        let Some(bias) = bias else {
+            return match LinearNoBiasBackward
+                .prepare::<C>([x.node.clone(), weight.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => {
+                    let output = B::dense(x.primitive.clone(), weight.primitive.clone(), None);
+                    prep.finish((x.primitive, weight.primitive), output)
+                }
+                OpsKind::UnTracked(prep) => {
+                    prep.finish(B::dense(x.primitive, weight.primitive, None))
+                }
+            };
+        };
+        match LinearBackward
+            .prepare::<C>([x.node.clone(), weight.node.clone(), bias.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let output = B::dense(
+                    x.primitive.clone(),
+                    weight.primitive.clone(),
+                    Some(bias.primitive),
+                );
+                prep.finish((x.primitive, weight.primitive), output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::dense(
+                x.primitive,
+                weight.primitive,
+                Some(bias.primitive),
+            )),
+        }
+    }
 
     fn bias_gelu(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
         match BiasGeluBackward

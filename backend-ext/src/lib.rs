@@ -32,6 +32,7 @@ mod autodiff;
 #[cfg(feature = "cube")]
 mod cube;
 mod dropout;
+mod linear;
 pub mod reference;
 
 use burn::tensor::backend::Backend;
@@ -198,6 +199,32 @@ pub trait FusedOps: Backend {
     /// Whether this backend implements the ops with its own kernels (what [`Kernels::Auto`]
     /// picks).
     const HAS_KERNELS: bool = false;
+
+    /// `x · weight + bias`, Burn's `Linear` (what Burn's `ModuleOps::linear` computes).
+    /// NdArray runs it as one GEMM on views, without the copies of Burn's NdArray matmul
+    /// (see `linear.rs`); other backends run Burn's op.
+    ///
+    /// # Shapes
+    /// `x` `[.., I]`, `weight` `[I, O]` (any strides: a transposed view is not copied on
+    /// NdArray), `bias` `[O]` → `[.., O]`
+    fn dense(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        linear::reference_linear::<Self>(x, weight, bias)
+    }
+
+    /// Gradients of [`FusedOps::dense`] from the output's gradient `grad` `[.., O]`:
+    /// `[dx = grad · weightᵀ` `[.., I]`, `dweight = xᵀ · grad` `[I, O]` (summed over every
+    /// leading dimension), `dbias = Σ grad` `[O]]`.
+    fn dense_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> [FloatTensor<Self>; 3] {
+        linear::reference_linear_backward::<Self>(x, weight, grad)
+    }
 
     /// `GELU(x + bias)` with the exact erf GELU (Hendrycks & Gimpel 2016; BERT's `"gelu"`).
     ///
@@ -440,6 +467,52 @@ where
     burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<E>>,
     burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<I>>,
 {
+    fn dense(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        match linear::ndarray_linear(&x, &weight, bias.as_ref()) {
+            Some(out) => out,
+            None => linear::reference_linear::<Self>(x, weight, bias),
+        }
+    }
+
+    fn dense_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> [FloatTensor<Self>; 3] {
+        match linear::ndarray_linear_backward(&x, &weight, &grad) {
+            Some(grads) => grads,
+            None => linear::reference_linear_backward::<Self>(x, weight, grad),
+        }
+    }
+}
+
+/// `x · weight + bias` through [`FusedOps::dense`] (and its backward under autodiff): Burn's
+/// `Linear::forward` without NdArray's copies.
+///
+/// # Shapes
+/// `x` `[.., I]`, `weight` `[I, O]`, `bias` `[O]` → `[.., O]`
+pub fn dense<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    weight: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+) -> Tensor<B, D> {
+    float(B::dense(prim(x), prim(weight), bias.map(prim)))
+}
+
+/// [`dense`] of a Burn `Linear` module's parameters.
+pub fn dense_module<B: FusedOps, const D: usize>(
+    module: &burn::nn::Linear<B>,
+    x: Tensor<B, D>,
+) -> Tensor<B, D> {
+    dense(
+        x,
+        module.weight.val(),
+        module.bias.as_ref().map(|b| b.val()),
+    )
 }
 
 fn rows<B: Backend, const D: usize>(x: Tensor<B, D>) -> (Tensor<B, 2>, [usize; D]) {

@@ -194,7 +194,9 @@ impl<B: Backend> BertSelfAttention<B> {
             num_attention_heads: config.num_attention_heads,
         }
     }
+}
 
+impl<B: FusedOps> BertSelfAttention<B> {
     /// `softmax(Q·Kᵀ/√hd + mask_bias) · V`, heads concatenated.
     ///
     /// # Shapes
@@ -208,9 +210,15 @@ impl<B: Backend> BertSelfAttention<B> {
         let split_heads = |x: Tensor<B, 3>| {
             x.reshape([batch, seq_len, heads, head_dim]).swap_dims(1, 2) // [B, nh, S, hd]
         };
-        let q = split_heads(self.query.forward(hidden_states.clone()));
-        let k = split_heads(self.key.forward(hidden_states.clone()));
-        let v = split_heads(self.value.forward(hidden_states));
+        let q = split_heads(ember_backend_ext::dense_module(
+            &self.query,
+            hidden_states.clone(),
+        ));
+        let k = split_heads(ember_backend_ext::dense_module(
+            &self.key,
+            hidden_states.clone(),
+        ));
+        let v = split_heads(ember_backend_ext::dense_module(&self.value, hidden_states));
 
         let scores = q.matmul(k.swap_dims(2, 3)) / (head_dim as f64).sqrt(); // [B, nh, S, S]
         let mask_bias = mask_bias.reshape([batch, 1, 1, seq_len]);
@@ -241,14 +249,19 @@ impl<B: Backend> BertSelfOutput<B> {
             dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
         }
     }
+}
 
+impl<B: FusedOps> BertSelfOutput<B> {
     /// `LayerNorm(input + dropout(dense(hidden_states)))`.
     ///
     /// # Shapes
     /// - `hidden_states`, `input`: `[B, S, H]`
     /// - output: `[B, S, H]`
     pub fn forward(&self, hidden_states: Tensor<B, 3>, input: Tensor<B, 3>) -> Tensor<B, 3> {
-        let x = reference_dropout(self.dense.forward(hidden_states), &self.dropout);
+        let x = reference_dropout(
+            ember_backend_ext::dense_module(&self.dense, hidden_states),
+            &self.dropout,
+        );
         self.layer_norm.forward(x + input)
     }
 }
@@ -319,8 +332,8 @@ impl<B: Backend> BertLayer<B> {
 }
 
 /// The input, without bias, of a dense layer whose bias goes into a fused op.
-fn dense_no_bias<B: Backend>(x: Tensor<B, 3>, linear: &Linear<B>) -> Tensor<B, 3> {
-    burn::tensor::module::linear(x, linear.weight.val(), None)
+fn dense_no_bias<B: FusedOps>(x: Tensor<B, 3>, linear: &Linear<B>) -> Tensor<B, 3> {
+    ember_backend_ext::dense(x, linear.weight.val(), None)
 }
 
 fn bias_of<B: Backend>(linear: &Linear<B>) -> Tensor<B, 1> {
@@ -370,9 +383,18 @@ impl<B: FusedOps> BertLayer<B> {
         let split_heads = |x: Tensor<B, 3>| {
             x.reshape([batch, seq_len, heads, head_dim]).swap_dims(1, 2) // [B, nh, S, hd]
         };
-        let q = split_heads(self_attention.query.forward(hidden_states.clone()));
-        let k = split_heads(self_attention.key.forward(hidden_states.clone()));
-        let v = split_heads(self_attention.value.forward(hidden_states.clone()));
+        let q = split_heads(ember_backend_ext::dense_module(
+            &self_attention.query,
+            hidden_states.clone(),
+        ));
+        let k = split_heads(ember_backend_ext::dense_module(
+            &self_attention.key,
+            hidden_states.clone(),
+        ));
+        let v = split_heads(ember_backend_ext::dense_module(
+            &self_attention.value,
+            hidden_states.clone(),
+        ));
         let context = ember_backend_ext::attention(
             q,
             k,
@@ -425,9 +447,12 @@ impl<B: FusedOps> BertLayer<B> {
             .forward(hidden_states.clone(), mask_bias);
         let attention_output = attention.output.forward(context, hidden_states);
 
-        let intermediate = gelu(self.intermediate.dense.forward(attention_output.clone())); // [B, S, I]
+        let intermediate = gelu(ember_backend_ext::dense_module(
+            &self.intermediate.dense,
+            attention_output.clone(),
+        )); // [B, S, I]
         let x = reference_dropout(
-            self.output.dense.forward(intermediate),
+            ember_backend_ext::dense_module(&self.output.dense, intermediate),
             &self.output.dropout,
         );
         self.output.layer_norm.forward(x + attention_output)
@@ -506,7 +531,9 @@ pub struct BertPooler<B: Backend> {
     pub dense: Linear<B>,
 }
 
-impl<B: Backend> BertPooler<B> {
+impl<B: Backend> BertPooler<B> {}
+
+impl<B: FusedOps> BertPooler<B> {
     /// # Shapes
     /// - `sequence_output`: `[B, S, H]`
     /// - output: `[B, H]`
@@ -515,7 +542,7 @@ impl<B: Backend> BertPooler<B> {
         let first = sequence_output
             .slice([0..batch, 0..1])
             .reshape([batch, hidden]);
-        self.dense.forward(first).tanh()
+        ember_backend_ext::dense_module(&self.dense, first).tanh()
     }
 }
 

@@ -153,20 +153,28 @@ impl<B: FusedOps> BertForPreTraining<B> {
             .select(0, masked_lm_flat_positions); // [N, H]
 
         let predictions = &self.cls.predictions;
-        let transformed = predictions
-            .transform
-            .layer_norm
-            .forward(gelu(predictions.transform.dense.forward(masked_states)));
+        let transformed =
+            predictions
+                .transform
+                .layer_norm
+                .forward(gelu(ember_backend_ext::dense_module(
+                    &predictions.transform.dense,
+                    masked_states,
+                )));
         // [H, V]: the word embeddings (tied), transposed.
         let decoder = hook.decoder_weight(
             self.bert.embeddings.word_embeddings.weight.val(),
             &transformed,
         );
-        let mlm_logits = transformed.matmul(decoder) + predictions.bias.val().unsqueeze::<2>(); // [N, V]
+        let mlm_logits =
+            ember_backend_ext::dense(transformed, decoder, Some(predictions.bias.val())); // [N, V]
 
         PreTrainingOutput {
             mlm_logits,
-            nsp_logits: self.cls.seq_relationship.forward(out.pooled_output),
+            nsp_logits: ember_backend_ext::dense_module(
+                &self.cls.seq_relationship,
+                out.pooled_output,
+            ),
         }
     }
 

@@ -99,6 +99,8 @@ struct Row {
     parameters: usize,
     flops: f64,
     ember_s: f64,
+    /// Medians of ember's forward, backward and optimizer seconds.
+    ember_phases: [f64; 3],
     ember_loss: f64,
     references: Vec<(String, f64, f64)>, // (name, median step seconds, first loss)
 }
@@ -463,24 +465,44 @@ impl<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps> EmberStep<B> {
         }
     }
 
-    /// One training step; its loss read to the host (which also waits for the device).
-    fn step(&mut self) -> f64 {
+    /// One training step: its phases' seconds [forward and losses, backward, optimizer], each
+    /// ended by a read to the host (the loss; a parameter's first value), which also waits for
+    /// the device.
+    fn step(&mut self) -> [f64; 3] {
         let model = self.model.take().expect("the model is held between steps");
+        let start = Instant::now();
         let (_, loss) = forward_loss(&model, self.inputs.clone());
-        let value: f64 = loss.total.clone().into_scalar().elem();
+        let _: f64 = loss.total.clone().into_scalar().elem();
+        let forward = start.elapsed().as_secs_f64();
         let grads = GradientsParams::from_grads(loss.total.backward(), &model);
-        self.model = Some(self.optimizer.step(self.lr, model, grads));
-        value
+        let _: f64 = model
+            .cls
+            .predictions
+            .bias
+            .val()
+            .slice([0..1])
+            .into_scalar()
+            .elem();
+        let backward = start.elapsed().as_secs_f64() - forward;
+        let model = self.optimizer.step(self.lr, model, grads);
+        let _: f64 = model
+            .cls
+            .predictions
+            .bias
+            .val()
+            .slice([0..1])
+            .into_scalar()
+            .elem();
+        self.model = Some(model);
+        [
+            forward,
+            backward,
+            start.elapsed().as_secs_f64() - forward - backward,
+        ]
     }
 
-    fn timed_steps(&mut self, n: usize) -> Vec<f64> {
-        (0..n)
-            .map(|_| {
-                let start = Instant::now();
-                self.step();
-                start.elapsed().as_secs_f64()
-            })
-            .collect()
+    fn timed_steps(&mut self, n: usize) -> Vec<[f64; 3]> {
+        (0..n).map(|_| self.step()).collect()
     }
 }
 
@@ -616,7 +638,9 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
                     seq_len,
                     parameters,
                     flops: config.train_step_flops(batch_size, seq_len, inputs.predictions()),
-                    ember_s: median(ember_times),
+                    ember_s: median(ember_times.iter().map(|p| p.iter().sum()).collect()),
+                    ember_phases: [0, 1, 2]
+                        .map(|i| median(ember_times.iter().map(|p| p[i]).collect())),
                     ember_loss,
                     references: procs
                         .into_iter()
@@ -655,6 +679,14 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
         markdown.push_str(&row_line(row, Some(peak)));
         markdown.push('\n');
     }
+    markdown.push_str("\nember's step by phase (medians, ms): forward and losses / backward / optimizer\n\n| model | batch × seq | forward | backward | optimizer |\n|---|---|---|---|---|\n");
+    for row in &rows {
+        let [f, b, o] = row.ember_phases.map(|s| s * 1e3);
+        markdown.push_str(&format!(
+            "| {} | {} × {} | {f:.1} | {b:.1} | {o:.1} |\n",
+            row.preset, row.batch_size, row.seq_len
+        ));
+    }
     println!("\n{markdown}");
     let out = args
         .out
@@ -674,7 +706,7 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
                 "seq_len": row.seq_len,
                 "parameters": row.parameters,
                 "step_flops": row.flops,
-                "ember": {"step_s": row.ember_s, "samples_per_s": row.batch_size as f64 / row.ember_s, "mfu": row.flops / row.ember_s / (peak * 1e9), "first_loss": row.ember_loss},
+                "ember": {"step_s": row.ember_s, "forward_s": row.ember_phases[0], "backward_s": row.ember_phases[1], "optimizer_s": row.ember_phases[2], "samples_per_s": row.batch_size as f64 / row.ember_s, "mfu": row.flops / row.ember_s / (peak * 1e9), "first_loss": row.ember_loss},
                 "references": row.references.iter().map(|(name, s, loss)| json!({"name": name, "step_s": s, "samples_per_s": row.batch_size as f64 / s, "mfu": row.flops / s / (peak * 1e9), "first_loss": loss, "ratio": s / row.ember_s})).collect::<Vec<_>>(),
             })
         })

@@ -1,0 +1,204 @@
+//! `x · weight + bias` (Burn's `Linear`) as a [`FusedOps`] op, so that NdArray can run it
+//! without copies.
+//!
+//! Burn 0.21's NdArray matmul reshapes both operands to rank 3 and its output back, and each of
+//! those reshapes copies the array (`to_shape(..).into_shared()` turns the borrowed view into a
+//! new array, contiguous or not); a transposed weight (the tied MLM decoder, every `dx = g·Wᵀ`)
+//! is copied once more to standard layout. For BERT-base at batch 8 × 128 those copies and the
+//! page faults of their fresh buffers were about a fifth of the CPU step (perf, README's
+//! performance section). Here NdArray multiplies views: one GEMM into a new output (the bias
+//! broadcast into it first, then `C = 1·A·B + 1·C`), transposes passed to the GEMM as strides
+//! (ndarray's `general_mat_mul`: BLAS `sgemm` with the transpose flags when the `blas` feature
+//! is on, matrixmultiply otherwise). Every other backend runs Burn's own `linear` ops.
+
+use burn::tensor::ops::FloatTensor;
+use burn_ndarray::NdArrayTensor;
+use ndarray::{Array2, ArrayView2, Axis, Ix2, IxDyn};
+
+use crate::FusedOps;
+
+/// Burn's composition: the default body of [`FusedOps::dense`].
+pub(crate) fn reference_linear<B: FusedOps>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+) -> FloatTensor<B> {
+    <B as burn::tensor::ops::ModuleOps<B>>::linear(x, weight, bias)
+}
+
+/// Burn's composition: the default body of [`FusedOps::dense_backward`].
+pub(crate) fn reference_linear_backward<B: FusedOps>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    grad: FloatTensor<B>,
+) -> [FloatTensor<B>; 3] {
+    [
+        <B as burn::tensor::ops::ModuleOps<B>>::linear_x_backward(weight, grad.clone()),
+        <B as burn::tensor::ops::ModuleOps<B>>::linear_weight_backward(x, grad.clone()),
+        <B as burn::tensor::ops::ModuleOps<B>>::linear_bias_backward(grad),
+    ]
+}
+
+/// `x` `[.., I]` as a `[R, I]` view (zero-copy when `x` is in standard layout, else a copy),
+/// with `x`'s leading shape.
+fn rows<'a>(x: &'a ndarray::ArrayViewD<'a, f32>) -> (ndarray::CowArray<'a, f32, Ix2>, Vec<usize>) {
+    let shape = x.shape().to_vec();
+    let cols = *shape.last().expect("linear: x has at least one dimension");
+    let rows = shape.iter().rev().skip(1).product::<usize>();
+    let x = x.as_standard_layout();
+    let viewed = x
+        .into_shape_with_order((rows, cols))
+        .expect("a standard-layout array reshapes to [rows, cols]");
+    (viewed, shape[..shape.len() - 1].to_vec())
+}
+
+fn matrix<'a>(w: &'a ndarray::ArrayViewD<'a, f32>) -> ArrayView2<'a, f32> {
+    w.view()
+        .into_dimensionality::<Ix2>()
+        .expect("linear: the weight is [I, O]")
+}
+
+fn shared(array: Array2<f32>, lead: &[usize]) -> NdArrayTensor {
+    let cols = array.ncols();
+    let mut shape = lead.to_vec();
+    shape.push(cols);
+    let array = array
+        .into_shape_with_order(IxDyn(&shape))
+        .expect("the GEMM output is contiguous");
+    NdArrayTensor::from(array.into_shared())
+}
+
+/// NdArray's forward: `None` for dtypes other than f32 (the caller falls back to Burn's).
+pub(crate) fn ndarray_linear(
+    x: &NdArrayTensor,
+    weight: &NdArrayTensor,
+    bias: Option<&NdArrayTensor>,
+) -> Option<NdArrayTensor> {
+    let (NdArrayTensor::F32(x), NdArrayTensor::F32(w)) = (x, weight) else {
+        return None;
+    };
+    let x = x.view();
+    let w = w.view();
+    let (x2, lead) = rows(&x);
+    let w2 = matrix(&w);
+    let (m, n) = (x2.nrows(), w2.ncols());
+    let out = match bias {
+        Some(NdArrayTensor::F32(b)) => {
+            let b = b.view();
+            let b = b.into_dimensionality::<ndarray::Ix1>().ok()?;
+            // The bias in every row, then the product added onto it.
+            let mut out: Array2<f32> = b.broadcast((m, n))?.to_owned();
+            ndarray::linalg::general_mat_mul(1.0, &x2, &w2, 1.0, &mut out);
+            out
+        }
+        Some(_) => return None,
+        None => x2.dot(&w2),
+    };
+    Some(shared(out, &lead))
+}
+
+/// NdArray's backward: `[dx, dweight, dbias]`, `None` for dtypes other than f32.
+pub(crate) fn ndarray_linear_backward(
+    x: &NdArrayTensor,
+    weight: &NdArrayTensor,
+    grad: &NdArrayTensor,
+) -> Option<[NdArrayTensor; 3]> {
+    let (NdArrayTensor::F32(x), NdArrayTensor::F32(w), NdArrayTensor::F32(g)) = (x, weight, grad)
+    else {
+        return None;
+    };
+    let (x, w, g) = (x.view(), w.view(), g.view());
+    let (x2, lead) = rows(&x);
+    let (g2, _) = rows(&g);
+    let w2 = matrix(&w);
+    let dx = g2.dot(&w2.t()); // [R, O] · [O, I]
+    let dw = x2.t().dot(&g2); // [I, R] · [R, O]
+    let db = g2.sum_axis(Axis(0)); // [O]
+    Some([
+        shared(dx, &lead),
+        NdArrayTensor::from(dw.into_dyn().into_shared()),
+        NdArrayTensor::from(db.into_dyn().into_shared()),
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::{Autodiff, NdArray};
+    use burn::tensor::{Distribution, Tensor};
+
+    type A = Autodiff<NdArray>;
+
+    fn close(a: Tensor<NdArray, 2>, b: Tensor<NdArray, 2>, what: &str) {
+        let (a, b) = (
+            a.into_data().to_vec::<f32>().unwrap(),
+            b.into_data().to_vec::<f32>().unwrap(),
+        );
+        assert_eq!(a.len(), b.len(), "{what}: lengths");
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                "{what}[{i}]: {x} vs {y}"
+            );
+        }
+    }
+
+    /// NdArray's GEMM on views against Burn's `linear` (forward) and Burn's autodiff of it
+    /// (gradients of x, weight and bias): a rank-3 input, a transposed weight (the tied
+    /// decoder's case), with and without bias, a loss that weights every output differently.
+    #[test]
+    fn ndarray_dense_equals_burns_linear_forward_and_backward() {
+        let device = Default::default();
+        for (transposed, with_bias) in [(false, true), (true, true), (false, false), (true, false)]
+        {
+            let w_shape = if transposed { [4, 7] } else { [7, 4] };
+            let x0 =
+                Tensor::<NdArray, 3>::random([3, 5, 7], Distribution::Normal(0.0, 1.0), &device);
+            let w0 = Tensor::<NdArray, 2>::random(w_shape, Distribution::Normal(0.0, 1.0), &device);
+            let b0 = Tensor::<NdArray, 1>::random([4], Distribution::Normal(0.0, 1.0), &device);
+            let probe =
+                Tensor::<NdArray, 3>::random([3, 5, 4], Distribution::Normal(0.0, 1.0), &device);
+            let what = format!("transposed {transposed}, bias {with_bias}");
+            // Each side gets its own leaves: a backward pass consumes the graph it walks.
+            let leaves = || {
+                (
+                    Tensor::<A, 3>::from_inner(x0.clone()).require_grad(),
+                    Tensor::<A, 2>::from_inner(w0.clone()).require_grad(),
+                    Tensor::<A, 1>::from_inner(b0.clone()).require_grad(),
+                )
+            };
+            let run = |ours: bool| {
+                let (x, w, b) = leaves();
+                let weight = if transposed {
+                    w.clone().transpose()
+                } else {
+                    w.clone()
+                };
+                let bias = with_bias.then(|| b.clone());
+                let y = if ours {
+                    crate::dense(x.clone(), weight, bias)
+                } else {
+                    burn::tensor::module::linear(x.clone(), weight, bias)
+                };
+                let grads = (y.clone() * Tensor::from_inner(probe.clone()))
+                    .sum()
+                    .backward();
+                (
+                    y.inner().reshape([15, 4]),
+                    x.grad(&grads).map(|g| g.reshape([15, 7])),
+                    w.grad(&grads),
+                    b.grad(&grads).map(|g| g.reshape([1, 4])),
+                )
+            };
+            let (y, dx, dw, db) = run(true);
+            let (y_ref, dx_ref, dw_ref, db_ref) = run(false);
+            close(y, y_ref, &format!("{what}: output"));
+            close(dx.unwrap(), dx_ref.unwrap(), &format!("{what}: dx"));
+            close(dw.unwrap(), dw_ref.unwrap(), &format!("{what}: dweight"));
+            if with_bias {
+                close(db.unwrap(), db_ref.unwrap(), &format!("{what}: dbias"));
+            } else {
+                assert!(db.is_none(), "{what}: an unused bias has no gradient");
+            }
+        }
+    }
+}
