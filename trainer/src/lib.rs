@@ -6,6 +6,7 @@
 //! several processes under MPI or NCCL. A configuration is a [`TrainConfig`] read from TOML;
 //! [`parallel`] holds the collectives, gradient hooks and the bucketed reducer.
 
+pub mod blas;
 pub mod checkpoint;
 pub mod config;
 mod error;

@@ -120,6 +120,11 @@ pub fn run(args: TrainStepArgs) -> Result<()> {
     // SAFETY: set before any thread of this process reads the environment (rayon's pool is
     // built lazily at the first parallel op, which comes later).
     unsafe { std::env::set_var("RAYON_NUM_THREADS", threads.to_string()) };
+    if std::env::var_os("OPENBLAS_NUM_THREADS").is_none() {
+        // SAFETY: as above; OpenBLAS reads it at its first GEMM's thread-pool start-up.
+        unsafe { std::env::set_var("OPENBLAS_NUM_THREADS", threads.to_string()) };
+    }
+    ember_trainer::blas::share_cores(1);
     let python = match args.reference.as_str() {
         "pytorch" => Some(reference_python(args.python.as_deref())?),
         _ => None,
@@ -655,12 +660,13 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     let ember_gemm = ember_gemm_gflops::<B::InnerBackend>(args.gemm_size, &Default::default());
     let peak = reference_gemm.map_or(ember_gemm, |r| r.max(ember_gemm));
     let mut markdown = format!(
-        "Training step, {} on {threads} thread(s): ember ({}) against {}; fp32 GEMM {n}³: ember {ember_gemm:.0} GFLOP/s{}; MFU against the peak {peak:.0} GFLOP/s.\n\n",
+        "Training step, {} on {threads} thread(s): ember ({}, {}) against {}; fp32 GEMM {n}³: ember {ember_gemm:.0} GFLOP/s{}; MFU against the peak {peak:.0} GFLOP/s.\n\n",
         args.device,
         std::any::type_name::<B::InnerBackend>()
             .rsplit("::")
             .next()
             .unwrap_or("backend"),
+        ember_trainer::blas::describe(),
         if references.is_empty() {
             "no reference".to_string()
         } else {
@@ -714,6 +720,7 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     let summary = json!({
         "device": args.device,
         "threads": threads,
+        "ember_gemm": ember_trainer::blas::describe(),
         "gemm_size": args.gemm_size,
         "gemm_gflops": {"ember": ember_gemm, "pytorch": reference_gemm},
         "reference": versions,

@@ -166,6 +166,12 @@ pub fn train_launched(
     launch: &LaunchEnv,
 ) -> Result<TrainSummary> {
     use ember_trainer::parallel::{Collective, Communicator};
+    // Ranks of this machine share its cores (mpirun: OMPI_COMM_WORLD_LOCAL_SIZE).
+    let local_ranks = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(1);
+    ember_trainer::blas::share_cores(local_ranks);
     let comm = ember_trainer::parallel::mpi::Mpi::init(std::time::Duration::from_secs_f64(
         config.parallel.timeout_s,
     ))?;

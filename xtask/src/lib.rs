@@ -89,8 +89,29 @@ pub fn project_root() -> PathBuf {
         .to_path_buf()
 }
 
+/// mimalloc's `purge_delay` option (`mi_option_purge_delay` in mimalloc.h).
+const MI_OPTION_PURGE_DELAY: std::ffi::c_int = 15;
+
+unsafe extern "C" {
+    /// mimalloc's option setter (the allocator above is linked statically).
+    fn mi_option_set(option: std::ffi::c_int, value: std::ffi::c_long);
+}
+
+/// Keeps freed memory in the process: mimalloc by default returns freed pages to the OS after
+/// 10 ms, and a training step that allocates the same activation buffers again then pays a
+/// page fault and the kernel's zeroing per page (17% of BERT-base's CPU step in perf, the
+/// `clear_page_erms` of the README's profile); never purging made the step 1.3× faster. Peak
+/// memory is unchanged, the resident set stays at it. `MIMALLOC_PURGE_DELAY` still wins.
+fn keep_freed_memory() {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        // SAFETY: a plain C call without pointers, before the work starts.
+        unsafe { mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+    }
+}
+
 /// Parses the command line and runs the command; what both binaries' `main` calls.
 pub fn cli_main() -> ExitCode {
+    keep_freed_memory();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
