@@ -104,7 +104,7 @@ pub struct OverlapArgs {
 
 pub fn run(args: BenchArgs) -> Result<()> {
     if args.setup_reference {
-        crate::bench_train_step::setup_reference()?;
+        crate::bench_reference::setup_reference()?;
     }
     let Some(command) = args.command else {
         if args.setup_reference {

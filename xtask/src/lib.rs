@@ -17,6 +17,7 @@ mod bench;
 mod bench_checkpoint;
 mod bench_kernels;
 mod bench_onebit;
+mod bench_reference;
 mod bench_step;
 mod bench_train_step;
 mod comm_check;

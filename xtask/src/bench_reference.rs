@@ -1,0 +1,302 @@
+//! The two sides' inputs of `bench train-step`: the batch both steps train on (ember's
+//! tensors and the reference's safetensors file, from the same vectors), and the PyTorch
+//! reference process (`bench/reference/train_step.py`) with its JSON-lines protocol, and the
+//! virtualenv that `cargo xtask bench --setup-reference` makes for it.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+
+use anyhow::{Context, Result, bail};
+use burn::tensor::{Int, Tensor, TensorData};
+use ember_data::Batch;
+use ember_model::BertConfig;
+use ember_trainer::config::OptimizerConfig;
+use serde_json::{Value, json};
+
+/// The Python that runs the reference: `--python`, else the virtualenv of
+/// `cargo xtask bench --setup-reference`.
+pub(crate) fn reference_python(given: Option<&Path>) -> Result<PathBuf> {
+    let path = match given {
+        Some(path) => path.to_path_buf(),
+        None => crate::project_root().join("bench/reference/.venv/bin/python"),
+    };
+    if !path.is_file() {
+        bail!(
+            "{}: no such Python; run `cargo xtask bench --setup-reference` once (installs torch and transformers, a large download) or pass --python PATH, or --reference none",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// `cargo xtask bench --setup-reference`: bench/reference/.venv with torch, transformers and
+/// safetensors from PyPI.
+pub fn setup_reference() -> Result<()> {
+    let dir = crate::project_root().join("bench/reference/.venv");
+    let status = Command::new("python3")
+        .args(["-m", "venv"])
+        .arg(&dir)
+        .status()
+        .context("running python3 -m venv (Debian: apt install python3-venv)")?;
+    if !status.success() {
+        bail!("python3 -m venv {} failed ({status})", dir.display());
+    }
+    let pip = dir.join("bin/pip");
+    let status = Command::new(&pip)
+        .args(["install", "torch", "transformers", "safetensors", "numpy"])
+        .status()
+        .with_context(|| pip.display().to_string())?;
+    if !status.success() {
+        bail!(
+            "{} install torch transformers safetensors failed ({status})",
+            pip.display()
+        );
+    }
+    println!(
+        "ember: reference ready: {}",
+        dir.join("bin/python").display()
+    );
+    Ok(())
+}
+
+/// The inputs of one configuration, on the host (ember's tensors and the reference's file are
+/// made from the same vectors).
+pub(crate) struct HostInputs {
+    batch_size: usize,
+    seq_len: usize,
+    input_ids: Vec<i64>,
+    segment_ids: Vec<i64>,
+    positions: Vec<i64>, // [B, P] positions within each sequence
+    labels: Vec<i64>,    // [B, P]
+    next_sentence: Vec<i64>,
+}
+
+impl HostInputs {
+    /// A random batch without padding: tokens drawn from the vocabulary above the special
+    /// ids, segment B the second half, `predictions` distinct sorted positions per sequence
+    /// (never [CLS] at 0), labels drawn from the vocabulary. SplitMix64 from a fixed seed.
+    pub(crate) fn random(
+        config: &BertConfig,
+        batch_size: usize,
+        seq_len: usize,
+        predictions: usize,
+    ) -> Self {
+        let mut state = 0x5eed_u64;
+        let mut next = move |bound: usize| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) % bound as u64) as i64
+        };
+        let vocab = config.vocab_size - 1000;
+        let mut inputs = HostInputs {
+            batch_size,
+            seq_len,
+            input_ids: Vec::new(),
+            segment_ids: Vec::new(),
+            positions: Vec::new(),
+            labels: Vec::new(),
+            next_sentence: Vec::new(),
+        };
+        for _ in 0..batch_size {
+            inputs
+                .input_ids
+                .extend((0..seq_len).map(|_| 1000 + next(vocab)));
+            inputs
+                .segment_ids
+                .extend((0..seq_len).map(|i| i64::from(i >= seq_len / 2)));
+            let mut chosen: Vec<i64> = Vec::new();
+            while chosen.len() < predictions {
+                let p = 1 + next(seq_len - 1);
+                if !chosen.contains(&p) {
+                    chosen.push(p);
+                }
+            }
+            chosen.sort_unstable();
+            inputs.positions.extend(&chosen);
+            inputs
+                .labels
+                .extend((0..predictions).map(|_| 1000 + next(vocab)));
+            inputs.next_sentence.push(next(2));
+        }
+        inputs
+    }
+
+    pub(crate) fn predictions(&self) -> usize {
+        self.positions.len()
+    }
+
+    pub(crate) fn batch<B: burn::tensor::backend::Backend>(&self, device: &B::Device) -> Batch<B> {
+        let (b, s, n) = (self.batch_size, self.seq_len, self.predictions());
+        let int2 = |values: &[i64]| {
+            Tensor::<B, 2, Int>::from_data(TensorData::new(values.to_vec(), [b, s]), device)
+        };
+        let int1 = |values: Vec<i64>| {
+            let len = values.len();
+            Tensor::<B, 1, Int>::from_data(TensorData::new(values, [len]), device)
+        };
+        let per_row = n / b;
+        let flat = self
+            .positions
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (i / per_row * s) as i64 + p)
+            .collect();
+        Batch {
+            input_ids: int2(&self.input_ids),
+            segment_ids: int2(&self.segment_ids),
+            input_mask: int2(&vec![1; b * s]),
+            masked_lm_flat_positions: int1(flat),
+            masked_lm_labels: int1(self.labels.clone()),
+            next_sentence_labels: int1(self.next_sentence.clone()),
+        }
+    }
+
+    /// The reference's batch file (see `bench/reference/train_step.py`).
+    pub(crate) fn write_safetensors(&self, path: &Path) -> Result<()> {
+        use safetensors::tensor::{Dtype, TensorView};
+        let (b, s, p) = (
+            self.batch_size,
+            self.seq_len,
+            self.predictions() / self.batch_size,
+        );
+        let bytes = |values: &[i64]| values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let ones: Vec<u8> = (0..b * p).flat_map(|_| 1.0f32.to_le_bytes()).collect();
+        let tensors: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)> = vec![
+            ("input_ids", Dtype::I64, vec![b, s], bytes(&self.input_ids)),
+            (
+                "token_type_ids",
+                Dtype::I64,
+                vec![b, s],
+                bytes(&self.segment_ids),
+            ),
+            (
+                "attention_mask",
+                Dtype::I64,
+                vec![b, s],
+                bytes(&vec![1; b * s]),
+            ),
+            (
+                "masked_lm_positions",
+                Dtype::I64,
+                vec![b, p],
+                bytes(&self.positions),
+            ),
+            ("masked_lm_ids", Dtype::I64, vec![b, p], bytes(&self.labels)),
+            ("masked_lm_weights", Dtype::F32, vec![b, p], ones),
+            (
+                "next_sentence_labels",
+                Dtype::I64,
+                vec![b],
+                bytes(&self.next_sentence),
+            ),
+        ];
+        let views = tensors
+            .iter()
+            .map(|(name, dtype, shape, data)| {
+                TensorView::new(*dtype, shape.clone(), data).map(|view| (name.to_string(), view))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        safetensors::serialize_to_file(views, None, path)
+            .with_context(|| path.display().to_string())
+    }
+}
+
+/// The reference process: one JSON request and one JSON reply per line.
+pub(crate) struct Reference {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    pub(crate) ready: Value,
+}
+
+impl Reference {
+    pub(crate) fn start(
+        python: &Path,
+        dir: &Path,
+        threads: usize,
+        optimizer: &OptimizerConfig,
+        compile: bool,
+    ) -> Result<Self> {
+        let script = crate::project_root().join("bench/reference/train_step.py");
+        let mut command = Command::new(python);
+        command
+            .arg(&script)
+            .arg("--model")
+            .arg(dir)
+            .arg("--batch")
+            .arg(dir.join("batch.safetensors"))
+            .args(["--threads", &threads.to_string()])
+            .args(["--lr", &optimizer.lr.to_string()])
+            .args(["--beta1", &optimizer.beta1.to_string()])
+            .args(["--beta2", &optimizer.beta2.to_string()])
+            .args(["--eps", &optimizer.epsilon.to_string()])
+            .args(["--weight-decay", &optimizer.weight_decay.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped());
+        if compile {
+            command.arg("--compile");
+        }
+        let mut child = command
+            .spawn()
+            .with_context(|| format!("starting {} {}", python.display(), script.display()))?;
+        let stdin = child.stdin.take().context("the reference's stdin")?;
+        let stdout = BufReader::new(child.stdout.take().context("the reference's stdout")?);
+        let mut reference = Reference {
+            child,
+            stdin,
+            stdout,
+            ready: Value::Null,
+        };
+        reference.ready = reference.read()?;
+        Ok(reference)
+    }
+
+    fn read(&mut self) -> Result<Value> {
+        let mut line = String::new();
+        self.stdout
+            .read_line(&mut line)
+            .context("reading the reference's reply")?;
+        if line.is_empty() {
+            let status = self.child.wait()?;
+            bail!("the PyTorch reference exited ({status}) before replying; its error is above");
+        }
+        let value: Value = serde_json::from_str(&line)
+            .with_context(|| format!("the reference replied {line:?}, not JSON"))?;
+        if let Some(error) = value.get("error") {
+            bail!("the reference: {error}");
+        }
+        Ok(value)
+    }
+
+    pub(crate) fn ask(&mut self, request: Value) -> Result<Value> {
+        writeln!(self.stdin, "{request}").context("writing to the reference")?;
+        self.read()
+    }
+
+    pub(crate) fn number(value: &Value, key: &str) -> Result<f64> {
+        value[key]
+            .as_f64()
+            .with_context(|| format!("the reference's reply {value} lacks {key}"))
+    }
+
+    pub(crate) fn steps(&mut self, n: usize) -> Result<Vec<f64>> {
+        let reply = self.ask(json!({"cmd": "steps", "n": n}))?;
+        reply["seconds"]
+            .as_array()
+            .with_context(|| format!("the reference's reply {reply} lacks seconds"))?
+            .iter()
+            .map(|s| s.as_f64().context("a step time that is not a number"))
+            .collect()
+    }
+}
+
+impl Drop for Reference {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "{}", json!({"cmd": "quit"}));
+        let _ = self.child.wait();
+    }
+}
