@@ -195,6 +195,7 @@ impl<B: FusedOps> Backward<B, 2> for LinearNoBiasBackward {
 
 impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
     const HAS_KERNELS: bool = B::HAS_KERNELS;
+    const HAS_MULTI_TENSOR: bool = B::HAS_MULTI_TENSOR;
 
     fn dense(
         x: FloatTensor<Self>,

@@ -32,6 +32,7 @@ mod autodiff;
 #[cfg(feature = "cube")]
 mod cube;
 mod dropout;
+mod host_adam;
 mod linear;
 pub mod reference;
 
@@ -74,6 +75,18 @@ impl Kernels {
     pub fn fused<B: FusedOps>(self) -> bool {
         match self {
             Kernels::Auto => B::HAS_KERNELS,
+            Kernels::Fused => true,
+            Kernels::Reference => false,
+        }
+    }
+
+    /// Whether the optimizer steps through the multi-tensor ops on backend `B` under this
+    /// choice: `auto` where the backend has its own ([`FusedOps::HAS_MULTI_TENSOR`]: the
+    /// kernels, and NdArray's fused host loop), `fused` always, `reference` never (Burn's
+    /// `AdamW` and ember's `Lamb`, tensor by tensor).
+    pub fn multi_tensor<B: FusedOps>(self) -> bool {
+        match self {
+            Kernels::Auto => B::HAS_MULTI_TENSOR,
             Kernels::Fused => true,
             Kernels::Reference => false,
         }
@@ -200,6 +213,10 @@ pub trait FusedOps: Backend {
     /// picks).
     const HAS_KERNELS: bool = false;
 
+    /// Whether [`FusedOps::adam_multi_tensor`] is this backend's own (kernels, or NdArray's
+    /// fused host loop) rather than the reference composition.
+    const HAS_MULTI_TENSOR: bool = Self::HAS_KERNELS;
+
     /// `x · weight + bias`, Burn's `Linear` (what Burn's `ModuleOps::linear` computes).
     /// NdArray runs it as one GEMM on views, without the copies of Burn's NdArray matmul
     /// (see `linear.rs`); other backends run Burn's op.
@@ -213,6 +230,13 @@ pub trait FusedOps: Backend {
         bias: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
         linear::reference_linear::<Self>(x, weight, bias)
+    }
+
+    /// `x` reshaped to `shape` (same number of elements), Burn's `float_reshape`. NdArray
+    /// reshapes a contiguous array without copying it (Burn 0.21's NdArray copies on every
+    /// reshape): the multi-tensor optimizer flattens every parameter and gradient through it.
+    fn reshape_contiguous(x: FloatTensor<Self>, shape: burn::tensor::Shape) -> FloatTensor<Self> {
+        Self::float_reshape(x, shape)
     }
 
     /// Gradients of [`FusedOps::dense`] from the output's gradient `grad` `[.., O]`:
@@ -467,6 +491,46 @@ where
     burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<E>>,
     burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<I>>,
 {
+    const HAS_MULTI_TENSOR: bool = true;
+
+    fn reshape_contiguous(x: FloatTensor<Self>, shape: burn::tensor::Shape) -> FloatTensor<Self> {
+        match linear::ndarray_reshape(x, &shape) {
+            Ok(reshaped) => reshaped,
+            Err(x) => <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_reshape(x, shape),
+        }
+    }
+
+    fn adam_multi_tensor(
+        tensors: Vec<AdamTensors<Self>>,
+        hyper: AdamHyper,
+        kind: AdamKind,
+    ) -> Vec<AdamOutput<Self>> {
+        tensors
+            .into_iter()
+            .map(|t| {
+                match host_adam::adam_step(
+                    [&t.param, &t.grad, &t.moment_1, &t.moment_2],
+                    &hyper,
+                    kind,
+                ) {
+                    Some([param, moment_1, moment_2]) => AdamOutput {
+                        param,
+                        moment_1,
+                        moment_2,
+                    },
+                    None => reference::adam_step::<Self>(
+                        float(t.param),
+                        float(t.grad),
+                        float(t.moment_1),
+                        float(t.moment_2),
+                        hyper,
+                        kind,
+                    ),
+                }
+            })
+            .collect()
+    }
+
     fn dense(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,

@@ -68,6 +68,27 @@ fn shared(array: Array2<f32>, lead: &[usize]) -> NdArrayTensor {
     NdArrayTensor::from(array.into_shared())
 }
 
+/// NdArray's zero-copy reshape of a contiguous f32 array; gives `x` back otherwise.
+pub(crate) fn ndarray_reshape(
+    x: NdArrayTensor,
+    shape: &burn::tensor::Shape,
+) -> Result<NdArrayTensor, NdArrayTensor> {
+    match x {
+        NdArrayTensor::F32(storage)
+            if storage.view().is_standard_layout()
+                && storage.view().len() == shape.num_elements() =>
+        {
+            let dims: Vec<usize> = shape.iter().copied().collect();
+            let reshaped = storage
+                .into_shared()
+                .into_shape_with_order(IxDyn(&dims))
+                .expect("a standard-layout array reshapes to any shape of its size");
+            Ok(NdArrayTensor::from(reshaped))
+        }
+        other => Err(other),
+    }
+}
+
 /// NdArray's forward: `None` for dtypes other than f32 (the caller falls back to Burn's).
 pub(crate) fn ndarray_linear(
     x: &NdArrayTensor,

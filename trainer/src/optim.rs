@@ -191,12 +191,11 @@ impl<B: AutodiffBackend<InnerBackend: FusedOps>> MultiTensorOptimizer<B> {
                 if let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) {
                     let value = param.val().inner();
                     let shape = value.shape();
-                    let n = shape.num_elements();
                     self.out.push(Flat {
                         id: param.id,
                         shape,
-                        param: value.reshape([n]).into_primitive().tensor(),
-                        grad: grad.reshape([n]).into_primitive().tensor(),
+                        param: value.into_primitive().tensor(),
+                        grad: grad.into_primitive().tensor(),
                     });
                 }
             }
@@ -206,6 +205,12 @@ impl<B: AutodiffBackend<InnerBackend: FusedOps>> MultiTensorOptimizer<B> {
             out: Vec::new(),
         };
         module.visit(&mut collect);
+        // Flat `[n]` views (NdArray: without copies).
+        for flat in collect.out.iter_mut() {
+            let n = Shape::new([flat.shape.num_elements()]);
+            flat.param = B::InnerBackend::reshape_contiguous(flat.param.clone(), n.clone());
+            flat.grad = B::InnerBackend::reshape_contiguous(flat.grad.clone(), n);
+        }
 
         // One multi-tensor call per (weight decay, step count): normally two groups.
         let mut groups: Vec<((bool, usize), Vec<Flat<B>>)> = Vec::new();
@@ -262,7 +267,8 @@ impl<B: AutodiffBackend<InnerBackend: FusedOps>> MultiTensorOptimizer<B> {
             for (flat, out) in group.into_iter().zip(outputs) {
                 self.state
                     .insert(flat.id, (out.moment_1, out.moment_2, time));
-                updated.insert(flat.id, (out.param, flat.shape));
+                let param = B::InnerBackend::reshape_contiguous(out.param, flat.shape.clone());
+                updated.insert(flat.id, (param, flat.shape));
             }
         }
 
@@ -276,11 +282,11 @@ impl<B: AutodiffBackend<InnerBackend: FusedOps>> MultiTensorOptimizer<B> {
             ) -> Param<Tensor<B, D>> {
                 let (id, tensor, mapper) = param.consume();
                 let tensor = match self.updated.remove(&id) {
-                    Some((value, shape)) => {
-                        let inner = Tensor::<B::InnerBackend, 1>::from_primitive(
+                    Some((value, _)) => {
+                        // Already in the parameter's shape.
+                        let inner = Tensor::<B::InnerBackend, D>::from_primitive(
                             TensorPrimitive::Float(value),
-                        )
-                        .reshape(shape);
+                        );
                         let new = Tensor::from_inner(inner);
                         if tensor.is_require_grad() {
                             new.require_grad()

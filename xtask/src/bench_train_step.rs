@@ -305,7 +305,7 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
                 let inputs = HostInputs::random(&config, batch_size, seq_len, args.max_predictions);
                 inputs.write_safetensors(&dir.path().join("batch.safetensors"))?;
                 let parameters = burn::module::Module::num_params(&model);
-                let fused = ember_model::Kernels::Auto.fused::<B>();
+                let fused = ember_model::Kernels::Auto.multi_tensor::<B>();
                 let mut ember = EmberStep {
                     optimizer: PreTrainingOptimizer::new(&optimizer_config, &model, fused),
                     model: Some(model),

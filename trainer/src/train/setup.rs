@@ -101,7 +101,7 @@ impl<B: GradHookBackend> Trainer<B> {
             comm.clone(),
         )
         .with_bucket_clip_count(config.parallel.bucket_clip_count);
-        let fused = config.model.kernels.fused::<B>();
+        let fused = config.model.kernels.multi_tensor::<B>();
         let mut optimizer_config = config.optimizer.clone();
         if optimizer_config.name.is_onebit() {
             optimizer_config.onebit.freeze_step = Some(config.freeze_step());
