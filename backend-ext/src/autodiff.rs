@@ -9,9 +9,9 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 
-use crate::{DropoutSpec, FusedOps, LayerNormForward, float, prim};
+use crate::{CrossEntropyForward, DropoutSpec, FusedOps, LayerNormForward, float, prim};
 
 /// Sum over rows: `[R, N]` → `[N]`, the gradient of a bias broadcast over rows.
 fn sum_rows<B: FusedOps>(x: FloatTensor<B>) -> FloatTensor<B> {
@@ -193,9 +193,49 @@ impl<B: FusedOps> Backward<B, 2> for LinearNoBiasBackward {
     }
 }
 
+/// Cross-entropy: parent the logits; state the logits, labels and log-sum-exp.
+#[derive(Debug)]
+struct CrossEntropyBackward;
+
+impl<B: FusedOps> Backward<B, 1> for CrossEntropyBackward {
+    type State = (FloatTensor<B>, IntTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_logits] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (logits, labels, log_sum_exp) = ops.state;
+        if let Some(node) = node_logits {
+            let d_logits = B::cross_entropy_backward(logits, labels, log_sum_exp, grad);
+            grads.register::<B>(node.id, d_logits);
+        }
+    }
+}
+
 impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
     const HAS_KERNELS: bool = B::HAS_KERNELS;
     const HAS_MULTI_TENSOR: bool = B::HAS_MULTI_TENSOR;
+
+    fn cross_entropy(
+        logits: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+    ) -> CrossEntropyForward<Self> {
+        let prepared = CrossEntropyBackward
+            .prepare::<C>([logits.node.clone()])
+            .compute_bound()
+            .stateful();
+        let forward = B::cross_entropy(logits.primitive.clone(), labels.clone());
+        let loss = match prepared {
+            OpsKind::Tracked(prep) => prep.finish(
+                (logits.primitive, labels, forward.log_sum_exp.clone()),
+                forward.loss,
+            ),
+            OpsKind::UnTracked(prep) => prep.finish(forward.loss),
+        };
+        CrossEntropyForward {
+            loss,
+            log_sum_exp: untracked::<B, C>(forward.log_sum_exp),
+        }
+    }
 
     fn dense(
         x: FloatTensor<Self>,

@@ -29,15 +29,17 @@
 //! intermediate size), B batch, nh heads, S sequence, hd head dim.
 
 mod autodiff;
+mod cross_entropy;
 #[cfg(feature = "cube")]
 mod cube;
 mod dropout;
+mod host;
 mod host_adam;
 mod linear;
 pub mod reference;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
 
 #[cfg(feature = "cube")]
@@ -54,6 +56,7 @@ pub type CountingCuda<F = f32, I = i32> =
 #[cfg(feature = "wgpu")]
 pub type CountingWgpu<F = f32, I = i32> =
     burn_cubecl::CubeBackend<CountingRuntime<cubecl::wgpu::WgpuRuntime>, F, I, u32>;
+pub use cross_entropy::CrossEntropyForward;
 pub use dropout::{DropoutScope, DropoutSpec, keep_mask, reseed_dropout};
 
 /// Which implementation of the fused ops a model uses.
@@ -230,6 +233,33 @@ pub trait FusedOps: Backend {
         bias: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
         linear::reference_linear::<Self>(x, weight, bias)
+    }
+
+    /// Mean cross-entropy `mean_i(lse_i − logits[i, label_i])` with `lse_i = log Σ_j
+    /// exp(logits[i, j])` (`torch.nn.functional.cross_entropy`), and the log-sum-exp for the
+    /// backward. The reference is max-shifted; NdArray runs one fused pass per row.
+    ///
+    /// # Shapes
+    /// `logits` `[N, C]`, `labels` `[N]` (values in `0..C`) → loss `[1]`, log-sum-exp `[N]`
+    fn cross_entropy(
+        logits: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+    ) -> CrossEntropyForward<Self> {
+        cross_entropy::reference_forward::<Self>(logits, labels)
+    }
+
+    /// Gradient of [`FusedOps::cross_entropy`]'s loss for the logits, `(exp(logits − lse) −
+    /// onehot(labels)) · grad / N`, from the forward's log-sum-exp and the loss's gradient.
+    ///
+    /// # Shapes
+    /// `logits` `[N, C]`, `labels` `[N]`, `log_sum_exp` `[N]`, `grad` `[1]` → `[N, C]`
+    fn cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        log_sum_exp: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        cross_entropy::reference_backward::<Self>(logits, labels, log_sum_exp, grad)
     }
 
     /// `x` reshaped to `shape` (same number of elements), Burn's `float_reshape`. NdArray
@@ -483,77 +513,6 @@ pub trait FusedOps: Backend {
     }
 }
 
-impl<E, I, Q> FusedOps for burn_ndarray::NdArray<E, I, Q>
-where
-    E: burn_ndarray::FloatNdArrayElement,
-    I: burn_ndarray::IntNdArrayElement,
-    Q: burn_ndarray::QuantElement,
-    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<E>>,
-    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<I>>,
-{
-    const HAS_MULTI_TENSOR: bool = true;
-
-    fn reshape_contiguous(x: FloatTensor<Self>, shape: burn::tensor::Shape) -> FloatTensor<Self> {
-        match linear::ndarray_reshape(x, &shape) {
-            Ok(reshaped) => reshaped,
-            Err(x) => <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_reshape(x, shape),
-        }
-    }
-
-    fn adam_multi_tensor(
-        tensors: Vec<AdamTensors<Self>>,
-        hyper: AdamHyper,
-        kind: AdamKind,
-    ) -> Vec<AdamOutput<Self>> {
-        tensors
-            .into_iter()
-            .map(|t| {
-                match host_adam::adam_step(
-                    [&t.param, &t.grad, &t.moment_1, &t.moment_2],
-                    &hyper,
-                    kind,
-                ) {
-                    Some([param, moment_1, moment_2]) => AdamOutput {
-                        param,
-                        moment_1,
-                        moment_2,
-                    },
-                    None => reference::adam_step::<Self>(
-                        float(t.param),
-                        float(t.grad),
-                        float(t.moment_1),
-                        float(t.moment_2),
-                        hyper,
-                        kind,
-                    ),
-                }
-            })
-            .collect()
-    }
-
-    fn dense(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
-    ) -> FloatTensor<Self> {
-        match linear::ndarray_linear(&x, &weight, bias.as_ref()) {
-            Some(out) => out,
-            None => linear::reference_linear::<Self>(x, weight, bias),
-        }
-    }
-
-    fn dense_backward(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        grad: FloatTensor<Self>,
-    ) -> [FloatTensor<Self>; 3] {
-        match linear::ndarray_linear_backward(&x, &weight, &grad) {
-            Some(grads) => grads,
-            None => linear::reference_linear_backward::<Self>(x, weight, grad),
-        }
-    }
-}
-
 /// `x · weight + bias` through [`FusedOps::dense`] (and its backward under autodiff): Burn's
 /// `Linear::forward` without NdArray's copies.
 ///
@@ -565,6 +524,19 @@ pub fn dense<B: FusedOps, const D: usize>(
     bias: Option<Tensor<B, 1>>,
 ) -> Tensor<B, D> {
     float(B::dense(prim(x), prim(weight), bias.map(prim)))
+}
+
+/// Mean cross-entropy of `logits` against `labels` through [`FusedOps::cross_entropy`] (and
+/// its backward under autodiff): `mean_i(logsumexp(x_i) − x_i[label_i])`,
+/// `torch.nn.functional.cross_entropy` with mean reduction.
+///
+/// # Shapes
+/// `logits` `[N, C]`, `labels` `[N]` (values in `0..C`) → `[1]`
+pub fn cross_entropy<B: FusedOps>(
+    logits: Tensor<B, 2>,
+    labels: Tensor<B, 1, burn::tensor::Int>,
+) -> Tensor<B, 1> {
+    float(B::cross_entropy(prim(logits), labels.into_primitive()).loss)
 }
 
 /// [`dense`] of a Burn `Linear` module's parameters.
