@@ -5,7 +5,7 @@
 #                                       # them into gpu-check/bins.tar.gz (~22 MB; the two binaries
 #                                       # are ~86 MB unpacked, over the device machine's 64 MiB carry)
 #   scripts/gpu-check.sh run [PART...]  # on the GPU machine; PART: step, kernels, bench-kernels,
-#                                       # resume, onebit (default: all, in that order); logs in $OUT (or
+#                                       # resume, onebit, train-step (default: all, in that order); logs in $OUT (or
 #                                       # gpu-check/out), one table per part
 #
 # Parts:
@@ -27,6 +27,10 @@
 #                  compression stage, which runs on the host (crate::onebit: gradients read to the
 #                  host, momenta compressed there, parameters written back). One rank compresses
 #                  nothing (the average of one), so this measures the host path's cost alone.
+#   train-step     `xtask bench train-step --device cuda`: BERT-large at batch 32, sequence length
+#                  128 and 512, ember's f32 step against Hugging Face + torch.optim.AdamW on the
+#                  same GPU (eager and torch.compile; f32 both, ember has no bf16 yet), when the
+#                  machine's Python has torch (/opt/torch/.venv), else ember alone.
 #
 # The GPU machine needs the NVIDIA driver, and NCCL for `step`: cubecl-cuda and cudarc load
 # libcuda, nvrtc and libnccl at run time. The script adds the libraries of the machine's
@@ -52,7 +56,7 @@ build)
 run)
     shift
     parts=("$@")
-    [ ${#parts[@]} -gt 0 ] || parts=(step kernels bench-kernels resume onebit)
+    [ ${#parts[@]} -gt 0 ] || parts=(step kernels bench-kernels resume onebit train-step)
     out="${OUT:-$dir/out}"
     mkdir -p "$out"
     if [ ! -x "$dir/xtask" ] || [ ! -x "$dir/kernels" ]; then
@@ -119,8 +123,21 @@ run)
                 echo "| $opt | $(steps false | med) | $(steps true | med) |" | tee -a "$o.md"
             done
             ;;
+        train-step)
+            echo "== training step against PyTorch on CUDA (large, batch 32, seq 128 and 512)"
+            reference=(--reference none)
+            for py in /opt/torch/.venv/bin/python python3; do
+                if "$py" -c "import torch, transformers, safetensors" 2>/dev/null; then
+                    reference=(--reference pytorch --python "$(command -v "$py")" --compile)
+                    break
+                fi
+            done
+            timeout 420 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
+                --seq-len 128,512 --steps 3 --rounds 2 "${reference[@]}" --out "$out/train-step" \
+                2>&1 | tail -20 || status=$?
+            ;;
         *)
-            echo "unknown part $part (step, kernels, bench-kernels, resume, onebit)" >&2
+            echo "unknown part $part (step, kernels, bench-kernels, resume, onebit, train-step)" >&2
             status=2
             ;;
         esac
@@ -129,7 +146,7 @@ run)
     exit $status
     ;;
 *)
-    echo "usage: $0 build | run [step|kernels|bench-kernels|resume|onebit ...]" >&2
+    echo "usage: $0 build | run [step|kernels|bench-kernels|resume|onebit|train-step ...]" >&2
     exit 2
     ;;
 esac

@@ -134,8 +134,14 @@ pub(crate) fn reference_backward<B: FusedOps>(
     let lse = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(log_sum_exp));
     let grad = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(grad));
     let [n, c] = logits.dims();
+    let device = logits.device();
     let probs = (logits - lse.reshape([n, 1])).exp();
-    let onehot = labels.one_hot::<2>(c).float();
+    // The one-hot as a comparison with the class index: Burn's `one_hot` reads the labels to
+    // the host to check their range, a device synchronisation inside backward.
+    let classes = Tensor::<B, 1, Int>::arange(0..c as i64, &device)
+        .reshape([1, c])
+        .expand([n, c]);
+    let onehot = labels.reshape([n, 1]).expand([n, c]).equal(classes).float();
     ((probs - onehot) * grad.reshape([1, 1]).div_scalar(n as f64))
         .into_primitive()
         .tensor()

@@ -50,19 +50,22 @@ def main():
     parser.add_argument("--eps", type=float, required=True)
     parser.add_argument("--weight-decay", type=float, required=True)
     parser.add_argument("--compile", action="store_true", help="torch.compile the step's model")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = BertForPreTraining.from_pretrained(args.model)
+    device = torch.device(args.device)
+    model = BertForPreTraining.from_pretrained(args.model).to(device)
     model.train()  # dropout probabilities are 0 in the exported config: train mode changes nothing
-    batch = load_file(args.batch)
+    batch = {k: v.to(device) for k, v in load_file(args.batch).items()}
     input_ids = batch["input_ids"].long()
     token_type_ids = batch["token_type_ids"].long()
     attention_mask = batch["attention_mask"].long()
     b, s = input_ids.shape
     real = batch["masked_lm_weights"] > 0
-    flat = (batch["masked_lm_positions"].long() + torch.arange(b).unsqueeze(1) * s)[real]
+    offsets = torch.arange(b, device=device).unsqueeze(1) * s
+    flat = (batch["masked_lm_positions"].long() + offsets)[real]
     labels = batch["masked_lm_ids"].long()[real]
     nsp_labels = batch["next_sentence_labels"].long()
 
@@ -79,6 +82,10 @@ def main():
         eps=args.eps,
     )
     hidden = model.config.hidden_size
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
     def losses():
         out = model.bert(
@@ -98,6 +105,7 @@ def main():
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "threads": torch.get_num_threads(),
+            "device": str(device),
             "parameters": sum(p.numel() for p in model.parameters()),
             "attn_implementation": model.config._attn_implementation,
         }
@@ -118,16 +126,19 @@ def main():
                 loss.backward()
                 optimizer.step()
                 value = loss.item()
+                sync()
                 seconds.append(time.perf_counter() - start)
                 values.append(value)
             reply({"seconds": seconds, "losses": values})
         elif cmd["cmd"] == "gemm":
             n, best = cmd["n"], float("inf")
-            a, c = torch.rand(n, n), torch.rand(n, n)
+            a, c = torch.rand(n, n, device=device), torch.rand(n, n, device=device)
             a @ c
+            sync()
             for _ in range(cmd["reps"]):
                 start = time.perf_counter()
                 a @ c
+                sync()
                 best = min(best, time.perf_counter() - start)
             reply({"gflops": 2 * n**3 / best / 1e9})
         elif cmd["cmd"] == "quit":

@@ -220,8 +220,16 @@ impl Reference {
         threads: usize,
         optimizer: &OptimizerConfig,
         compile: bool,
+        device: &str,
     ) -> Result<Self> {
-        let script = crate::project_root().join("bench/reference/train_step.py");
+        // From the working directory when it is a checkout (a copied binary), else the
+        // workspace this binary was built in.
+        let relative = Path::new("bench/reference/train_step.py");
+        let script = if relative.is_file() {
+            relative.to_path_buf()
+        } else {
+            crate::project_root().join(relative)
+        };
         let mut command = Command::new(python);
         command
             .arg(&script)
@@ -240,6 +248,7 @@ impl Reference {
         if compile {
             command.arg("--compile");
         }
+        command.args(["--device", device]);
         let mut child = command
             .spawn()
             .with_context(|| format!("starting {} {}", python.display(), script.display()))?;

@@ -321,6 +321,7 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
                         threads,
                         &optimizer_config,
                         compile,
+                        &args.device,
                     )?;
                     if reference.ready["parameters"].as_u64() != Some(parameters as u64) {
                         bail!(
