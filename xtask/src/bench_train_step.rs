@@ -9,7 +9,8 @@
 //! 1. compute the first step's loss on the same weights: they must agree within 1e-3, so that
 //!    a fast wrong step cannot win;
 //! 2. take one warm-up step (excluded), then `--rounds` rounds of `--steps` steps, alternating
-//!    ember and PyTorch so that the machine's drift hits both;
+//!    ember and PyTorch so that the machine's drift hits both, with a 0.5 s pause before each
+//!    round so that the other side's spinning thread pools have gone to sleep;
 //! 3. time an fp32 `[n, n] × [n, n]` GEMM (best of 5), ember's backend and PyTorch's.
 //!
 //! Reported per row: each side's samples/s (median step), the ratio ember / PyTorch, and each
@@ -344,9 +345,15 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
                     reference.steps(1)?;
                 }
                 let mut ember_times = Vec::new();
+                // A pause before each side's round: both sides' thread pools spin for a while
+                // after their last op (OpenBLAS ~0.1 s, OpenMP up to 0.2 s) and would otherwise
+                // take cores from the other side's first steps.
+                let settle = || std::thread::sleep(std::time::Duration::from_millis(500));
                 for _ in 0..args.rounds {
+                    settle();
                     ember_times.extend(ember.timed_steps(args.steps));
                     for (_, reference, _, times) in procs.iter_mut() {
+                        settle();
                         times.extend(reference.steps(args.steps)?);
                     }
                 }
