@@ -150,22 +150,25 @@ pub(crate) fn reference_backward<B: FusedOps>(
 #[cfg(test)]
 mod tests {
     use burn::backend::{Autodiff, NdArray};
-    use burn::tensor::{Distribution, Int, Tensor, TensorData};
+    use burn::tensor::{Int, Tensor, TensorData};
 
     type A = Autodiff<NdArray>;
 
     /// NdArray's fused loss and gradient against Burn's autodiff of the composition
-    /// (`log_softmax` and the gathered label), on logits with large offsets (the max shift
-    /// matters) and repeated labels, loss scaled by 3 so that the incoming gradient is not 1.
+    /// (`log_softmax` and the gathered label), on logits with row offsets up to 300 (the max
+    /// shift matters) and repeated labels, loss scaled by 3 so that the incoming gradient is not 1.
     #[test]
     fn ndarray_cross_entropy_equals_autodiff_of_the_composition() {
         let device = Default::default();
-        let logits =
-            Tensor::<NdArray, 2>::random([7, 301], Distribution::Normal(0.0, 4.0), &device)
-                + Tensor::<NdArray, 2>::from_data(
-                    TensorData::new((0..7).map(|i| 50.0 * i as f32).collect(), [7, 1]),
-                    &device,
-                );
+        // Deterministic values (the global RNG is shared with concurrent tests): spread ±4
+        // within a row, rows offset by 50 each, so the max shift matters.
+        let values: Vec<f32> = (0..7 * 301)
+            .map(|k| {
+                let (i, j) = (k / 301, k % 301);
+                4.0 * ((i as f32) * 0.37 + (j as f32) * 1.3).sin() + 50.0 * i as f32
+            })
+            .collect();
+        let logits = Tensor::<NdArray, 2>::from_data(TensorData::new(values, [7, 301]), &device);
         let labels = Tensor::<A, 1, Int>::from_data(
             TensorData::new(vec![0i64, 300, 5, 5, 17, 299, 1], [7]),
             &device,
@@ -191,9 +194,11 @@ mod tests {
             (loss - loss_ref).abs() <= 1e-5 * loss_ref.abs(),
             "loss {loss} vs {loss_ref}"
         );
+        // Relative 1e-4: a log-sum-exp near 300 carries f32 rounding of 3e-5, which the
+        // probabilities exp(x − lse) inherit (the two sides round it differently).
         for (i, (a, b)) in grad.iter().zip(&grad_ref).enumerate() {
             assert!(
-                (a - b).abs() <= 1e-6 + 1e-5 * b.abs(),
+                (a - b).abs() <= 1e-7 + 1e-4 * b.abs(),
                 "grad[{i}]: {a} vs {b}"
             );
         }

@@ -9,7 +9,7 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 
 use crate::{
     AdamHyper, AdamKind, AdamOutput, AdamTensors, CrossEntropyForward, FusedOps, cross_entropy,
-    float, host_adam, linear, reference,
+    host_adam, linear, reference,
 };
 
 impl<E, I, Q> FusedOps for burn_ndarray::NdArray<E, I, Q>
@@ -69,14 +69,7 @@ where
                         moment_1,
                         moment_2,
                     },
-                    None => reference::adam_step::<Self>(
-                        float(t.param),
-                        float(t.grad),
-                        float(t.moment_1),
-                        float(t.moment_2),
-                        hyper,
-                        kind,
-                    ),
+                    None => reference::adam_tensors::<Self>(t, hyper, kind),
                 }
             })
             .collect()

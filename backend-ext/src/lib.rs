@@ -425,16 +425,7 @@ pub trait FusedOps: Backend {
     ) -> Vec<AdamOutput<Self>> {
         tensors
             .into_iter()
-            .map(|t| {
-                reference::adam_step::<Self>(
-                    float(t.param),
-                    float(t.grad),
-                    float(t.moment_1),
-                    float(t.moment_2),
-                    hyper,
-                    kind,
-                )
-            })
+            .map(|t| reference::adam_tensors::<Self>(t, hyper, kind))
             .collect()
     }
 

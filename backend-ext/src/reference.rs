@@ -281,6 +281,23 @@ pub fn adam_step<B: Backend>(
     }
 }
 
+/// [`adam_step`] of one [`AdamTensors`](crate::AdamTensors) of primitives.
+pub fn adam_tensors<B: Backend>(
+    t: crate::AdamTensors<B>,
+    hyper: AdamHyper,
+    kind: AdamKind,
+) -> AdamOutput<B> {
+    let float = |x| Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(x));
+    adam_step::<B>(
+        float(t.param),
+        float(t.grad),
+        float(t.moment_1),
+        float(t.moment_2),
+        hyper,
+        kind,
+    )
+}
+
 /// LAMB's second half for one tensor (the default body of
 /// [`FusedOps::lamb_apply_multi_tensor`](crate::FusedOps::lamb_apply_multi_tensor)):
 /// `w − lr · r · u` with `r = ‖w‖/‖u‖` (1 if either is 0) from the squared norms `[1]`.

@@ -199,24 +199,10 @@ impl<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps> EmberStep<B> {
         let _: f64 = loss.total.clone().into_scalar().elem();
         let forward = start.elapsed().as_secs_f64();
         let grads = GradientsParams::from_grads(loss.total.backward(), &model);
-        let _: f64 = model
-            .cls
-            .predictions
-            .bias
-            .val()
-            .slice([0..1])
-            .into_scalar()
-            .elem();
+        wait_for(&model);
         let backward = start.elapsed().as_secs_f64() - forward;
         let model = self.optimizer.step(self.lr, model, grads);
-        let _: f64 = model
-            .cls
-            .predictions
-            .bias
-            .val()
-            .slice([0..1])
-            .into_scalar()
-            .elem();
+        wait_for(&model);
         self.model = Some(model);
         [
             forward,
@@ -231,6 +217,12 @@ impl<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps> EmberStep<B> {
 }
 
 use burn::tensor::ElementConversion;
+
+/// Waits for the device's queued work by reading one value of `model` to the host.
+fn wait_for<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(model: &BertForPreTraining<B>) {
+    let bias = model.cls.predictions.bias.val().slice([0..1]);
+    let _: f64 = bias.into_scalar().elem();
+}
 
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
