@@ -169,6 +169,13 @@ pub struct OptimizerConfig {
     /// Gradients are scaled so that their global L2 norm is at most this; 0 turns clipping off.
     /// Default: 1.0.
     pub max_grad_norm: f64,
+    /// LAMB only. `false`: the parameters without weight decay (biases, LayerNorm) take the
+    /// plain Adam step, trust ratio 1, as MLPerf's BERT reference
+    /// (`exclude_from_layer_adaptation` defaults to `exclude_from_weight_decay`) and apex's
+    /// `FusedLAMB(use_nvlamb=False)` (`multi_tensor_lamb.cu`: the ratio applies only where
+    /// `decay != 0`); `true`: every tensor's step is scaled by its trust ratio (NVLAMB, and
+    /// what 1-bit LAMB always does, as DeepSpeed's `OnebitLamb`). Default: false.
+    pub nvlamb: bool,
     /// 1-bit Adam and LAMB (`name = "onebit-adam"` or `"onebit-lamb"`).
     pub onebit: OnebitConfig,
 }
@@ -183,6 +190,7 @@ impl Default for OptimizerConfig {
             epsilon: 1e-6,
             weight_decay: 0.01,
             max_grad_norm: 1.0,
+            nvlamb: false,
             onebit: OnebitConfig::default(),
         }
     }
@@ -202,8 +210,14 @@ pub struct ScheduleConfig {
     /// Learning rate at the last step. Default: 0.
     pub end_lr: f64,
     /// Step at which warmup starts; negative values start the run part-way into warmup, as
-    /// MLPerf's `start_warmup_step`. Default: 0.
+    /// MLPerf's `start_warmup_step`; positive values keep the rate at 0 until then.
+    /// Default: 0.
     pub start_warmup_step: i64,
+    /// What the decay measures its progress from: `warmup-end` (Hugging Face's
+    /// `get_polynomial_decay_schedule_with_warmup`) or `start` (Google's BERT and NVIDIA's
+    /// MLPerf `LinearWarmupPolyDecayScheduler`: the rate drops at the end of warmup)
+    /// ([`crate::schedule::DecayFrom`]). Default: warmup-end.
+    pub decay_from: crate::schedule::DecayFrom,
 }
 
 impl Default for ScheduleConfig {
@@ -214,6 +228,7 @@ impl Default for ScheduleConfig {
             power: 1.0,
             end_lr: 0.0,
             start_warmup_step: 0,
+            decay_from: crate::schedule::DecayFrom::WarmupEnd,
         }
     }
 }

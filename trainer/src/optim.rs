@@ -39,9 +39,12 @@ pub fn uses_weight_decay(path: &str) -> bool {
 /// ```text
 /// m ← β1·m + (1−β1)·g          v ← β2·v + (1−β2)·g²
 /// u ← (m / (1−β1ᵗ)) / (sqrt(v / (1−β2ᵗ)) + ε) + λ·w
-/// r ← ‖w‖ / ‖u‖   (1 if either norm is 0)
+/// r ← ‖w‖ / ‖u‖   (1 if either norm is 0, or if the tensor is not `adapt`ed)
 /// w ← w − lr · r · u
 /// ```
+///
+/// The group without weight decay is not adapted unless `optimizer.nvlamb` (see
+/// [`OptimizerConfig::nvlamb`]).
 #[derive(Debug, Clone)]
 pub struct Lamb {
     pub beta_1: f32,
@@ -49,6 +52,8 @@ pub struct Lamb {
     pub epsilon: f32,
     /// λ, decoupled weight decay inside the update (before the trust ratio).
     pub weight_decay: f32,
+    /// Whether the step is scaled by the trust ratio (layer adaptation).
+    pub adapt: bool,
 }
 
 /// LAMB's state of one parameter tensor.
@@ -104,6 +109,17 @@ impl<B: Backend> SimpleOptimizer<B> for Lamb {
             update = update + tensor.clone() * self.weight_decay;
         }
 
+        if !self.adapt {
+            let step = update * lr;
+            return (
+                tensor - step,
+                Some(LambState {
+                    moment_1,
+                    moment_2,
+                    time,
+                }),
+            );
+        }
         // Trust ratio kept on the device: no host round trip per tensor.
         let w_norm = tensor.clone().square().sum().sqrt(); // [1]
         let u_norm = update.clone().square().sum().sqrt(); // [1]
@@ -138,6 +154,8 @@ impl<B: Backend> SimpleOptimizer<B> for Lamb {
 /// Weight decay follows [`uses_weight_decay`]; moments are kept per parameter, flat `[n]`.
 pub struct MultiTensorOptimizer<B: AutodiffBackend<InnerBackend: FusedOps>> {
     lamb: bool,
+    /// LAMB: adapt the group without weight decay too ([`OptimizerConfig::nvlamb`]).
+    nvlamb: bool,
     beta_1: f32,
     beta_2: f32,
     epsilon: f32,
@@ -166,6 +184,7 @@ impl<B: AutodiffBackend<InnerBackend: FusedOps>> MultiTensorOptimizer<B> {
     fn new<M: AutodiffModule<B>>(config: &OptimizerConfig, module: &M) -> Self {
         Self {
             lamb: config.name.exact() == OptimizerKind::Lamb,
+            nvlamb: config.nvlamb,
             beta_1: config.beta1,
             beta_2: config.beta2,
             epsilon: config.epsilon,
@@ -259,7 +278,8 @@ impl<B: AutodiffBackend<InnerBackend: FusedOps>> MultiTensorOptimizer<B> {
                     }
                 })
                 .collect();
-            let outputs = if self.lamb {
+            // LAMB without layer adaptation, λ = 0: `w − lr·m̂/(√v̂ + ε)`, AdamW's step.
+            let outputs = if self.lamb && (decay || self.nvlamb) {
                 lamb_multi_tensor::<B::InnerBackend>(tensors, hyper)
             } else {
                 B::InnerBackend::adam_multi_tensor(tensors, hyper, AdamKind::AdamW)
@@ -383,15 +403,16 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> PreTraini
                 ))
             }
             OptimizerKind::Lamb => {
-                let lamb = |weight_decay| Lamb {
+                let lamb = |weight_decay, adapt| Lamb {
                     beta_1: config.beta1,
                     beta_2: config.beta2,
                     epsilon: config.epsilon,
                     weight_decay,
+                    adapt,
                 };
                 Self::Lamb(GroupedOptimizer::new(
-                    lamb(config.weight_decay),
-                    lamb(0.0),
+                    lamb(config.weight_decay, true),
+                    lamb(0.0, config.nvlamb),
                     module,
                 ))
             }
@@ -484,6 +505,7 @@ mod tests {
             beta_2: 0.999,
             epsilon: 0.0,
             weight_decay: 0.1,
+            adapt: true,
         };
         let (new_w, state) = SimpleOptimizer::<NdArray>::step(&lamb, 0.01, w, g, None);
         // Step 1: m̂ = g, v̂ = g², so m̂/sqrt(v̂) = sign(g) = [1, -1]; u = [1, -1] + 0.1·[3, 4]

@@ -34,6 +34,9 @@ fn warm_up_is_the_exact_optimizer_and_compression_sends_over_16_times_fewer_byte
         config.train.eval_every = 8;
         config.train.batch_size = 2;
         config.optimizer.name = exact;
+        // 1-bit LAMB adapts every tensor (DeepSpeed's `OnebitLamb`): its exact optimizer is
+        // NVLAMB.
+        config.optimizer.nvlamb = true;
         let reference = summary(&config, 2, shared_data());
         config.optimizer.name = onebit;
         config.optimizer.onebit.freeze_step = Some(4);
@@ -88,6 +91,8 @@ fn onebit_optimizers_reach_the_accuracy_of_the_exact_ones() {
     config.train.steps = STEPS;
     config.train.eval_every = STEPS;
     config.train.out = dir.path().to_path_buf();
+    // 1-bit LAMB adapts every tensor, as DeepSpeed's: compared with LAMB that does too.
+    config.optimizer.nvlamb = true;
     let data = Arc::new(prepare_data(&config).unwrap());
     let mut report = Vec::new();
     for (exact, onebit, lr) in [

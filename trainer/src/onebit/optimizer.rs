@@ -142,8 +142,11 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
             OptimizerKind::OnebitLamb | OptimizerKind::Lamb => OnebitKind::Lamb,
             _ => OnebitKind::Adam,
         };
+        // 1-bit LAMB adapts every tensor, as DeepSpeed's `OnebitLamb` (whose scaling
+        // coefficients are per tensor, biases and LayerNorm included): its warm-up is NVLAMB.
         let exact_config = OptimizerConfig {
             name: config.name.exact(),
+            nvlamb: config.nvlamb || kind == OnebitKind::Lamb,
             ..config.clone()
         };
         Self {
