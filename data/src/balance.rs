@@ -18,7 +18,8 @@
 
 use crate::DataError;
 use crate::dataset::ShardedDataset;
-use crate::sampler::{Padding, RankSampler, SamplerConfig, SamplerKind, micro_batches};
+use crate::sampler::{Padding, RankSampler, SamplerConfig, SamplerKind};
+use crate::shard_loader::micro_batches;
 
 /// Settings of a simulation.
 #[derive(Debug, Clone)]

@@ -174,3 +174,58 @@ impl ShardedDataset {
         self.lengths.iter().map(Vec::len).sum()
     }
 }
+
+/// The evaluation set of `path` (an HDF5 shard, or a folder of them read in file-name order):
+/// its first `limit` samples, as MLPerf evaluates the first 10,000 samples of its eval shard.
+///
+/// # Errors
+/// Naming the file: [`DataError::Io`] for a missing path, [`DataError::NoShards`] for a folder
+/// without shards, [`DataError::EmptyShard`], a shard's read and validation errors (ids at or
+/// above `vocab_size`: [`DataError::IdOutOfRange`], "made with another vocabulary?"), and
+/// [`DataError::Shard`] when the shard's sequence length is not `max_seq_length` or a sample
+/// is longer than it.
+pub fn read_eval_set(
+    path: &Path,
+    vocab_size: usize,
+    max_seq_length: usize,
+    limit: usize,
+) -> Result<Vec<TrainingInstance>, DataError> {
+    let mut samples = Vec::new();
+    for file in list_shards(path)? {
+        if samples.len() >= limit {
+            break;
+        }
+        let shard = shard::OpenShard::open(&file)?;
+        let info = &shard.info;
+        if info.layout == shard::Layout::Fixed && info.seq_len != max_seq_length {
+            return Err(DataError::Shard {
+                path: file.clone(),
+                field: "input_ids".into(),
+                problem: format!(
+                    "sequences of {} tokens, but the model's max_seq_length is {max_seq_length} \
+                     (an eval shard of another sequence length?)",
+                    info.seq_len
+                ),
+            });
+        }
+        let take = (limit - samples.len()).min(info.num_samples);
+        let read = shard.read(vocab_size, 0..take)?;
+        if let Some((i, long)) = read
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.len() > max_seq_length)
+        {
+            return Err(DataError::Shard {
+                path: file.clone(),
+                field: "input_ids".into(),
+                problem: format!(
+                    "sample {i} has {} tokens, more than the model's max_seq_length \
+                     {max_seq_length}",
+                    long.len()
+                ),
+            });
+        }
+        samples.extend(read);
+    }
+    Ok(samples)
+}

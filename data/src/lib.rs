@@ -23,6 +23,7 @@ pub mod loader;
 pub mod prepare;
 pub mod sampler;
 pub mod shard;
+pub mod shard_loader;
 pub mod stratify;
 pub mod tokenizer;
 
@@ -31,13 +32,17 @@ pub use corpus::{
     Document, DocumentStream, corpus_files, held_out_count, read_documents, split_held_out,
     tokenize_documents,
 };
-pub use dataset::ShardedDataset;
+pub use dataset::{ShardedDataset, read_eval_set};
 pub use error::DataError;
 pub use instances::{PretrainingConfig, TrainingInstance, create_training_instances};
 pub use loader::InstanceLoader;
 pub use sampler::{
-    Padding, RankSampler, SampleRef, SamplerConfig, SamplerKind, SamplerState, ShardLoader,
-    decode_refs, encode_refs,
+    Padding, RankSampler, SampleRef, SamplerConfig, SamplerKind, SamplerState, decode_refs,
+    encode_refs,
+};
+pub use shard_loader::{
+    BatchMaker, BatchPrefetcher, InMemorySamples, SampleSource, ShardLoader, ShardReader,
+    micro_batches,
 };
 pub use tokenizer::{SpecialTokens, WordPieceTokenizer};
 

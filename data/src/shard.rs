@@ -23,6 +23,7 @@
 //! inside the sample, labels 0/1), and every problem is a [`DataError`] naming the file and the
 //! field. Writes go to a temporary file in the same folder, renamed into place when complete.
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use hdf5::types::{IntSize, TypeDescriptor, VarLenArray};
@@ -153,26 +154,58 @@ enum Values {
     Rows(Vec<Vec<i64>>),
 }
 
-fn read_fixed<T: H5Type + Copy + Into<i64>>(ds: &Dataset) -> hdf5::Result<Vec<i64>> {
-    Ok(ds.read_raw::<T>()?.into_iter().map(Into::into).collect())
+/// Rows `range` of a fixed field (all of it in one read when the range is every row).
+fn read_fixed<T: H5Type + Copy + Into<i64>>(
+    ds: &Dataset,
+    range: &Range<usize>,
+) -> hdf5::Result<Vec<i64>> {
+    read_fixed_with::<T>(ds, range, Into::into)
 }
 
-fn read_rows<T: H5Type + Copy + Into<i64>>(ds: &Dataset) -> hdf5::Result<Vec<Vec<i64>>> {
-    Ok(ds
-        .read_raw::<VarLenArray<T>>()?
+fn read_fixed_with<T: H5Type + Copy>(
+    ds: &Dataset,
+    range: &Range<usize>,
+    to_i64: impl Fn(T) -> i64,
+) -> hdf5::Result<Vec<i64>> {
+    if range.start == 0 && range.end == ds.shape()[0] {
+        return Ok(ds.read_raw::<T>()?.into_iter().map(to_i64).collect());
+    }
+    Ok(match ds.ndim() {
+        1 => ds
+            .read_slice_1d::<T, _>(range.clone())?
+            .iter()
+            .map(|&v| to_i64(v))
+            .collect(),
+        _ => ds
+            .read_slice_2d::<T, _>((range.clone(), ..))?
+            .iter()
+            .map(|&v| to_i64(v))
+            .collect(),
+    })
+}
+
+/// Rows `range` of a vlen field.
+fn read_rows<T: H5Type + Copy + Into<i64>>(
+    ds: &Dataset,
+    range: &Range<usize>,
+) -> hdf5::Result<Vec<Vec<i64>>> {
+    let rows = ds.read_slice_1d::<VarLenArray<T>, _>(range.clone())?;
+    Ok(rows
         .iter()
         .map(|row| row.as_slice().iter().map(|&v| v.into()).collect())
         .collect())
 }
 
-/// Reads `field`, checking it is an integer field of `rows` rows (`expect_width`: `Some(w)`
-/// for a fixed `[N, w]` field, `Some(0)` for `[N]`, `None` for vlen).
+/// Reads rows `range` of `field`, checking it is an integer field of `rows` rows
+/// (`expect_width`: `Some(w)` for a fixed `[N, w]` field, `Some(0)` for `[N]`, `None` for
+/// vlen).
 fn read_field(
     file: &File,
     path: &Path,
     field: &str,
     rows: usize,
     expect_width: Option<usize>,
+    range: &Range<usize>,
 ) -> Result<Values, DataError> {
     let ds = dataset(file, path, field)?;
     let ty = int_type(&ds, path, field)?;
@@ -200,18 +233,16 @@ fn read_field(
                 return Err(bad_shape(expected));
             }
             let data = match (size, signed) {
-                (IntSize::U1, true) => read_fixed::<i8>(&ds),
-                (IntSize::U2, true) => read_fixed::<i16>(&ds),
-                (IntSize::U4, true) => read_fixed::<i32>(&ds),
-                (IntSize::U8, true) => read_fixed::<i64>(&ds),
-                (IntSize::U1, false) => read_fixed::<u8>(&ds),
-                (IntSize::U2, false) => read_fixed::<u16>(&ds),
-                (IntSize::U4, false) => read_fixed::<u32>(&ds),
-                (IntSize::U8, false) => ds.read_raw::<u64>().map(|v| {
-                    v.into_iter()
-                        .map(|x| x.min(i64::MAX as u64) as i64)
-                        .collect()
-                }),
+                (IntSize::U1, true) => read_fixed::<i8>(&ds, range),
+                (IntSize::U2, true) => read_fixed::<i16>(&ds, range),
+                (IntSize::U4, true) => read_fixed::<i32>(&ds, range),
+                (IntSize::U8, true) => read_fixed::<i64>(&ds, range),
+                (IntSize::U1, false) => read_fixed::<u8>(&ds, range),
+                (IntSize::U2, false) => read_fixed::<u16>(&ds, range),
+                (IntSize::U4, false) => read_fixed::<u32>(&ds, range),
+                (IntSize::U8, false) => {
+                    read_fixed_with::<u64>(&ds, range, |x| x.min(i64::MAX as u64) as i64)
+                }
             }
             .map_err(io)?;
             Ok(Values::Fixed {
@@ -224,13 +255,13 @@ fn read_field(
                 return Err(bad_shape(format!("[{rows}] (vlen)")));
             }
             let data = match (size, signed) {
-                (IntSize::U1, true) => read_rows::<i8>(&ds),
-                (IntSize::U2, true) => read_rows::<i16>(&ds),
-                (IntSize::U4, true) => read_rows::<i32>(&ds),
-                (IntSize::U8, true) => read_rows::<i64>(&ds),
-                (IntSize::U1, false) => read_rows::<u8>(&ds),
-                (IntSize::U2, false) => read_rows::<u16>(&ds),
-                (IntSize::U4, false) => read_rows::<u32>(&ds),
+                (IntSize::U1, true) => read_rows::<i8>(&ds, range),
+                (IntSize::U2, true) => read_rows::<i16>(&ds, range),
+                (IntSize::U4, true) => read_rows::<i32>(&ds, range),
+                (IntSize::U8, true) => read_rows::<i64>(&ds, range),
+                (IntSize::U1, false) => read_rows::<u8>(&ds, range),
+                (IntSize::U2, false) => read_rows::<u16>(&ds, range),
+                (IntSize::U4, false) => read_rows::<u32>(&ds, range),
                 (IntSize::U8, false) => Err(hdf5::Error::from("vlen u8 is not supported")),
             }
             .map_err(io)?;
@@ -317,22 +348,76 @@ fn info_of(file: &File, path: &Path) -> Result<ShardInfo, DataError> {
 pub fn read_shard(path: &Path, vocab_size: usize) -> Result<Vec<TrainingInstance>, DataError> {
     let file = open(path)?;
     let info = info_of(&file, path)?;
+    read_samples(&file, &info, vocab_size, 0..info.num_samples)
+}
+
+/// An open shard, for reading ranges of its samples ([`OpenShard::read`]): what the streaming
+/// reader keeps open between reads.
+pub struct OpenShard {
+    file: File,
+    /// The shard's metadata.
+    pub info: ShardInfo,
+}
+
+impl OpenShard {
+    /// Opens `path` and reads its metadata.
+    ///
+    /// # Errors
+    /// As [`shard_info`].
+    pub fn open(path: &Path) -> Result<Self, DataError> {
+        let file = open(path)?;
+        let info = info_of(&file, path)?;
+        Ok(Self { file, info })
+    }
+
+    /// Reads and validates samples `range` (as [`read_shard`] validates every sample; errors
+    /// name the sample by its index in the shard).
+    ///
+    /// # Errors
+    /// As [`read_shard`]; [`DataError::Shard`] for a range past the shard's end.
+    pub fn read(
+        &self,
+        vocab_size: usize,
+        range: Range<usize>,
+    ) -> Result<Vec<TrainingInstance>, DataError> {
+        if range.end > self.info.num_samples || range.start > range.end {
+            return Err(shard_error(
+                &self.info.path,
+                "input_ids",
+                format!(
+                    "samples {}..{} asked of a shard of {}",
+                    range.start, range.end, self.info.num_samples
+                ),
+            ));
+        }
+        read_samples(&self.file, &self.info, vocab_size, range)
+    }
+}
+
+fn read_samples(
+    file: &File,
+    info: &ShardInfo,
+    vocab_size: usize,
+    range: Range<usize>,
+) -> Result<Vec<TrainingInstance>, DataError> {
+    let path = info.path.as_path();
     let n = info.num_samples;
     let (width, vlen) = match info.layout {
         Layout::Fixed => (Some(info.seq_len), false),
         Layout::VarLen => (None, true),
     };
-    let input_ids = read_field(&file, path, "input_ids", n, width)?;
+    let r = &range;
+    let input_ids = read_field(file, path, "input_ids", n, width, r)?;
     let input_mask = if vlen {
         None
     } else {
-        Some(read_field(&file, path, "input_mask", n, width)?)
+        Some(read_field(file, path, "input_mask", n, width, r)?)
     };
-    let segment_ids = read_field(&file, path, "segment_ids", n, width)?;
+    let segment_ids = read_field(file, path, "segment_ids", n, width, r)?;
     let predictions = if vlen {
         None
     } else {
-        let ds = dataset(&file, path, "masked_lm_positions")?;
+        let ds = dataset(file, path, "masked_lm_positions")?;
         match ds.shape().as_slice() {
             [_, p] if *p > 0 => Some(*p),
             shape => {
@@ -345,19 +430,21 @@ pub fn read_shard(path: &Path, vocab_size: usize) -> Result<Vec<TrainingInstance
             }
         }
     };
-    let positions = read_field(&file, path, "masked_lm_positions", n, predictions)?;
-    let masked_ids = read_field(&file, path, "masked_lm_ids", n, predictions)?;
-    let labels = read_field(&file, path, "next_sentence_labels", n, Some(0))?;
+    let positions = read_field(file, path, "masked_lm_positions", n, predictions, r)?;
+    let masked_ids = read_field(file, path, "masked_lm_ids", n, predictions, r)?;
+    let labels = read_field(file, path, "next_sentence_labels", n, Some(0), r)?;
 
-    let content = |field: &str, sample: usize, what: String| {
-        shard_error(path, field, format!("sample {sample}: {what}"))
+    // Errors name the sample by its index in the shard; rows are indexed from the range.
+    let first = range.start;
+    let content = |field: &str, row: usize, what: String| {
+        shard_error(path, field, format!("sample {}: {what}", first + row))
     };
     let check_id = |field: &str, sample: usize, id: i64| {
         if id < 0 || id as u64 >= vocab_size as u64 {
             Err(DataError::IdOutOfRange {
                 path: path.to_path_buf(),
                 field: field.to_string(),
-                sample,
+                sample: first + sample,
                 id,
                 vocab_size,
             })
@@ -366,8 +453,8 @@ pub fn read_shard(path: &Path, vocab_size: usize) -> Result<Vec<TrainingInstance
         }
     };
 
-    let mut instances = Vec::with_capacity(n);
-    for i in 0..n {
+    let mut instances = Vec::with_capacity(range.len());
+    for i in 0..range.len() {
         let ids_row = input_ids.row(i);
         let len = match &input_mask {
             Some(mask) => mask_length(mask.row(i))
@@ -458,6 +545,7 @@ pub fn read_lengths(path: &Path) -> Result<Vec<u16>, DataError> {
                 "input_mask",
                 info.num_samples,
                 Some(info.seq_len),
+                &(0..info.num_samples),
             )?;
             (0..info.num_samples)
                 .map(|i| {
@@ -472,7 +560,14 @@ pub fn read_lengths(path: &Path) -> Result<Vec<u16>, DataError> {
                 .collect()
         }
         Layout::VarLen => {
-            let ids = read_field(&file, path, "input_ids", info.num_samples, None)?;
+            let ids = read_field(
+                &file,
+                path,
+                "input_ids",
+                info.num_samples,
+                None,
+                &(0..info.num_samples),
+            )?;
             Ok((0..info.num_samples)
                 .map(|i| to_len(ids.row(i).len()))
                 .collect())

@@ -83,9 +83,18 @@ pub struct DataSection {
     /// Documents held out at the end of the corpus for evaluation. Default: 300.
     pub eval_documents: usize,
     /// Train on MLPerf HDF5 shards (a folder, or a stratified folder of `len_<lo>-<hi>/`
-    /// bins) instead of instances made from the corpus; evaluation still uses the corpus's
-    /// held-out documents (`prepare-data` leaves the same ones out of its shards).
+    /// bins) instead of instances made from the corpus. Each rank streams the samples it is
+    /// dealt from the shards (`ember_data::ShardReader`); evaluation uses `eval_shards` when
+    /// set, else the corpus's held-out documents (`prepare-data` leaves the same ones out of
+    /// its shards).
     pub shards: Option<PathBuf>,
+    /// The evaluation set: an HDF5 shard or a folder of them, of which the first
+    /// `train.eval_samples` samples are evaluated (MLPerf: the first 10,000 of its eval shard).
+    /// Unset: the corpus's held-out documents. Default: unset.
+    pub eval_shards: Option<PathBuf>,
+    /// Local batches the background reader prepares ahead of the step that needs them
+    /// (shards only). Default: 2.
+    pub prefetch: usize,
     /// Sampler over the shards: random, stratified or presort. Default: random.
     pub sampler: SamplerKind,
     /// Ranks per presort group (consecutive ranks). Default: 8 (one node).
@@ -106,6 +115,8 @@ impl Default for DataSection {
             vocab: None,
             eval_documents: 300,
             shards: None,
+            eval_shards: None,
+            prefetch: 2,
             sampler: SamplerKind::Random,
             presort_group: 8,
             bin_quota: None,
@@ -245,6 +256,12 @@ pub struct LoopConfig {
     pub batch_size: usize,
     /// Evaluate every this many steps (and after the last). Default: 100.
     pub eval_every: u64,
+    /// Evaluate every this many training samples instead of `eval_every` steps: after the
+    /// first step at which the samples trained reach the next multiple (MLPerf's
+    /// `eval_iter_samples`), and after the last step. A number, or `"mlperf"` for the BERT
+    /// rule `FLOOR(0.05 × (230.23 × global batch size + 3,000,000), 25,000)`
+    /// ([`EvalInterval`]). Default: unset.
+    pub eval_interval_samples: Option<EvalInterval>,
     /// Held-out instances evaluated each time (at most the number available). Default: 1024.
     pub eval_samples: usize,
     /// Stop as soon as an evaluation reaches this masked-LM accuracy (0..1). Default: none.
@@ -260,6 +277,50 @@ pub struct LoopConfig {
     /// How the losses of `parallel.grad_accum` micro-batches make the step's gradient
     /// ([`LossNormalization`]). Default: micro-batch (NVIDIA's and Samsung's MLPerf code).
     pub loss_normalization: LossNormalization,
+}
+
+/// How often to evaluate, in training samples.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum EvalInterval {
+    /// Every this many samples.
+    Samples(u64),
+    /// MLPerf BERT's rule (`training_policies`, "eval_interval_samples").
+    Rule(EvalRule),
+}
+
+/// A named evaluation interval.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EvalRule {
+    /// `FLOOR(0.05 × (230.23 × GBS + 3,000,000), 25,000)` samples.
+    Mlperf,
+}
+
+impl EvalInterval {
+    /// The interval in samples for a global batch size (at least one sample).
+    pub fn samples(self, global_batch_size: usize) -> u64 {
+        match self {
+            Self::Samples(n) => n.max(1),
+            Self::Rule(EvalRule::Mlperf) => {
+                let raw = 0.05 * (230.23 * global_batch_size as f64 + 3_000_000.0);
+                (raw / 25_000.0).floor() as u64 * 25_000
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for EvalInterval {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "mlperf" => Ok(Self::Rule(EvalRule::Mlperf)),
+            n => n
+                .parse()
+                .map(Self::Samples)
+                .map_err(|_| format!("`{n}` is neither a number of samples nor `mlperf`")),
+        }
+    }
 }
 
 /// How the K micro-batches of a step weigh their losses.
@@ -304,6 +365,7 @@ impl Default for LoopConfig {
             steps: 500,
             batch_size: 32,
             eval_every: 100,
+            eval_interval_samples: None,
             eval_samples: 1024,
             target_mlm_accuracy: None,
             log_every: 10,

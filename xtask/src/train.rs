@@ -26,8 +26,24 @@ pub struct TrainArgs {
     #[arg(long)]
     batch_size: Option<usize>,
     /// Peak learning rate after warmup (optimizer.lr)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     lr: Option<f64>,
+    /// Steps of linear warmup (schedule.warmup_steps) [default: warmup_proportion of --steps]
+    #[arg(long)]
+    warmup_steps: Option<u64>,
+    /// Step at which warmup starts; negative starts the run part-way into it, as MLPerf's
+    /// --start_warmup_step (schedule.start_warmup_step)
+    #[arg(long, allow_negative_numbers = true)]
+    start_warmup_step: Option<i64>,
+    /// What the decay measures its progress from: warmup-end (Hugging Face) or start
+    /// (Google's BERT and NVIDIA's MLPerf scheduler: the rate drops at the end of warmup)
+    /// (schedule.decay_from)
+    #[arg(long)]
+    decay_from: Option<ember_trainer::schedule::DecayFrom>,
+    /// LAMB: adapt biases and LayerNorm parameters too (NVLAMB); without it they take the plain
+    /// Adam step, as MLPerf's reference and apex FusedLAMB(use_nvlamb=False) (optimizer.nvlamb)
+    #[arg(long)]
+    nvlamb: bool,
     /// Optimizer: adamw, lamb, onebit-adam or onebit-lamb (optimizer.name). The 1-bit ones
     /// run AdamW/LAMB for --freeze-step steps, then average compressed momenta
     #[arg(long, value_parser = parse_optimizer)]
@@ -68,7 +84,7 @@ pub struct TrainArgs {
     #[arg(long)]
     eval_every: Option<u64>,
     /// Stop once held-out masked-LM accuracy reaches this fraction (train.target_mlm_accuracy)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     target_mlm_accuracy: Option<f64>,
     /// Data-parallel ranks as threads of this process (in-process collectives). Under
     /// mpirun, srun or torchrun the ranks come from the launcher instead
@@ -87,17 +103,17 @@ pub struct TrainArgs {
     #[arg(long)]
     loss_normalization: Option<LossNormalization>,
     /// Cap of each gradient bucket after the first, MiB (parallel.bucket_cap_mb)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     bucket_cap_mb: Option<f64>,
     /// Cap of the first gradient bucket, MiB (parallel.first_bucket_mb)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     first_bucket_mb: Option<f64>,
     /// Micro-batches per optimizer step (parallel.grad_accum)
     #[arg(long)]
     grad_accum: Option<usize>,
     /// Seconds a collective waits for the other ranks before the run stops
     /// (parallel.timeout_s)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     collective_timeout: Option<f64>,
     /// Where gradient buckets live: auto (the GPU on cuda and wgpu, the host on cpu), host or
     /// device (parallel.buckets)
@@ -217,6 +233,18 @@ impl TrainArgs {
         }
         if let Some(v) = self.optimizer {
             config.optimizer.name = v;
+        }
+        if self.nvlamb {
+            config.optimizer.nvlamb = true;
+        }
+        if let Some(v) = self.warmup_steps {
+            config.schedule.warmup_steps = Some(v);
+        }
+        if let Some(v) = self.start_warmup_step {
+            config.schedule.start_warmup_step = v;
+        }
+        if let Some(v) = self.decay_from {
+            config.schedule.decay_from = v;
         }
         if let Some(v) = self.freeze_step {
             config.optimizer.onebit.freeze_step = Some(v);

@@ -1,12 +1,16 @@
-//! A run's data: the corpus read into training and held-out instances (or the training shards),
-//! and each rank's share of it.
+//! A run's data: the corpus read into training and held-out instances (or the training shards,
+//! streamed), the evaluation set (the held-out documents, or `data.eval_shards`), and each
+//! rank's share of it.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Instant;
 
 use burn::tensor::backend::Backend;
 use ember_data::{
-    HostBatch, InstanceLoader, SamplerConfig, ShardLoader, ShardedDataset, TrainingInstance,
-    WordPieceTokenizer, create_training_instances, decode_refs, encode_refs, read_documents,
+    BatchPrefetcher, HostBatch, InstanceLoader, RankSampler, SampleRef, SamplerConfig,
+    SamplerState, ShardLoader, ShardReader, ShardedDataset, TrainingInstance, WordPieceTokenizer,
+    create_training_instances, decode_refs, encode_refs, read_documents, read_eval_set,
     split_held_out, tokenize_documents,
 };
 use tracing::info;
@@ -16,27 +20,73 @@ use crate::eval::unigram_baseline;
 use crate::parallel::{CommThread, check_agreement};
 use crate::{TrainConfig, TrainError};
 
+/// Shards a [`ShardReader`] keeps open at once.
+const MAX_OPEN_SHARDS: usize = 8;
+/// Training samples read for the unigram baseline when training on shards.
+const BASELINE_SAMPLES: usize = 2048;
+
 /// Training and held-out instances of a configuration, with the tokenizer that made them.
 pub struct PreparedData {
     pub tokenizer: WordPieceTokenizer,
     /// Shared, so that in-process ranks read one copy. Empty when training on shards.
     pub train: Arc<[TrainingInstance]>,
+    /// The evaluation set: the first `train.eval_samples` of `data.eval_shards`, or instances
+    /// of the corpus's held-out documents.
     pub eval: Arc<[TrainingInstance]>,
-    /// The training shards (`data.shards`) and their samples per length bin.
-    pub shards: Option<(ShardedDataset, Vec<Arc<[TrainingInstance]>>)>,
+    /// The training shards (`data.shards`): their files and every sample's length (the
+    /// samples themselves are streamed by each rank).
+    pub shards: Option<ShardedDataset>,
 }
 
 /// Reads the vocabulary and corpus of `config`, holds out the last `eval_documents`
 /// documents, and creates the training instances (`dupe_factor` passes) and the evaluation
-/// instances (one pass, another seed).
+/// instances (one pass, another seed). With `data.shards`, only the shards' lengths are read;
+/// with `data.eval_shards`, the evaluation set is read from there. The corpus is read only
+/// when something needs it.
 ///
 /// # Errors
 /// [`TrainError::Data`] naming the file: missing or empty corpus, bad vocabulary, too few
-/// documents.
+/// documents, missing or bad shards, an eval set that is empty, of another sequence length or
+/// of another vocabulary.
 pub fn prepare_data(config: &TrainConfig) -> Result<PreparedData, TrainError> {
-    let vocab_path = config.vocab_path();
+    let tokenizer = WordPieceTokenizer::from_vocab_file(&config.vocab_path())?;
+    let seq_len = config.instances.max_seq_length;
+    let shards = match &config.data.shards {
+        Some(path) => {
+            let dataset = ShardedDataset::open(path, config.data.skip_bad_shards)?;
+            for skipped in &dataset.skipped {
+                tracing::warn!("skipped a bad shard: {skipped}");
+            }
+            Some(dataset)
+        }
+        None => None,
+    };
+    let eval_from_shards = match &config.data.eval_shards {
+        Some(path) => {
+            let eval = read_eval_set(
+                path,
+                tokenizer.vocab_size(),
+                seq_len,
+                config.train.eval_samples,
+            )?;
+            if eval.is_empty() {
+                return Err(TrainError::Data(ember_data::DataError::EmptyShard {
+                    path: path.clone(),
+                }));
+            }
+            Some(eval)
+        }
+        None => None,
+    };
+    if shards.is_some() && eval_from_shards.is_some() {
+        return Ok(PreparedData {
+            tokenizer,
+            train: Vec::new().into(),
+            eval: eval_from_shards.unwrap_or_default().into(),
+            shards,
+        });
+    }
     let corpus_path = config.corpus_path();
-    let tokenizer = WordPieceTokenizer::from_vocab_file(&vocab_path)?;
     // Held out before tokenising, by raw document count, as `prepare-data` holds them out of
     // its shards.
     let (train_docs, eval_docs) = split_held_out(
@@ -44,19 +94,7 @@ pub fn prepare_data(config: &TrainConfig) -> Result<PreparedData, TrainError> {
         config.data.eval_documents,
         &corpus_path,
     )?;
-    let eval_docs = tokenize_documents(&tokenizer, &eval_docs)?;
     let special = tokenizer.special();
-    let shards = match &config.data.shards {
-        Some(path) => {
-            let (dataset, samples) =
-                ShardedDataset::load(path, tokenizer.vocab_size(), config.data.skip_bad_shards)?;
-            for skipped in &dataset.skipped {
-                tracing::warn!("skipped a bad shard: {skipped}");
-            }
-            Some((dataset, samples))
-        }
-        None => None,
-    };
     let train = if shards.is_some() {
         Vec::new()
     } else {
@@ -67,13 +105,18 @@ pub fn prepare_data(config: &TrainConfig) -> Result<PreparedData, TrainError> {
             tokenizer.vocab_size(),
         )?
     };
-    let eval_config = ember_data::PretrainingConfig {
-        dupe_factor: 1,
-        seed: config.instances.seed.wrapping_add(1),
-        ..config.instances.clone()
+    let eval = match eval_from_shards {
+        Some(eval) => eval,
+        None => {
+            let eval_config = ember_data::PretrainingConfig {
+                dupe_factor: 1,
+                seed: config.instances.seed.wrapping_add(1),
+                ..config.instances.clone()
+            };
+            let eval_docs = tokenize_documents(&tokenizer, &eval_docs)?;
+            create_training_instances(&eval_docs, &eval_config, special, tokenizer.vocab_size())?
+        }
     };
-    let eval =
-        create_training_instances(&eval_docs, &eval_config, special, tokenizer.vocab_size())?;
     Ok(PreparedData {
         tokenizer,
         train: train.into(),
@@ -82,39 +125,73 @@ pub fn prepare_data(config: &TrainConfig) -> Result<PreparedData, TrainError> {
     })
 }
 
+/// A rank's stream of shard batches: its sampler draws (with the presort exchange when it
+/// needs one) `data.prefetch` steps ahead of the step that trains on them, and the background
+/// reader reads and collates them ([`BatchPrefetcher`]).
+pub(crate) struct ShardStream {
+    sampler: RankSampler,
+    prefetcher: BatchPrefetcher,
+    depth: usize,
+    /// The sampler's state after each draw still in flight, oldest first.
+    pending: VecDeque<SamplerState>,
+    /// The sampler's state after the draw of the last batch handed out: what a checkpoint
+    /// saves, so that a resumed run draws the next one.
+    consumed: SamplerState,
+}
+
+impl ShardStream {
+    /// The references of the next step: the rank's own draw, or with presort its share of the
+    /// group's draws (sample references, 8 bytes each, through an allgather).
+    fn draw<B: Backend>(&mut self, comm: &CommThread<B>) -> Result<Vec<SampleRef>, TrainError> {
+        if !self.sampler.exchanges() {
+            return Ok(self.sampler.next_batch());
+        }
+        let own = encode_refs(&self.sampler.draw_own());
+        let world = comm.call(move |c| c.allgather(&own))?;
+        let draws = world
+            .iter()
+            .map(|bytes| decode_refs(bytes))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(self.sampler.deal_from(&draws))
+    }
+}
+
 /// Where a rank's training batches come from.
 pub(crate) enum TrainBatches {
     /// Instances made from the corpus: a shared permutation dealt out to ranks.
     Instances(InstanceLoader),
-    /// Shards, through a sampler.
-    Shards(ShardLoader),
+    /// Shards, streamed through a sampler.
+    Shards(Box<ShardStream>),
 }
 
 impl TrainBatches {
-    /// The `k` micro-batches of the next step. Presort exchanges the ranks' own draws through
-    /// an allgather (sample references, 8 bytes each; every rank holds the samples).
+    /// The `k` micro-batches of the next step, and the seconds the step waited for them.
     pub(crate) fn next_step<B: Backend>(
         &mut self,
         k: usize,
         comm: &CommThread<B>,
-    ) -> Result<Vec<HostBatch>, TrainError> {
-        Ok(match self {
-            Self::Instances(loader) => (0..k).map(|_| loader.next_batch()).collect(),
-            Self::Shards(loader) if loader.exchanges() => {
-                let own = encode_refs(&loader.draw_own());
-                let world = comm.call(move |c| c.allgather(&own))?;
-                let draws = world
-                    .iter()
-                    .map(|bytes| decode_refs(bytes))
-                    .collect::<Result<Vec<_>, _>>()?;
-                loader.batches_from(&draws)
+    ) -> Result<(Vec<HostBatch>, f64), TrainError> {
+        match self {
+            Self::Instances(loader) => {
+                let started = Instant::now();
+                let batches = (0..k).map(|_| loader.next_batch()).collect();
+                Ok((batches, started.elapsed().as_secs_f64()))
             }
-            Self::Shards(loader) => loader.next_step(),
-        })
+            Self::Shards(stream) => {
+                while stream.prefetcher.in_flight() < stream.depth {
+                    let refs = stream.draw(comm)?;
+                    stream.pending.push_back(stream.sampler.state());
+                    stream.prefetcher.submit(refs);
+                }
+                let (batches, waited) = stream.prefetcher.receive()?;
+                if let Some(state) = stream.pending.pop_front() {
+                    stream.consumed = state;
+                }
+                Ok((batches, waited.as_secs_f64()))
+            }
+        }
     }
-}
 
-impl TrainBatches {
     /// Where this rank's data stands, for a checkpoint.
     pub(crate) fn position(&self) -> DataPosition {
         match self {
@@ -122,13 +199,13 @@ impl TrainBatches {
                 let (epoch, position) = loader.position();
                 DataPosition::Instances { epoch, position }
             }
-            Self::Shards(loader) => DataPosition::Shards {
-                sampler: loader.sampler().state(),
+            Self::Shards(stream) => DataPosition::Shards {
+                sampler: stream.consumed.clone(),
             },
         }
     }
 
-    /// Continues from a saved [`TrainBatches::position`].
+    /// Continues from a saved [`TrainBatches::position`] (before the first step).
     ///
     /// # Errors
     /// [`TrainError::Checkpoint`] naming `file` when the position is of the other kind of data
@@ -142,7 +219,11 @@ impl TrainBatches {
             (Self::Instances(loader), DataPosition::Instances { epoch, position }) => {
                 loader.restore(*epoch, *position)
             }
-            (Self::Shards(loader), DataPosition::Shards { sampler }) => loader.restore(sampler),
+            (Self::Shards(stream), DataPosition::Shards { sampler }) => {
+                debug_assert_eq!(stream.prefetcher.in_flight(), 0, "restore before any draw");
+                stream.consumed = sampler.clone();
+                stream.sampler.restore(sampler)
+            }
             _ => {
                 return Err(TrainError::Checkpoint {
                     path: file.to_path_buf(),
@@ -175,8 +256,8 @@ impl RankData {
     /// This rank's loaders over `data`. Ranks on shards check that they read the same shards.
     ///
     /// # Errors
-    /// [`TrainError::Data`]: a batch larger than the data, a bad sampler setting;
-    /// [`TrainError::RankMismatch`]: ranks that list different shards.
+    /// [`TrainError::Data`]: a batch larger than the data, a bad sampler setting, an unreadable
+    /// shard; [`TrainError::RankMismatch`]: ranks that list different shards.
     pub(crate) fn new<B: Backend>(
         config: &TrainConfig,
         data: &PreparedData,
@@ -203,11 +284,31 @@ impl RankData {
                 let n = data.train.len();
                 (id, acc, n, mean_len, TrainBatches::Instances(loader))
             }
-            Some((dataset, samples)) => {
-                let all = || samples.iter().flat_map(|bin| bin.iter());
-                let (id, acc) = unigram_baseline(all(), &data.eval);
+            Some(dataset) => {
+                let vocab_size = data.tokenizer.vocab_size();
+                // The baseline's most frequent masked token, from the first samples of each
+                // bin (one read per bin, not the whole dataset).
+                let mut reader = ShardReader::new(dataset, vocab_size, MAX_OPEN_SHARDS);
+                let per_bin = BASELINE_SAMPLES / dataset.bins.len().max(1);
+                let refs: Vec<SampleRef> = (0..dataset.lengths.len())
+                    .flat_map(|bin| {
+                        let n = dataset.lengths[bin].len().min(per_bin.max(1));
+                        (0..n).map(move |index| SampleRef {
+                            bin: bin as u32,
+                            index: index as u32,
+                        })
+                    })
+                    .collect();
+                let some = ember_data::SampleSource::fetch(&mut reader, &refs)?;
+                let (id, acc) = unigram_baseline(some.iter(), &data.eval);
                 let n = dataset.num_samples();
-                let mean_len = all().map(|i| i.len()).sum::<usize>() as f64 / n.max(1) as f64;
+                let mean_len = dataset
+                    .lengths
+                    .iter()
+                    .flatten()
+                    .map(|&l| l as f64)
+                    .sum::<f64>()
+                    / n.max(1) as f64;
                 let sampler = SamplerConfig {
                     kind: config.data.sampler,
                     local_batch: batch_size * grad_accum,
@@ -218,7 +319,7 @@ impl RankData {
                 };
                 let loader = ShardLoader::new(
                     dataset,
-                    samples.clone(),
+                    Box::new(ShardReader::new(dataset, vocab_size, MAX_OPEN_SHARDS)),
                     &sampler,
                     config.data.padding,
                     grad_accum,
@@ -232,7 +333,16 @@ impl RankData {
                 // Every rank must read the same shards (a shard skipped on one node only would
                 // shift the others' sample indices).
                 check_agreement(comm, "training shards", shard_listing(dataset))?;
-                (id, acc, n, mean_len, TrainBatches::Shards(loader))
+                let (sampler, maker) = loader.into_parts();
+                let depth = config.data.prefetch.max(1);
+                let stream = ShardStream {
+                    consumed: sampler.state(),
+                    sampler,
+                    prefetcher: BatchPrefetcher::spawn(maker, depth)?,
+                    depth,
+                    pending: VecDeque::new(),
+                };
+                (id, acc, n, mean_len, TrainBatches::Shards(Box::new(stream)))
             }
         };
         let eval_instances: Vec<TrainingInstance> = data

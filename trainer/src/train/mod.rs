@@ -318,12 +318,18 @@ pub fn train_rank<B: GradHookBackend>(
         tokens: log.tokens,
         last_eval,
     };
+    let eval_interval = config
+        .train
+        .eval_interval_samples
+        .map(|i| i.samples(global_batch_size));
+    let samples_at = |step: u64| step * global_batch_size as u64;
     while step < config.train.steps {
-        let micro_batches = rank_data
+        let (micro_batches, data_wait_s) = rank_data
             .batches
             .next_step(config.parallel.grad_accum, &comm)?;
-        let record;
+        let mut record;
         (model, record) = trainer.step(model, step, micro_batches, device, &options)?;
+        record.data_wait_s = data_wait_s;
         if rank == 0 && record.compressed && step == trainer.optimizer_freeze_step() {
             info!(
                 step = step + 1,
@@ -335,7 +341,13 @@ pub fn train_rank<B: GradHookBackend>(
         comm_bytes.push(record.comm_bytes);
         step += 1;
         log.record(record, &comm)?;
-        if step % config.train.eval_every == 0 || step == config.train.steps {
+        // By samples (MLPerf: after the first step whose samples reach the next multiple of
+        // the interval), else every `eval_every` steps; and after the last step.
+        let due = match eval_interval {
+            Some(every) => samples_at(step) / every > samples_at(step - 1) / every,
+            None => step % config.train.eval_every == 0,
+        };
+        if due || step == config.train.steps {
             let result = evaluate_sharded(&model, &rank_data.eval, device, &comm)?;
             log.eval(step, &result)?;
             last_eval = Some(result);

@@ -123,6 +123,9 @@ pub(crate) struct StepRecord<B: Backend> {
     pub comm_bytes: u64,
     /// Whether the step was in 1-bit Adam/LAMB's compression stage.
     pub compressed: bool,
+    /// Seconds the step waited for its batches (the shard reader's prefetch not ready, or
+    /// the in-memory loader's collation).
+    pub data_wait_s: f64,
 }
 
 /// Metrics, progress and the losses of a run (rank 0 writes; every rank reads its losses).
@@ -274,6 +277,7 @@ impl<B: Backend> RunLog<B> {
                 "tokens": self.tokens, "step_s": last.seconds,
                 "backward_s": last.backward_seconds, "comm_wait_s": last.comm_wait_s,
                 "comm_bytes": last.comm_bytes, "compressed": last.compressed,
+                "data_wait_s": last.data_wait_s,
                 "elapsed_s": self.started.elapsed().as_secs_f64(),
             });
             if let Some(syncs) = last.host_syncs {

@@ -160,6 +160,7 @@ impl<B: GradHookBackend> Trainer<B> {
             host_syncs,
             comm_bytes,
             compressed: onebit.compressed,
+            data_wait_s: 0.0,
         };
         Ok((model, record))
     }
