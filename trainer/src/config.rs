@@ -28,12 +28,15 @@ pub struct TrainConfig {
     pub parallel: ParallelConfig,
     /// When to write checkpoints, and which run to resume.
     pub checkpoint: CheckpointConfig,
+    /// The MLPerf log (`:::MLLOG` lines) and its submission keys.
+    pub mllog: crate::mllog::MllogConfig,
 }
 
 impl Default for TrainConfig {
     fn default() -> Self {
         Self {
             checkpoint: CheckpointConfig::default(),
+            mllog: crate::mllog::MllogConfig::default(),
             model: ModelSection::default(),
             data: DataSection::default(),
             instances: PretrainingConfig::default(),

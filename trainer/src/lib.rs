@@ -12,6 +12,7 @@ pub mod config;
 mod error;
 pub mod eval;
 pub mod grads;
+pub mod mllog;
 pub mod onebit;
 pub mod optim;
 pub mod parallel;

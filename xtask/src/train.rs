@@ -131,9 +131,25 @@ pub struct TrainArgs {
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda", "wgpu"])]
     device: String,
     /// Train on MLPerf HDF5 shards (a folder, or a stratified folder from `stratify`) instead
-    /// of the corpus; evaluation uses the corpus's held-out documents (data.shards)
+    /// of the corpus, each rank streaming the samples it is dealt; evaluation uses --eval-data
+    /// if given, else the corpus's held-out documents (data.shards)
     #[arg(long)]
     data: Option<PathBuf>,
+    /// Evaluation set: an HDF5 shard or folder of them; its first --eval-samples samples are
+    /// evaluated (MLPerf: the first 10,000 of its eval shard) (data.eval_shards)
+    #[arg(long)]
+    eval_data: Option<PathBuf>,
+    /// Samples evaluated each time (train.eval_samples)
+    #[arg(long)]
+    eval_samples: Option<usize>,
+    /// Evaluate every N training samples instead of every --eval-every steps; `mlperf` for
+    /// the BERT rule FLOOR(0.05 × (230.23 × global batch + 3,000,000), 25,000)
+    /// (train.eval_interval_samples)
+    #[arg(long)]
+    eval_interval_samples: Option<ember_trainer::config::EvalInterval>,
+    /// Local batches the shard reader prepares ahead (data.prefetch)
+    #[arg(long)]
+    prefetch: Option<usize>,
     /// Sampler over the shards: random, stratified or presort (data.sampler)
     #[arg(long)]
     sampler: Option<SamplerKind>,
@@ -170,6 +186,19 @@ pub struct TrainArgs {
     /// run or checkpoint folder (checkpoint.init_from)
     #[arg(long, value_name = "PATH")]
     init_from: Option<PathBuf>,
+    /// Write MLPerf's `:::MLLOG` lines (mlperf-logging's format, the BERT keys) to FILE from
+    /// rank 0 (mllog.file)
+    #[arg(long, value_name = "FILE")]
+    mllog: Option<PathBuf>,
+    /// submission_division of the MLPerf log: open or closed (mllog.division)
+    #[arg(long)]
+    mllog_division: Option<ember_trainer::mllog::Division>,
+    /// submission_org of the MLPerf log (mllog.org)
+    #[arg(long)]
+    mllog_org: Option<String>,
+    /// submission_platform of the MLPerf log (mllog.platform) [default: the host name]
+    #[arg(long)]
+    mllog_platform: Option<String>,
     /// Write a metrics line every N steps (train.log_every)
     #[arg(long)]
     log_every: Option<u64>,
@@ -267,9 +296,21 @@ impl TrainArgs {
         if let Some(v) = &self.vocab {
             config.data.vocab = Some(v.clone());
         }
+        if let Some(v) = self.eval_samples {
+            config.train.eval_samples = v;
+        }
+        if let Some(v) = self.eval_interval_samples {
+            config.train.eval_interval_samples = Some(v);
+        }
         let d = &mut config.data;
         if let Some(v) = &self.data {
             d.shards = Some(v.clone());
+        }
+        if let Some(v) = &self.eval_data {
+            d.eval_shards = Some(v.clone());
+        }
+        if let Some(v) = self.prefetch {
+            d.prefetch = v;
         }
         if let Some(v) = self.sampler {
             d.sampler = v;
@@ -310,6 +351,19 @@ impl TrainArgs {
         }
         if let Some(v) = self.tied_embedding {
             p.tied_embedding = v;
+        }
+        let m = &mut config.mllog;
+        if let Some(v) = &self.mllog {
+            m.file = Some(v.clone());
+        }
+        if let Some(v) = self.mllog_division {
+            m.division = v;
+        }
+        if let Some(v) = &self.mllog_org {
+            m.org = v.clone();
+        }
+        if let Some(v) = &self.mllog_platform {
+            m.platform = v.clone();
         }
         let c = &mut config.checkpoint;
         if let Some(v) = self.checkpoint_every {
@@ -393,6 +447,22 @@ pub fn run(args: TrainArgs) -> Result<()> {
         summary.losses.last().copied().unwrap_or(f64::NAN),
         summary.checkpoint.display(),
         summary.last_checkpoint.display(),
+    );
+    println!(
+        "ember: data wait {:.1} s ({:.1}% of training); peak memory {}{}",
+        summary.data_wait_s,
+        100.0 * summary.data_wait_s / summary.train_seconds.max(1e-9),
+        summary
+            .peak_rss_bytes
+            .map_or("unknown".to_string(), |b| format!(
+                "{:.0} MiB",
+                b as f64 / 1048576.0
+            )),
+        summary
+            .target_reached_at_samples
+            .map_or(String::new(), |n| format!(
+                "; target reached at {n} training samples"
+            )),
     );
     Ok(())
 }

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use burn::module::{AutodiffModule, Module};
 use serde::Serialize;
-use serde_json::json;
+use serde_json::{Value, json};
 use tracing::info;
 
 use data::RankData;
@@ -30,6 +30,7 @@ pub use step::loss_weights;
 
 use crate::checkpoint::RunState;
 use crate::eval::{EvalResult, evaluate};
+use crate::mllog::MlLog;
 use crate::parallel::{
     CommError, CommThread, Communicator, GradHookBackend, InProcess, ReduceOp, SingleRank,
     check_agreement,
@@ -77,6 +78,12 @@ pub struct TrainSummary {
     pub unigram_token: String,
     /// Whether the run stopped because it reached `train.target_mlm_accuracy`.
     pub reached_target: bool,
+    /// Training samples (all ranks) at the evaluation that reached the target.
+    pub target_reached_at_samples: Option<u64>,
+    /// Seconds this rank's steps waited for their batches, in all.
+    pub data_wait_s: f64,
+    /// The process's peak resident memory (`VmHWM`, Linux), bytes.
+    pub peak_rss_bytes: Option<u64>,
     /// Wall-clock seconds of the training loop (evaluations included, data preparation not).
     pub train_seconds: f64,
     /// Real (unpadded) tokens processed per second of training.
@@ -259,6 +266,8 @@ pub fn train_rank<B: GradHookBackend>(
     if rank == 0 {
         prepare_output_dir(out)?;
     }
+    let mut mllog = MlLog::create(config, rank)?;
+    mllog.init_start()?;
     check_agreement(&comm, "configuration", config.to_toml())?;
 
     // Data, model, buckets, optimizer.
@@ -303,6 +312,18 @@ pub fn train_rank<B: GradHookBackend>(
 
     // The loop.
     let first_step = resumed.as_ref().map_or(0, |r| r.run.step);
+    let eval_interval = config
+        .train
+        .eval_interval_samples
+        .map(|i| i.samples(global_batch_size));
+    let samples_at = |step: u64| step * global_batch_size as u64;
+    let block_samples = eval_interval.unwrap_or(config.train.eval_every * global_batch_size as u64);
+    mllog.settings(config, global_batch_size, rank_data.eval.len())?;
+    mllog.end("init_stop", Value::Null, Value::Null)?;
+    mllog.start("run_start", Value::Null, Value::Null)?;
+    let mut block_first = samples_at(first_step);
+    let block_meta = |first: u64| json!({"first_epoch_num": first, "epoch_count": block_samples, "samples_count": first});
+    mllog.start("block_start", Value::Null, block_meta(block_first))?;
     let tokens_before = log.tokens;
     let mut last_eval = resumed.as_ref().and_then(|r| r.run.last_eval);
     let mut reached_target = false;
@@ -318,18 +339,17 @@ pub fn train_rank<B: GradHookBackend>(
         tokens: log.tokens,
         last_eval,
     };
-    let eval_interval = config
-        .train
-        .eval_interval_samples
-        .map(|i| i.samples(global_batch_size));
-    let samples_at = |step: u64| step * global_batch_size as u64;
+    let mut data_wait_s = 0.0;
+    let mut last_eval_step = None;
+    let mut target_reached_at = None;
     while step < config.train.steps {
-        let (micro_batches, data_wait_s) = rank_data
+        let (micro_batches, waited) = rank_data
             .batches
             .next_step(config.parallel.grad_accum, &comm)?;
+        data_wait_s += waited;
         let mut record;
         (model, record) = trainer.step(model, step, micro_batches, device, &options)?;
-        record.data_wait_s = data_wait_s;
+        record.data_wait_s = waited;
         if rank == 0 && record.compressed && step == trainer.optimizer_freeze_step() {
             info!(
                 step = step + 1,
@@ -343,14 +363,28 @@ pub fn train_rank<B: GradHookBackend>(
         log.record(record, &comm)?;
         // By samples (MLPerf: after the first step whose samples reach the next multiple of
         // the interval), else every `eval_every` steps; and after the last step.
-        let due = match eval_interval {
+        let eval_due = match eval_interval {
             Some(every) => samples_at(step) / every > samples_at(step - 1) / every,
             None => step % config.train.eval_every == 0,
         };
-        if due || step == config.train.steps {
+        if eval_due || step == config.train.steps {
+            let samples = samples_at(step);
+            mllog.end(
+                "block_stop",
+                Value::Null,
+                json!({"first_epoch_num": block_first, "samples_count": samples}),
+            )?;
+            mllog.start("eval_start", Value::Null, json!({"epoch_num": samples}))?;
             let result = evaluate_sharded(&model, &rank_data.eval, device, &comm)?;
+            mllog.event(
+                "eval_accuracy",
+                json!(result.mlm_accuracy),
+                json!({"epoch_num": samples}),
+            )?;
+            mllog.end("eval_stop", Value::Null, json!({"epoch_num": samples}))?;
             log.eval(step, &result)?;
             last_eval = Some(result);
+            last_eval_step = Some(step);
             if let (0, Some(hook)) = (rank, options.on_eval) {
                 hook(&out.join("metrics.jsonl"));
             }
@@ -358,6 +392,9 @@ pub fn train_rank<B: GradHookBackend>(
                 .train
                 .target_mlm_accuracy
                 .is_some_and(|t| result.mlm_accuracy >= t);
+            if reached_target {
+                target_reached_at = Some(samples_at(step));
+            }
         }
         stopped_by = stop_signal(options, &comm)?;
         let every = config.checkpoint.every;
@@ -372,6 +409,10 @@ pub fn train_rank<B: GradHookBackend>(
         if ends {
             break;
         }
+        if eval_due {
+            block_first = samples_at(step);
+            mllog.start("block_start", Value::Null, block_meta(block_first))?;
+        }
     }
     log.flush(&comm)?;
     let train_seconds = log.started.elapsed().as_secs_f64();
@@ -381,6 +422,27 @@ pub fn train_rank<B: GradHookBackend>(
         None => evaluate_sharded(&model, &rank_data.eval, device, &comm)?,
     };
     let last_checkpoint = last_checkpoint.expect("the last step writes a checkpoint");
+    if last_eval_step != Some(step) {
+        // Stopped by a signal between evaluations: the open block ends here.
+        mllog.end(
+            "block_stop",
+            Value::Null,
+            json!({"first_epoch_num": block_first, "samples_count": samples_at(step)}),
+        )?;
+    }
+    mllog.event(
+        "train_samples",
+        json!(samples_at(step) - samples_at(first_step)),
+        Value::Null,
+    )?;
+    mllog.end(
+        "run_stop",
+        Value::Null,
+        json!({
+            "status": if reached_target { "success" } else { "aborted" },
+            "epoch_num": samples_at(step),
+        }),
+    )?;
 
     // The trained model (rank 0), Hugging Face layout, beside the metrics; each file written
     // to a temporary name and renamed. Not after a signal: the checkpoint holds it, and the
@@ -391,10 +453,15 @@ pub fn train_rank<B: GradHookBackend>(
         write_atomically(&out.join("config.json"), &trainer.bert_config.to_hf_json())?;
         write_atomically(&out.join("train_config.toml"), &config.to_toml())?;
     }
+    let peak_rss_bytes = output::peak_rss_bytes();
     log.end(json!({
         "event": "end", "steps": step, "reached_target": reached_target,
+        "target_reached_at_samples": target_reached_at,
+        "train_samples": samples_at(step) - samples_at(first_step),
         "mlm_accuracy": eval.mlm_accuracy, "unigram_baseline": rank_data.unigram_baseline,
-        "train_seconds": train_seconds, "checkpoint": checkpoint,
+        "train_seconds": train_seconds, "data_wait_s": data_wait_s,
+        "peak_rss_mib": peak_rss_bytes.map(|b| b as f64 / (1 << 20) as f64),
+        "checkpoint": checkpoint,
         "last_checkpoint": last_checkpoint, "stopped_by": stopped_by,
     }))?;
     if let (0, Some(hook)) = (rank, options.on_eval) {
@@ -412,6 +479,9 @@ pub fn train_rank<B: GradHookBackend>(
         unigram_baseline: rank_data.unigram_baseline,
         unigram_token: rank_data.unigram_token.clone(),
         reached_target,
+        target_reached_at_samples: target_reached_at,
+        data_wait_s,
+        peak_rss_bytes,
         train_seconds,
         tokens_per_second: (log.tokens - tokens_before) as f64 / train_seconds,
         checkpoint,

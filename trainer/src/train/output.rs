@@ -325,3 +325,12 @@ impl<B: Backend> RunLog<B> {
         }
     }
 }
+
+/// The process's peak resident set size (`VmHWM` of `/proc/self/status`), bytes; `None` where
+/// the kernel does not report it.
+pub(crate) fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
