@@ -9,9 +9,12 @@ use ember_model::{BertConfig, Kernels, Preset};
 use serde::{Deserialize, Serialize};
 
 use crate::TrainError;
+
+mod loop_section;
 use crate::checkpoint::CheckpointConfig;
 pub use crate::onebit::OnebitConfig;
 use crate::parallel::{BucketStorage, ClipMode, TiedEmbedding};
+pub use loop_section::{EvalInterval, EvalRule, LoopConfig, LossNormalization};
 
 /// Everything a training run needs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -243,138 +246,6 @@ impl Default for ScheduleConfig {
             end_lr: 0.0,
             start_warmup_step: 0,
             decay_from: crate::schedule::DecayFrom::WarmupEnd,
-        }
-    }
-}
-
-/// The loop: how long, how big, when to evaluate and where to write.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct LoopConfig {
-    /// Optimizer steps. Default: 500.
-    pub steps: u64,
-    /// Samples per rank and micro-batch (the local batch size). The global batch size, the
-    /// samples behind one optimizer step, is `batch_size × parallel.grad_accum × world_size`.
-    /// Default: 32.
-    pub batch_size: usize,
-    /// Evaluate every this many steps (and after the last). Default: 100.
-    pub eval_every: u64,
-    /// Evaluate every this many training samples instead of `eval_every` steps: after the
-    /// first step at which the samples trained reach the next multiple (MLPerf's
-    /// `eval_iter_samples`), and after the last step. A number, or `"mlperf"` for the BERT
-    /// rule `FLOOR(0.05 × (230.23 × global batch size + 3,000,000), 25,000)`
-    /// ([`EvalInterval`]). Default: unset.
-    pub eval_interval_samples: Option<EvalInterval>,
-    /// Held-out instances evaluated each time (at most the number available). Default: 1024.
-    pub eval_samples: usize,
-    /// Stop as soon as an evaluation reaches this masked-LM accuracy (0..1). Default: none.
-    pub target_mlm_accuracy: Option<f64>,
-    /// Write a metrics line every this many steps. Default: 10.
-    pub log_every: u64,
-    /// Seed of the model initialisation, dropout and batch order. Dropout masks are keyed by
-    /// (seed, rank, step, layer, sample, position): ranks draw different masks and a run
-    /// repeats bit for bit (`ember_backend_ext::DropoutScope`). Default: 42.
-    pub seed: u64,
-    /// Output folder for metrics and the checkpoint. Default: `runs/latest`.
-    pub out: PathBuf,
-    /// How the losses of `parallel.grad_accum` micro-batches make the step's gradient
-    /// ([`LossNormalization`]). Default: micro-batch (NVIDIA's and Samsung's MLPerf code).
-    pub loss_normalization: LossNormalization,
-}
-
-/// How often to evaluate, in training samples.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(untagged)]
-pub enum EvalInterval {
-    /// Every this many samples.
-    Samples(u64),
-    /// MLPerf BERT's rule (`training_policies`, "eval_interval_samples").
-    Rule(EvalRule),
-}
-
-/// A named evaluation interval.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum EvalRule {
-    /// `FLOOR(0.05 × (230.23 × GBS + 3,000,000), 25,000)` samples.
-    Mlperf,
-}
-
-impl EvalInterval {
-    /// The interval in samples for a global batch size (at least one sample).
-    pub fn samples(self, global_batch_size: usize) -> u64 {
-        match self {
-            Self::Samples(n) => n.max(1),
-            Self::Rule(EvalRule::Mlperf) => {
-                let raw = 0.05 * (230.23 * global_batch_size as f64 + 3_000_000.0);
-                (raw / 25_000.0).floor() as u64 * 25_000
-            }
-        }
-    }
-}
-
-impl std::str::FromStr for EvalInterval {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "mlperf" => Ok(Self::Rule(EvalRule::Mlperf)),
-            n => n
-                .parse()
-                .map(Self::Samples)
-                .map_err(|_| format!("`{n}` is neither a number of samples nor `mlperf`")),
-        }
-    }
-}
-
-/// How the K micro-batches of a step weigh their losses.
-///
-/// With K = 1 both give the same gradient.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum LossNormalization {
-    /// Each micro-batch's mean losses divided by K: the step's loss is the mean of the
-    /// micro-batches' mean losses. What NVIDIA's MLPerf BERT (`run_pretraining.py`, `loss /
-    /// gradient_accumulation_steps`) and Samsung's v1.1 code do, and the default so that
-    /// ember's optimisation is the references'. With micro-batches of different sizes
-    /// (`--padding grouped` sorts the local batch by length, so short samples share a
-    /// micro-batch and have fewer masked tokens) a token of a short micro-batch weighs more
-    /// than one of a long micro-batch.
-    #[default]
-    MicroBatch,
-    /// The MLM loss summed over the micro-batch's masked tokens and divided by the local
-    /// batch's masked-token count, the NSP loss summed over its samples and divided by the
-    /// local batch's sample count: K micro-batches give exactly the gradient of one step on the
-    /// whole local batch (Hugging Face transformers' gradient-accumulation fix of 2024,
-    /// `num_items_in_batch`).
-    Batch,
-}
-
-impl std::str::FromStr for LossNormalization {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "micro-batch" => Ok(Self::MicroBatch),
-            "batch" => Ok(Self::Batch),
-            other => Err(format!(
-                "unknown loss normalization `{other}` (expected micro-batch or batch)"
-            )),
-        }
-    }
-}
-
-impl Default for LoopConfig {
-    fn default() -> Self {
-        Self {
-            steps: 500,
-            batch_size: 32,
-            eval_every: 100,
-            eval_interval_samples: None,
-            eval_samples: 1024,
-            target_mlm_accuracy: None,
-            log_every: 10,
-            seed: 42,
-            out: PathBuf::from("runs/latest"),
-            loss_normalization: LossNormalization::MicroBatch,
         }
     }
 }
