@@ -17,6 +17,17 @@ pub enum DataError {
         /// The corpus file or folder.
         path: PathBuf,
     },
+    /// A corpus line that is not UTF-8, with `strict` reading (else the line is skipped with a
+    /// warning).
+    #[error("{}: line {line} is not valid UTF-8 (byte offset {offset} in the file); without --strict such lines are skipped with a warning", path.display())]
+    InvalidUtf8 {
+        /// The corpus file.
+        path: PathBuf,
+        /// The line, from 1.
+        line: usize,
+        /// The offset of the first invalid byte in the file.
+        offset: u64,
+    },
     /// Too few documents to hold out an evaluation set and still train.
     #[error("{}: {documents} document(s) cannot be split into training and held-out evaluation documents (need at least 2; documents are separated by blank lines)", path.display())]
     TooFewDocuments {

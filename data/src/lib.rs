@@ -29,8 +29,8 @@ pub mod tokenizer;
 
 pub use batch::{Batch, HostBatch, collate, collate_padded};
 pub use corpus::{
-    Document, DocumentStream, corpus_files, held_out_count, read_documents, split_held_out,
-    tokenize_documents,
+    Corpus, Document, DocumentStream, corpus_files, held_out_count, read_corpus, read_documents,
+    split_held_out, tokenize_documents,
 };
 pub use dataset::{ShardedDataset, read_eval_set};
 pub use error::DataError;

@@ -37,6 +37,8 @@ pub struct PrepareOptions {
     /// Documents at the end of the corpus left out of the shards (as many as the trainer's
     /// `data.eval_documents` holds out for evaluation, see [`held_out_count`]); 0 keeps all.
     pub holdout_documents: usize,
+    /// A corpus line that is not UTF-8 is an error instead of a skipped line (with a warning).
+    pub strict: bool,
 }
 
 /// What [`prepare_shards`] wrote.
@@ -52,6 +54,8 @@ pub struct PrepareSummary {
     pub samples: usize,
     /// Real tokens written (the sum of `input_mask` over all samples).
     pub tokens: usize,
+    /// Corpus lines skipped because they were not UTF-8.
+    pub skipped_lines: usize,
 }
 
 /// The name of shard `index` of `count`: `part-00003-of-00016.hdf5`.
@@ -86,10 +90,12 @@ pub fn prepare_shards(
     }
     let files = corpus_files(corpus)?;
     let mut documents = 0usize;
-    for document in DocumentStream::new(files.clone()) {
+    let mut first_pass = DocumentStream::new(files.clone()).strict(options.strict);
+    for document in first_pass.by_ref() {
         document?;
         documents += 1;
     }
+    let skipped_lines = first_pass.skipped_lines();
     if documents == 0 {
         return Err(DataError::EmptyCorpus {
             path: corpus.to_path_buf(),
@@ -192,7 +198,11 @@ pub fn prepare_shards(
         drop(receiver);
         let mut part = Vec::new();
         let mut k = 0;
-        for (index, document) in DocumentStream::new(files).take(documents).enumerate() {
+        for (index, document) in DocumentStream::new(files)
+            .quiet()
+            .take(documents)
+            .enumerate()
+        {
             part.push(document?);
             if index + 1 == part_end(k) {
                 if failed.load(Ordering::Relaxed)
@@ -220,5 +230,6 @@ pub fn prepare_shards(
         held_out,
         samples: samples.into_inner(),
         tokens: tokens.into_inner(),
+        skipped_lines,
     })
 }

@@ -33,6 +33,7 @@ fn options(jobs: usize) -> PrepareOptions {
         compression: Compression::Gzip(1),
         jobs,
         holdout_documents: 60,
+        strict: false,
     }
 }
 

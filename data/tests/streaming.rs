@@ -32,6 +32,7 @@ fn shards(dir: &Path, compression: Compression) -> std::path::PathBuf {
         compression,
         jobs: 1,
         holdout_documents: 10,
+        strict: false,
     };
     prepare_shards(&corpus, &tokenizer, &out, &options, &|_, _| {}).unwrap();
     out

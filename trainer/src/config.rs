@@ -112,6 +112,9 @@ pub struct DataSection {
     pub padding: Padding,
     /// Skip unreadable or invalid shards with a warning instead of stopping. Default: false.
     pub skip_bad_shards: bool,
+    /// Stop at a corpus line that is not UTF-8 instead of skipping it with a warning that
+    /// names the file, line and byte offset (`ember_data::DocumentStream`). Default: false.
+    pub strict: bool,
 }
 
 impl Default for DataSection {
@@ -128,6 +131,7 @@ impl Default for DataSection {
             bin_quota: None,
             padding: Padding::Dynamic,
             skip_bad_shards: false,
+            strict: false,
         }
     }
 }

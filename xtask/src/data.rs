@@ -74,6 +74,9 @@ pub struct PrepareArgs {
     /// (300 by default) evaluates on them. 0 keeps every document
     #[arg(long, default_value_t = 300)]
     holdout_documents: usize,
+    /// Stop at a corpus line that is not UTF-8 instead of skipping it with a warning
+    #[arg(long)]
+    strict: bool,
 }
 
 /// Peak resident memory of this process (VmHWM), MiB, where Linux reports it.
@@ -106,6 +109,7 @@ pub fn prepare(args: PrepareArgs) -> Result<()> {
         compression: args.compression,
         jobs,
         holdout_documents: args.holdout_documents,
+        strict: args.strict,
     };
     let start = Instant::now();
     let bar = ProgressBar::new(0);
@@ -133,6 +137,13 @@ pub fn prepare(args: PrepareArgs) -> Result<()> {
         args.seq_len,
         args.max_pred
     );
+    if summary.skipped_lines > 0 {
+        println!(
+            "prepare-data: skipped {} corpus line(s) that were not UTF-8 (see the warnings; \
+             --strict stops at the first)",
+            summary.skipped_lines
+        );
+    }
     println!(
         "throughput: {:.0} tokens/s ({seconds:.1} s, {jobs} worker(s)); peak memory {}",
         summary.tokens as f64 / seconds,

@@ -168,6 +168,10 @@ pub struct TrainArgs {
     /// (data.skip_bad_shards)
     #[arg(long)]
     skip_bad_shards: bool,
+    /// Stop at a corpus line that is not UTF-8 instead of skipping it with a warning
+    /// (data.strict)
+    #[arg(long)]
+    strict: bool,
     /// Write a full-state checkpoint (weights, optimizer, data position) to
     /// OUT/checkpoints/step-NNNNNNN every N optimizer steps; one is always written at the end
     /// and on SIGTERM or SIGINT (checkpoint.every)
@@ -326,6 +330,9 @@ impl TrainArgs {
         }
         if self.skip_bad_shards {
             d.skip_bad_shards = true;
+        }
+        if self.strict {
+            d.strict = true;
         }
         let p = &mut config.parallel;
         if let Some(v) = self.clip {

@@ -284,7 +284,7 @@ fn mlperf_run_streams_evaluates_and_logs_as_the_rules_say() {
 }
 
 #[test]
-fn bad_eval_data_is_named_before_training() {
+fn bad_inputs_are_named_before_training() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     ok(
@@ -336,5 +336,15 @@ fn bad_eval_data_is_named_before_training() {
             "{eval}: {message}"
         );
         assert!(!d.join("bad/metrics.jsonl").exists() || eval != "missing");
+    }
+    // A negative number reaches the configuration check, which names the setting.
+    for (flag, value, setting) in [
+        ("--lr", "-0.001", "optimizer.lr"),
+        ("--target-mlm-accuracy", "-0.5", "train.target_mlm_accuracy"),
+    ] {
+        let output = ember(&["train", "--steps", "1", flag, value, "--out", "neg"], d);
+        let message = text(&output);
+        assert!(!output.status.success(), "{flag} {value}: {message}");
+        assert!(message.contains(setting), "{flag} {value}: {message}");
     }
 }

@@ -42,6 +42,7 @@ fn shards(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
         compression: Compression::None,
         jobs: 1,
         holdout_documents: 40,
+        strict: false,
     };
     let plain = dir.join("shards");
     prepare_shards(&corpus, &tokenizer, &plain, &options, &|_, _| {}).unwrap();

@@ -10,7 +10,7 @@ use burn::tensor::backend::Backend;
 use ember_data::{
     BatchPrefetcher, HostBatch, InstanceLoader, RankSampler, SampleRef, SamplerConfig,
     SamplerState, ShardLoader, ShardReader, ShardedDataset, TrainingInstance, WordPieceTokenizer,
-    create_training_instances, decode_refs, encode_refs, read_documents, read_eval_set,
+    create_training_instances, decode_refs, encode_refs, read_corpus, read_eval_set,
     split_held_out, tokenize_documents,
 };
 use tracing::info;
@@ -36,6 +36,8 @@ pub struct PreparedData {
     /// The training shards (`data.shards`): their files and every sample's length (the
     /// samples themselves are streamed by each rank).
     pub shards: Option<ShardedDataset>,
+    /// Corpus lines skipped because they were not UTF-8 (`data.strict` unset).
+    pub skipped_lines: usize,
 }
 
 /// Reads the vocabulary and corpus of `config`, holds out the last `eval_documents`
@@ -84,16 +86,16 @@ pub fn prepare_data(config: &TrainConfig) -> Result<PreparedData, TrainError> {
             train: Vec::new().into(),
             eval: eval_from_shards.unwrap_or_default().into(),
             shards,
+            skipped_lines: 0,
         });
     }
     let corpus_path = config.corpus_path();
     // Held out before tokenising, by raw document count, as `prepare-data` holds them out of
     // its shards.
-    let (train_docs, eval_docs) = split_held_out(
-        read_documents(&corpus_path)?,
-        config.data.eval_documents,
-        &corpus_path,
-    )?;
+    let corpus = read_corpus(&corpus_path, config.data.strict)?;
+    let skipped_lines = corpus.skipped_lines;
+    let (train_docs, eval_docs) =
+        split_held_out(corpus.documents, config.data.eval_documents, &corpus_path)?;
     let special = tokenizer.special();
     let train = if shards.is_some() {
         Vec::new()
@@ -122,6 +124,7 @@ pub fn prepare_data(config: &TrainConfig) -> Result<PreparedData, TrainError> {
         train: train.into(),
         eval: eval.into(),
         shards,
+        skipped_lines,
     })
 }
 

@@ -81,6 +81,8 @@ pub struct TrainSummary {
     pub data_wait_s: f64,
     /// The process's peak resident memory (`VmHWM`, Linux), bytes.
     pub peak_rss_bytes: Option<u64>,
+    /// Corpus lines skipped because they were not UTF-8.
+    pub corpus_lines_skipped: usize,
     /// Wall-clock seconds of the training loop (evaluations included, data preparation not).
     pub train_seconds: f64,
     /// Real (unpadded) tokens processed per second of training.
@@ -329,6 +331,7 @@ pub fn train_rank<B: GradHookBackend>(
         "mlm_accuracy": eval.mlm_accuracy, "unigram_baseline": rank_data.unigram_baseline,
         "train_seconds": train_seconds, "data_wait_s": data_wait_s,
         "peak_rss_mib": peak_rss_bytes.map(|b| b as f64 / (1 << 20) as f64),
+        "corpus_lines_skipped": data.skipped_lines,
         "checkpoint": checkpoint,
         "last_checkpoint": last_checkpoint, "stopped_by": stopped_by,
     }))?;
@@ -350,6 +353,7 @@ pub fn train_rank<B: GradHookBackend>(
         target_reached_at_samples: target_reached_at,
         data_wait_s,
         peak_rss_bytes,
+        corpus_lines_skipped: data.skipped_lines,
         train_seconds,
         tokens_per_second: (log.tokens - tokens_before) as f64 / train_seconds,
         checkpoint,
