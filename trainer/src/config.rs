@@ -105,7 +105,10 @@ pub struct DataSection {
     pub sampler: SamplerKind,
     /// Ranks per presort group (consecutive ranks). Default: 8 (one node).
     pub presort_group: usize,
-    /// Samples per length bin in each local batch (stratified, presort); unset: proportional.
+    /// Samples per length bin in each local batch (stratified, presort), summing to
+    /// `train.batch_size × parallel.grad_accum`; a quota summing to `train.batch_size` is per
+    /// micro-batch, and each step draws `grad_accum` times it (the micro-batches are then cut
+    /// from the step's samples as `padding` says). Unset: proportional to the bins' sizes.
     pub bin_quota: Option<Vec<usize>>,
     /// Padding of shard batches: max, dynamic or grouped (the local batch sorted by length
     /// before it is cut into `parallel.grad_accum` micro-batches). Default: dynamic.
@@ -115,6 +118,20 @@ pub struct DataSection {
     /// Stop at a corpus line that is not UTF-8 instead of skipping it with a warning that
     /// names the file, line and byte offset (`ember_data::DocumentStream`). Default: false.
     pub strict: bool,
+}
+
+impl DataSection {
+    /// The quota per local batch of a step ([`DataSection::bin_quota`]): as given, or a
+    /// per-micro-batch quota (summing to `batch_size`) times `grad_accum`.
+    pub fn local_bin_quota(&self, batch_size: usize, grad_accum: usize) -> Option<Vec<usize>> {
+        self.bin_quota.as_ref().map(|quota| {
+            if grad_accum > 1 && quota.iter().sum::<usize>() == batch_size {
+                quota.iter().map(|q| q * grad_accum).collect()
+            } else {
+                quota.clone()
+            }
+        })
+    }
 }
 
 impl Default for DataSection {
@@ -228,8 +245,12 @@ pub struct ScheduleConfig {
     pub warmup_proportion: f64,
     /// Exponent of the decay; 1.0 is linear. Default: 1.0.
     pub power: f64,
-    /// Learning rate at the last step. Default: 0.
+    /// Learning rate at the end of the decay. Default: 0.
     pub end_lr: f64,
+    /// The step at which the decay reaches `end_lr` (NVIDIA's and Samsung's
+    /// `--lr_max_steps`, which may differ from the run's steps); unset: `train.steps`.
+    /// Default: unset.
+    pub decay_steps: Option<u64>,
     /// Step at which warmup starts; negative values start the run part-way into warmup, as
     /// MLPerf's `start_warmup_step`; positive values keep the rate at 0 until then.
     /// Default: 0.
@@ -248,6 +269,7 @@ impl Default for ScheduleConfig {
             warmup_proportion: 0.1,
             power: 1.0,
             end_lr: 0.0,
+            decay_steps: None,
             start_warmup_step: 0,
             decay_from: crate::schedule::DecayFrom::WarmupEnd,
         }
@@ -500,6 +522,56 @@ impl TrainConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every shipped configuration loads, validates and round-trips; the MLPerf ones say what
+    /// their sources say (`configs/mlperf-*.toml`, `../shared/REFERENCES.md`).
+    #[test]
+    fn shipped_configs_load_and_the_mlperf_ones_follow_their_sources() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+        let mut names = Vec::new();
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let config = TrainConfig::load(&path).unwrap();
+            config
+                .validate()
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let back: TrainConfig = toml::from_str(&config.to_toml()).unwrap();
+            assert_eq!(back, config, "{}", path.display());
+            names.push(path.file_name().unwrap().to_string_lossy().to_string());
+        }
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                "mlperf-bert-large-adam.toml",
+                "mlperf-bert-large-lamb.toml",
+                "tiny-cpu.toml"
+            ]
+        );
+        let adam = TrainConfig::load(&dir.join("mlperf-bert-large-adam.toml")).unwrap();
+        let global_batch = adam.train.batch_size * adam.parallel.grad_accum * 8;
+        assert_eq!(global_batch, 16_384);
+        let interval = adam.train.eval_interval_samples.unwrap();
+        assert_eq!(interval.samples(global_batch), 325_000);
+        assert_eq!(adam.data.bin_quota, Some(vec![6, 3, 2, 5]));
+        // Per micro-batch of 16; a step of 128 micro-batches draws 128 times it.
+        assert_eq!(
+            adam.data.local_bin_quota(16, 128),
+            Some(vec![768, 384, 256, 640])
+        );
+        assert_eq!(adam.parallel.bucket_clip_count, Some(22));
+        let schedule = crate::schedule::WarmupPolyDecay::new(
+            adam.optimizer.lr,
+            adam.warmup_steps(),
+            adam.schedule.decay_steps.unwrap(),
+            &adam.schedule,
+        );
+        assert!((schedule.lr(0) - 3.9299421615882676e-4 * 16.0 / 82.0).abs() < 1e-15);
+        let lamb = TrainConfig::load(&dir.join("mlperf-bert-large-lamb.toml")).unwrap();
+        assert_eq!(lamb.train.batch_size * 8, 448);
+        assert_eq!(lamb.optimizer.name, OptimizerKind::Lamb);
+        assert!(!lamb.optimizer.nvlamb);
+    }
 
     #[test]
     fn toml_round_trips_and_rejects_typos() {

@@ -233,7 +233,7 @@ impl MlLog {
             ),
             (
                 "opt_learning_rate_training_steps".into(),
-                json!(config.train.steps),
+                json!(config.schedule.decay_steps.unwrap_or(config.train.steps)),
             ),
             (
                 "opt_learning_rate_warmup_steps".into(),

@@ -157,7 +157,8 @@ pub struct TrainArgs {
     #[arg(long)]
     presort_group: Option<usize>,
     /// Samples per length bin in each local batch, e.g. 6,3,2,5; must sum to
-    /// batch-size × grad-accum (data.bin_quota) [default: proportional]
+    /// batch-size × grad-accum, or batch-size (per micro-batch) (data.bin_quota) [default:
+    /// proportional]
     #[arg(long, value_delimiter = ',')]
     bin_quota: Option<Vec<usize>>,
     /// Padding of shard batches: max, dynamic, or grouped (sorted by length, cut into

@@ -316,7 +316,7 @@ impl RankData {
                     kind: config.data.sampler,
                     local_batch: batch_size * grad_accum,
                     presort_group: config.data.presort_group,
-                    bin_quota: config.data.bin_quota.clone(),
+                    bin_quota: config.data.local_bin_quota(batch_size, grad_accum),
                     seed: config.train.seed,
                     exchange: world_size > 1,
                 };

@@ -111,7 +111,7 @@ impl<B: GradHookBackend> Trainer<B> {
         let schedule = WarmupPolyDecay::new(
             config.optimizer.lr,
             config.warmup_steps(),
-            config.train.steps,
+            config.schedule.decay_steps.unwrap_or(config.train.steps),
             &config.schedule,
         );
         let trainer = Self {
