@@ -7,6 +7,7 @@
 
 mod device_reducer;
 mod embed;
+mod eval_shards;
 mod fused_training;
 mod hf_parity;
 mod pretrained;
