@@ -5,7 +5,7 @@
 #                                       # them into gpu-check/bins.tar.gz (~22 MB; the two binaries
 #                                       # are ~86 MB unpacked, over the device machine's 64 MiB carry)
 #   scripts/gpu-check.sh run [PART...]  # on the GPU machine; PART: step, kernels, bench-kernels,
-#                                       # resume, onebit, train-step (default: all, in that order); logs in $OUT (or
+#                                       # resume, onebit, train-step, streaming (default: all, in that order); logs in $OUT (or
 #                                       # gpu-check/out), one table per part
 #
 # Parts:
@@ -31,6 +31,11 @@
 #                  128 and 512, ember's f32 step against Hugging Face + torch.optim.AdamW on the
 #                  same GPU (eager and torch.compile; f32 both, ember has no bf16 yet), when the
 #                  machine's Python has torch (/opt/torch/.venv), else ember alone.
+#   streaming      shards streamed per rank on a GPU's step time: `prepare-data` (seq 512, 76
+#                  predictions, uncompressed and gzip), then BERT-large batch 16 for 12 steps on
+#                  each; prints the mean data wait per step against the step time (on the CPU it
+#                  is 0% of a BERT-base step; the target is < 5%), the peak host memory, and
+#                  checks the MLPerf log with mlperf-logging when the machine's Python has it.
 #
 # The GPU machine needs the NVIDIA driver, and NCCL for `step`: cubecl-cuda and cudarc load
 # libcuda, nvrtc and libnccl at run time. The script adds the libraries of the machine's
@@ -56,7 +61,7 @@ build)
 run)
     shift
     parts=("$@")
-    [ ${#parts[@]} -gt 0 ] || parts=(step kernels bench-kernels resume onebit train-step)
+    [ ${#parts[@]} -gt 0 ] || parts=(step kernels bench-kernels resume onebit train-step streaming)
     out="${OUT:-$dir/out}"
     mkdir -p "$out"
     if [ ! -x "$dir/xtask" ] || [ ! -x "$dir/kernels" ]; then
@@ -136,8 +141,41 @@ run)
                 --seq-len 128,512 --steps 3 --rounds 2 "${reference[@]}" --out "$out/train-step" \
                 2>&1 | tail -20 || status=$?
             ;;
+        streaming)
+            echo "== streamed shards: data wait against the step (BERT-large, batch 16, seq 512)"
+            d="$out/streaming"
+            rm -rf "$d" && mkdir -p "$d"
+            echo "| shards | step s (mean, after the first) | data wait s (mean) | wait % | first step wait s | peak host MiB |" | tee "$d.md"
+            echo "|---|---:|---:|---:|---:|---:|" | tee -a "$d.md"
+            for comp in none gzip; do
+                timeout 120 "$dir/xtask" prepare-data --out "$d/$comp" --seq-len 512 --max-pred 76 \
+                    --num-shards 4 --dupe-factor 1 --compression "$comp" 2>&1 | tail -1 || status=$?
+                mkdir -p "$d/eval-$comp" && mv "$d/$comp/part-00003-of-00004.hdf5" "$d/eval-$comp/"
+                timeout 240 "$dir/xtask" train --device cuda --preset large --seq-len 512 \
+                    --max-predictions 76 --batch-size 16 --steps 12 --eval-every 12 --eval-samples 256 \
+                    --log-every 1 --data "$d/$comp" --eval-data "$d/eval-$comp" --mllog "$d/$comp.mllog" \
+                    --no-progress --out "$d/run-$comp" 2>&1 | tail -2 || status=$?
+                python3 - "$d/run-$comp/metrics.jsonl" "$comp" <<'PY' | tee -a "$d.md" || status=$?
+import json, sys
+records = [json.loads(line) for line in open(sys.argv[1])]
+train = [r for r in records if r["event"] == "train"]
+end = [r for r in records if r["event"] == "end"][0]
+rest = train[1:]
+step = sum(r["step_s"] for r in rest) / len(rest)
+wait = sum(r["data_wait_s"] for r in rest) / len(rest)
+print(f"| {sys.argv[2]} | {step:.3f} | {wait:.4f} | {100 * wait / step:.1f}% | {train[0]['data_wait_s']:.3f} | {end['peak_rss_mib']:.0f} |")
+PY
+                for py in /opt/torch/.venv/bin/python python3; do
+                    if "$py" -c "import mlperf_logging.compliance_checker" 2>/dev/null; then
+                        "$py" -m mlperf_logging.compliance_checker --usage training --ruleset 5.0.0 \
+                            --log_output "$d/$comp.checker" "$d/$comp.mllog" 2>&1 | tail -1
+                        break
+                    fi
+                done
+            done
+            ;;
         *)
-            echo "unknown part $part (step, kernels, bench-kernels, resume, onebit, train-step)" >&2
+            echo "unknown part $part (step, kernels, bench-kernels, resume, onebit, train-step, streaming)" >&2
             status=2
             ;;
         esac
@@ -146,7 +184,7 @@ run)
     exit $status
     ;;
 *)
-    echo "usage: $0 build | run [step|kernels|bench-kernels|resume|onebit|train-step ...]" >&2
+    echo "usage: $0 build | run [step|kernels|bench-kernels|resume|onebit|train-step|streaming ...]" >&2
     exit 2
     ;;
 esac
