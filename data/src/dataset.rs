@@ -19,7 +19,8 @@ pub struct ShardedDataset {
     pub shards: Vec<Vec<PathBuf>>,
     /// `[bin][shard]`: their sample counts.
     pub shard_sizes: Vec<Vec<usize>>,
-    /// `[bin][index]`: each sample's real length (the sum of `input_mask`).
+    /// `[bin][index]`: each sample's real length (the sum of `input_mask`); empty bins after
+    /// [`ShardedDataset::scan`], which reads no sample.
     pub lengths: Arc<Vec<Vec<u16>>>,
     /// The shards skipped (with `skip_bad_shards`): each error message (it names the file).
     pub skipped: Vec<String>,
@@ -74,6 +75,38 @@ impl ShardedDataset {
             shard::read_lengths(path).map(|l| (l, ()))
         })
         .map(|(dataset, _)| dataset)
+    }
+
+    /// Reads each shard's metadata only (sample count, layout): what training needs, since
+    /// ranks read the lengths and samples they draw when they draw them
+    /// ([`crate::ShardReader`]). `lengths` stays empty; a plain folder's bin is `[1, S]` (the
+    /// shards' widest sequence length). Unlike [`ShardedDataset::open`], it does not check that
+    /// a bin folder's samples have the bin's lengths (that needs every sample's mask).
+    ///
+    /// # Errors
+    /// As [`ShardedDataset::open`].
+    pub fn scan(root: &Path, skip_bad_shards: bool) -> Result<Self, DataError> {
+        let (mut dataset, widths) = Self::read(root, skip_bad_shards, |path| {
+            let info = shard::shard_info(path)?;
+            Ok((Vec::new(), (info.num_samples, info.seq_len)))
+        })?;
+        // `read` measured sizes by the (empty) lengths: take them from the metadata.
+        let mut any = false;
+        for (b, bin) in widths.iter().enumerate() {
+            dataset.shard_sizes[b] = bin.iter().map(|&(n, _)| n).collect();
+            any |= !bin.is_empty();
+            let widest = bin.iter().map(|&(_, s)| s).max().unwrap_or(1).max(1);
+            if dataset.bins[b].lo == 1 && dataset.bins[b].hi <= 1 {
+                dataset.bins[b].hi = widest;
+            }
+        }
+        if !any {
+            return Err(DataError::NoShards {
+                path: root.to_path_buf(),
+            });
+        }
+        dataset.lengths = Arc::new(vec![Vec::new(); dataset.bins.len()]);
+        Ok(dataset)
     }
 
     /// Reads and validates every sample: `samples[bin]` in the order of
@@ -160,7 +193,7 @@ impl ShardedDataset {
             lengths.push(bin_lengths);
             payload.push(bin_payload);
         }
-        if lengths.iter().all(Vec::is_empty) {
+        if payload.iter().all(|bin: &Vec<T>| bin.is_empty()) {
             return Err(DataError::NoShards {
                 path: root.to_path_buf(),
             });
@@ -171,7 +204,7 @@ impl ShardedDataset {
 
     /// Number of samples.
     pub fn num_samples(&self) -> usize {
-        self.lengths.iter().map(Vec::len).sum()
+        self.shard_sizes.iter().flatten().sum()
     }
 }
 

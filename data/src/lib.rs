@@ -37,8 +37,8 @@ pub use error::DataError;
 pub use instances::{PretrainingConfig, TrainingInstance, create_training_instances};
 pub use loader::InstanceLoader;
 pub use sampler::{
-    Padding, RankSampler, SampleRef, SamplerConfig, SamplerKind, SamplerState, decode_refs,
-    encode_refs,
+    Padding, RankSampler, SampleRef, SamplerConfig, SamplerKind, SamplerState, decode_draw,
+    decode_refs, encode_draw, encode_refs,
 };
 pub use shard_loader::{
     BatchMaker, BatchPrefetcher, InMemorySamples, SampleSource, ShardLoader, ShardReader,

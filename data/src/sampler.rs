@@ -452,6 +452,23 @@ impl RankSampler {
         .swap_remove(self.rank - first)
     }
 
+    /// Exchange mode: this rank's batch from every rank's draw with the drawn samples' real
+    /// lengths (as [`encode_draw`] carries them), so that no rank needs the lengths of samples
+    /// it does not own. Deals as [`RankSampler::deal_from`].
+    pub fn deal_with_lengths(&self, draws: &[Vec<(SampleRef, u16)>]) -> Vec<SampleRef> {
+        let (first, count) = self.group;
+        let group = if draws.len() == count {
+            draws
+        } else {
+            &draws[first..first + count]
+        };
+        deal_snake(group, |s: &(SampleRef, u16)| s.1)
+            .swap_remove(self.rank - first)
+            .into_iter()
+            .map(|(r, _)| r)
+            .collect()
+    }
+
     /// Whether this sampler's batches need the exchange (presort in exchange mode).
     pub fn exchanges(&self) -> bool {
         self.config.exchange && self.config.kind == SamplerKind::Presort
@@ -551,6 +568,46 @@ pub fn encode_refs(refs: &[SampleRef]) -> Vec<u8> {
     refs.iter()
         .flat_map(|r| r.bin.to_le_bytes().into_iter().chain(r.index.to_le_bytes()))
         .collect()
+}
+
+/// A draw as bytes for the presort exchange: per sample its reference and real length, 10
+/// bytes (little-endian `bin u32, index u32, length u16`).
+pub fn encode_draw(draw: &[(SampleRef, u16)]) -> Vec<u8> {
+    draw.iter()
+        .flat_map(|(r, len)| {
+            r.bin
+                .to_le_bytes()
+                .into_iter()
+                .chain(r.index.to_le_bytes())
+                .chain(len.to_le_bytes())
+        })
+        .collect()
+}
+
+/// The inverse of [`encode_draw`].
+///
+/// # Errors
+/// [`DataError::InvalidSetting`] if the length is not a multiple of 10 (a corrupt exchange).
+pub fn decode_draw(bytes: &[u8]) -> Result<Vec<(SampleRef, u16)>, DataError> {
+    if bytes.len() % 10 != 0 {
+        return Err(DataError::InvalidSetting {
+            field: "presort exchange",
+            reason: format!(
+                "{} bytes is not a list of (bin, index, length)",
+                bytes.len()
+            ),
+        });
+    }
+    Ok(bytes
+        .chunks_exact(10)
+        .map(|c| {
+            let reference = SampleRef {
+                bin: u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+                index: u32::from_le_bytes([c[4], c[5], c[6], c[7]]),
+            };
+            (reference, u16::from_le_bytes([c[8], c[9]]))
+        })
+        .collect())
 }
 
 /// The inverse of [`encode_refs`].

@@ -373,6 +373,53 @@ impl OpenShard {
         Ok(Self { file, info })
     }
 
+    /// The real lengths of samples `range`: their `input_mask` rows (the vlen layout: their
+    /// `input_ids` rows), without the rest of the samples.
+    ///
+    /// # Errors
+    /// As [`read_lengths`]; [`DataError::Shard`] for a range past the shard's end.
+    pub fn lengths(&self, range: Range<usize>) -> Result<Vec<u16>, DataError> {
+        let (path, n) = (self.info.path.as_path(), self.info.num_samples);
+        if range.end > n || range.start > range.end {
+            return Err(shard_error(
+                path,
+                "input_mask",
+                format!(
+                    "samples {}..{} asked of a shard of {n}",
+                    range.start, range.end
+                ),
+            ));
+        }
+        let to_len = |l: usize| u16::try_from(l).unwrap_or(u16::MAX);
+        match self.info.layout {
+            Layout::Fixed => {
+                let mask = read_field(
+                    &self.file,
+                    path,
+                    "input_mask",
+                    n,
+                    Some(self.info.seq_len),
+                    &range,
+                )?;
+                (0..range.len())
+                    .map(|i| {
+                        mask_length(mask.row(i)).map(to_len).ok_or_else(|| {
+                            shard_error(
+                                path,
+                                "input_mask",
+                                format!("sample {}: is not 1s followed by 0s", range.start + i),
+                            )
+                        })
+                    })
+                    .collect()
+            }
+            Layout::VarLen => {
+                let ids = read_field(&self.file, path, "input_ids", n, None, &range)?;
+                Ok((0..range.len()).map(|i| to_len(ids.row(i).len())).collect())
+            }
+        }
+    }
+
     /// Reads and validates samples `range` (as [`read_shard`] validates every sample; errors
     /// name the sample by its index in the shard).
     ///

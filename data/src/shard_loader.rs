@@ -155,35 +155,59 @@ impl ShardReader {
     }
 }
 
-impl SampleSource for ShardReader {
-    fn fetch(&mut self, refs: &[SampleRef]) -> Result<Vec<TrainingInstance>, DataError> {
+impl ShardReader {
+    /// `refs` grouped into runs of consecutive rows of one shard, each read at once:
+    /// `((bin, shard), rows, [(row, position in refs)])`.
+    fn runs(&self, refs: &[SampleRef]) -> Result<Vec<ShardRun>, DataError> {
         let mut order = refs
             .iter()
             .enumerate()
-            .map(|(k, &r)| self.locate(r).map(|(b, j, row)| (b, j, row, k)))
+            .map(|(k, &r)| self.locate(r).map(|(b, j, row)| ((b, j), row, k)))
             .collect::<Result<Vec<_>, _>>()?;
         order.sort_unstable();
+        let mut runs: Vec<ShardRun> = Vec::new();
+        for (key, row, k) in order {
+            match runs.last_mut() {
+                Some((last_key, rows, members)) if *last_key == key && row <= rows.end => {
+                    rows.end = row + 1;
+                    members.push((row, k));
+                }
+                _ => runs.push((key, row..row + 1, vec![(row, k)])),
+            }
+        }
+        Ok(runs)
+    }
+
+    /// The real lengths of `refs`, in order, reading only their `input_mask` rows (what a
+    /// rank sends with its draw in the presort exchange).
+    ///
+    /// # Errors
+    /// A shard's [`DataError`] naming the file and sample.
+    pub fn lengths(&mut self, refs: &[SampleRef]) -> Result<Vec<u16>, DataError> {
+        let mut out = vec![0u16; refs.len()];
+        for (key, rows, members) in self.runs(refs)? {
+            let lengths = self.shard(key)?.lengths(rows.clone())?;
+            for (row, k) in members {
+                out[k] = lengths[row - rows.start];
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A run of consecutive rows of one shard: `((bin, shard), rows, [(row, position)])`.
+type ShardRun = ((usize, usize), std::ops::Range<usize>, Vec<(usize, usize)>);
+
+impl SampleSource for ShardReader {
+    fn fetch(&mut self, refs: &[SampleRef]) -> Result<Vec<TrainingInstance>, DataError> {
         let mut out: Vec<Option<TrainingInstance>> = vec![None; refs.len()];
-        let mut i = 0;
-        while i < order.len() {
-            let (bin, shard, first, _) = order[i];
-            let mut end = i + 1;
-            while end < order.len()
-                && (order[end].0, order[end].1) == (bin, shard)
-                && order[end].2 <= order[end - 1].2 + 1
-            {
-                end += 1;
-            }
-            let last = order[end - 1].2;
+        for (key, rows, members) in self.runs(refs)? {
             let vocab_size = self.vocab_size;
-            let samples = self
-                .shard((bin, shard))?
-                .read(vocab_size, first..last + 1)?;
+            let samples = self.shard(key)?.read(vocab_size, rows.clone())?;
             self.samples_read += samples.len() as u64;
-            for &(_, _, row, k) in &order[i..end] {
-                out[k] = Some(samples[row - first].clone());
+            for (row, k) in members {
+                out[k] = Some(samples[row - rows.start].clone());
             }
-            i = end;
         }
         Ok(out
             .into_iter()
@@ -285,13 +309,25 @@ impl ShardLoader {
         world_size: usize,
     ) -> Result<Self, DataError> {
         let maker = BatchMaker::new(source, padding, micro_batches, max_seq_length)?;
-        let longest = dataset.lengths.iter().flatten().copied().max().unwrap_or(0) as usize;
-        if longest > max_seq_length {
+        // Every sample's length when they were read ([`ShardedDataset::open`]), else what the
+        // bins (or, for a plain folder, the shards' width S) allow: a dataset made for longer
+        // sequences is refused before training, not at the first long sample.
+        let longest = dataset.lengths.iter().flatten().copied().max();
+        let what = match longest {
+            Some(n) => (n as usize, "a sample has"),
+            None => (
+                dataset.bins.iter().map(|b| b.hi).max().unwrap_or(0),
+                "the shards hold samples of up to",
+            ),
+        };
+        if what.0 > max_seq_length {
             return Err(DataError::InvalidSetting {
                 field: "max_seq_length",
                 reason: format!(
-                    "{}: a sample has {longest} tokens, more than the model's {max_seq_length}",
-                    dataset.root.display()
+                    "{}: {} {} tokens, more than the model's {max_seq_length}",
+                    dataset.root.display(),
+                    what.1,
+                    what.0
                 ),
             });
         }

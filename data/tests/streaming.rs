@@ -10,8 +10,9 @@ use ember_data::sampler::{Padding, SamplerConfig, SamplerKind};
 use ember_data::shard::Compression;
 use ember_data::stratify::stratify;
 use ember_data::{
-    BatchPrefetcher, InMemorySamples, PretrainingConfig, SampleRef, SampleSource, ShardLoader,
-    ShardReader, ShardedDataset, WordPieceTokenizer, default_corpus_path, default_vocab_path,
+    BatchPrefetcher, InMemorySamples, PretrainingConfig, RankSampler, SampleRef, SampleSource,
+    ShardLoader, ShardReader, ShardedDataset, WordPieceTokenizer, decode_draw, default_corpus_path,
+    default_vocab_path, encode_draw,
 };
 
 fn shards(dir: &Path, compression: Compression) -> std::path::PathBuf {
@@ -145,4 +146,69 @@ fn a_reference_outside_the_dataset_is_an_error_not_a_panic() {
         let error = reader.fetch(&[bad]).unwrap_err().to_string();
         assert!(error.contains("not in the dataset"), "{error}");
     }
+}
+
+/// The training path of presort: the dataset scanned (no lengths read), each rank reads only
+/// its own draw's lengths and sends them with the references; the batches equal the
+/// simulation's, which knows every length.
+#[test]
+fn presort_with_exchanged_lengths_deals_as_the_simulation() {
+    let dir = tempfile::tempdir().unwrap();
+    let vocab = 30522;
+    let plain = shards(&dir.path().join("none"), Compression::None);
+    let strat = dir.path().join("strat");
+    stratify(&plain, &strat, &[64, 128], 2, Compression::None, vocab).unwrap();
+    let full = ShardedDataset::open(&strat, false).unwrap();
+    let scanned = ShardedDataset::scan(&strat, false).unwrap();
+    assert_eq!(scanned.shard_sizes, full.shard_sizes);
+    assert_eq!(scanned.num_samples(), full.num_samples());
+    assert!(scanned.lengths.iter().all(Vec::is_empty));
+    let world = 2;
+    let config = sampler(SamplerKind::Presort, 8, 2);
+    let exchanging = SamplerConfig {
+        exchange: true,
+        ..config.clone()
+    };
+    let mut simulation =
+        RankSampler::new(&config, &full.shard_sizes, full.lengths.clone(), 0, world).unwrap();
+    let mut ranks: Vec<RankSampler> = (0..world)
+        .map(|r| {
+            RankSampler::new(
+                &exchanging,
+                &scanned.shard_sizes,
+                scanned.lengths.clone(),
+                r,
+                world,
+            )
+            .unwrap()
+        })
+        .collect();
+    let mut readers: Vec<ShardReader> = (0..world)
+        .map(|_| ShardReader::new(&scanned, vocab, 4))
+        .collect();
+    for step in 0..6 {
+        let expected = simulation.next_group_batches();
+        let draws: Vec<Vec<(SampleRef, u16)>> = ranks
+            .iter_mut()
+            .zip(&mut readers)
+            .map(|(sampler, reader)| {
+                let own = sampler.draw_own();
+                let lengths = reader.lengths(&own).unwrap();
+                for (r, &len) in own.iter().zip(&lengths) {
+                    assert_eq!(len, full.lengths[r.bin as usize][r.index as usize]);
+                }
+                let bytes = encode_draw(&own.into_iter().zip(lengths).collect::<Vec<_>>());
+                assert_eq!(bytes.len(), 8 * 10);
+                decode_draw(&bytes).unwrap()
+            })
+            .collect();
+        for (r, sampler) in ranks.iter().enumerate() {
+            assert_eq!(
+                sampler.deal_with_lengths(&draws),
+                expected[r],
+                "step {step}, rank {r}"
+            );
+        }
+    }
+    assert!(decode_draw(&[0u8; 9]).is_err());
 }

@@ -71,8 +71,10 @@ fn setup(
         },
         ..Default::default()
     };
+    // 1-bit LAMB adapts every tensor (DeepSpeed's): its exact optimizer is NVLAMB.
     let exact_config = OptimizerConfig {
         name: kind.exact(),
+        nvlamb: kind == OptimizerKind::OnebitLamb,
         ..config.clone()
     };
     B::seed(&device, seed);

@@ -10,7 +10,7 @@ use burn::tensor::backend::Backend;
 use ember_data::{
     BatchPrefetcher, HostBatch, InstanceLoader, RankSampler, SampleRef, SamplerConfig,
     SamplerState, ShardLoader, ShardReader, ShardedDataset, TrainingInstance, WordPieceTokenizer,
-    create_training_instances, decode_refs, encode_refs, read_corpus, read_eval_set,
+    create_training_instances, decode_draw, encode_draw, read_corpus, read_eval_set,
     split_held_out, tokenize_documents,
 };
 use tracing::info;
@@ -33,8 +33,8 @@ pub struct PreparedData {
     /// The evaluation set: the first `train.eval_samples` of `data.eval_shards`, or instances
     /// of the corpus's held-out documents.
     pub eval: Arc<[TrainingInstance]>,
-    /// The training shards (`data.shards`): their files and every sample's length (the
-    /// samples themselves are streamed by each rank).
+    /// The training shards (`data.shards`): their files and sample counts (each rank reads
+    /// the lengths and samples it draws when it draws them).
     pub shards: Option<ShardedDataset>,
     /// Corpus lines skipped because they were not UTF-8 (`data.strict` unset).
     pub skipped_lines: usize,
@@ -42,7 +42,7 @@ pub struct PreparedData {
 
 /// Reads the vocabulary and corpus of `config`, holds out the last `eval_documents`
 /// documents, and creates the training instances (`dupe_factor` passes) and the evaluation
-/// instances (one pass, another seed). With `data.shards`, only the shards' lengths are read;
+/// instances (one pass, another seed). With `data.shards`, only the shards' metadata is read;
 /// with `data.eval_shards`, the evaluation set is read from there. The corpus is read only
 /// when something needs it.
 ///
@@ -55,7 +55,7 @@ pub fn prepare_data(config: &TrainConfig) -> Result<PreparedData, TrainError> {
     let seq_len = config.instances.max_seq_length;
     let shards = match &config.data.shards {
         Some(path) => {
-            let dataset = ShardedDataset::open(path, config.data.skip_bad_shards)?;
+            let dataset = ShardedDataset::scan(path, config.data.skip_bad_shards)?;
             for skipped in &dataset.skipped {
                 tracing::warn!("skipped a bad shard: {skipped}");
             }
@@ -133,6 +133,8 @@ pub fn prepare_data(config: &TrainConfig) -> Result<PreparedData, TrainError> {
 /// reader reads and collates them ([`BatchPrefetcher`]).
 pub(crate) struct ShardStream {
     sampler: RankSampler,
+    /// Reads the lengths of this rank's own draws, for the presort exchange.
+    lengths: ShardReader,
     prefetcher: BatchPrefetcher,
     depth: usize,
     /// The sampler's state after each draw still in flight, oldest first.
@@ -144,18 +146,26 @@ pub(crate) struct ShardStream {
 
 impl ShardStream {
     /// The references of the next step: the rank's own draw, or with presort its share of the
-    /// group's draws (sample references, 8 bytes each, through an allgather).
+    /// group's draws: each rank reads the lengths of its own draw (`input_mask` rows only) and
+    /// sends them with the references (10 bytes a sample, through an allgather), so that no
+    /// rank needs the lengths, or the samples, of data it does not own.
     fn draw<B: Backend>(&mut self, comm: &CommThread<B>) -> Result<Vec<SampleRef>, TrainError> {
         if !self.sampler.exchanges() {
             return Ok(self.sampler.next_batch());
         }
-        let own = encode_refs(&self.sampler.draw_own());
-        let world = comm.call(move |c| c.allgather(&own))?;
+        let own = self.sampler.draw_own();
+        let lengths = self.lengths.lengths(&own)?;
+        let own = encode_draw(&own.into_iter().zip(lengths).collect::<Vec<_>>());
+        let world = if comm.world_size() == 1 {
+            vec![own]
+        } else {
+            comm.call(move |c| c.allgather(&own))?
+        };
         let draws = world
             .iter()
-            .map(|bytes| decode_refs(bytes))
+            .map(|bytes| decode_draw(bytes))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(self.sampler.deal_from(&draws))
+        Ok(self.sampler.deal_with_lengths(&draws))
     }
 }
 
@@ -168,7 +178,9 @@ pub(crate) enum TrainBatches {
 }
 
 impl TrainBatches {
-    /// The `k` micro-batches of the next step, and the seconds the step waited for them.
+    /// The `k` micro-batches of the next step, and the seconds the step waited for them
+    /// (all of this call: drawing, the presort exchange, and the reader's batches when they
+    /// are not ready).
     pub(crate) fn next_step<B: Backend>(
         &mut self,
         k: usize,
@@ -181,16 +193,17 @@ impl TrainBatches {
                 Ok((batches, started.elapsed().as_secs_f64()))
             }
             Self::Shards(stream) => {
+                let started = Instant::now();
                 while stream.prefetcher.in_flight() < stream.depth {
                     let refs = stream.draw(comm)?;
                     stream.pending.push_back(stream.sampler.state());
                     stream.prefetcher.submit(refs);
                 }
-                let (batches, waited) = stream.prefetcher.receive()?;
+                let (batches, _) = stream.prefetcher.receive()?;
                 if let Some(state) = stream.pending.pop_front() {
                     stream.consumed = state;
                 }
-                Ok((batches, waited.as_secs_f64()))
+                Ok((batches, started.elapsed().as_secs_f64()))
             }
         }
     }
@@ -289,13 +302,14 @@ impl RankData {
             }
             Some(dataset) => {
                 let vocab_size = data.tokenizer.vocab_size();
-                // The baseline's most frequent masked token, from the first samples of each
-                // bin (one read per bin, not the whole dataset).
+                // The baseline's most frequent masked token and the mean length, from the
+                // first samples of each bin (one read per bin, not the whole dataset).
                 let mut reader = ShardReader::new(dataset, vocab_size, MAX_OPEN_SHARDS);
                 let per_bin = BASELINE_SAMPLES / dataset.bins.len().max(1);
-                let refs: Vec<SampleRef> = (0..dataset.lengths.len())
+                let refs: Vec<SampleRef> = (0..dataset.shard_sizes.len())
                     .flat_map(|bin| {
-                        let n = dataset.lengths[bin].len().min(per_bin.max(1));
+                        let size: usize = dataset.shard_sizes[bin].iter().sum();
+                        let n = size.min(per_bin.max(1));
                         (0..n).map(move |index| SampleRef {
                             bin: bin as u32,
                             index: index as u32,
@@ -305,20 +319,16 @@ impl RankData {
                 let some = ember_data::SampleSource::fetch(&mut reader, &refs)?;
                 let (id, acc) = unigram_baseline(some.iter(), &data.eval);
                 let n = dataset.num_samples();
-                let mean_len = dataset
-                    .lengths
-                    .iter()
-                    .flatten()
-                    .map(|&l| l as f64)
-                    .sum::<f64>()
-                    / n.max(1) as f64;
+                let mean_len =
+                    some.iter().map(|s| s.len() as f64).sum::<f64>() / some.len().max(1) as f64;
                 let sampler = SamplerConfig {
                     kind: config.data.sampler,
                     local_batch: batch_size * grad_accum,
                     presort_group: config.data.presort_group,
                     bin_quota: config.data.local_bin_quota(batch_size, grad_accum),
                     seed: config.train.seed,
-                    exchange: world_size > 1,
+                    // Presort deals with the lengths the ranks send (one rank: its own).
+                    exchange: true,
                 };
                 let loader = ShardLoader::new(
                     dataset,
@@ -339,6 +349,7 @@ impl RankData {
                 let (sampler, maker) = loader.into_parts();
                 let depth = config.data.prefetch.max(1);
                 let stream = ShardStream {
+                    lengths: ShardReader::new(dataset, vocab_size, MAX_OPEN_SHARDS),
                     consumed: sampler.state(),
                     sampler,
                     prefetcher: BatchPrefetcher::spawn(maker, depth)?,
@@ -378,13 +389,14 @@ impl RankData {
 fn report_shards(config: &TrainConfig, dataset: &ShardedDataset, loader: &ShardLoader) {
     let quota = loader.sampler().quota();
     for (b, bin) in dataset.bins.iter().enumerate() {
-        if quota.len() > 1 && quota[b] == 0 && !dataset.lengths[b].is_empty() {
+        let size: usize = dataset.shard_sizes[b].iter().sum();
+        if quota.len() > 1 && quota[b] == 0 && size > 0 {
             tracing::warn!(
                 "length bin {}-{} ({} samples) has quota 0 and is never drawn; set \
                  data.bin_quota (--bin-quota) to include it",
                 bin.lo,
                 bin.hi,
-                dataset.lengths[b].len()
+                size
             );
         }
     }
