@@ -53,6 +53,9 @@ pub enum BenchCommand {
     /// ember's training step against Hugging Face BertForPreTraining + torch.optim.AdamW in
     /// the same run: samples/s, ratio, MFU against the GEMM peak measured in the run.
     TrainStep(crate::bench_train_step::TrainStepArgs),
+    /// Pre-training example creation (text → HDF5 shard): ember's prepare-data against
+    /// create_pretraining_data.py's algorithm in Python, on the same text, in the same run.
+    Data(crate::bench_data::DataBenchArgs),
 }
 
 /// `cargo xtask bench [--setup-reference] [COMMAND]`.
@@ -119,6 +122,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         BenchCommand::Checkpoint(args) => crate::bench_checkpoint::run(args),
         BenchCommand::Onebit(args) => crate::bench_onebit::run(args),
         BenchCommand::TrainStep(args) => crate::bench_train_step::run(args),
+        BenchCommand::Data(args) => crate::bench_data::run(args),
     }
 }
 

@@ -30,8 +30,8 @@ pub(crate) fn reference_python(given: Option<&Path>) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// `cargo xtask bench --setup-reference`: bench/reference/.venv with torch, transformers and
-/// safetensors from PyPI.
+/// `cargo xtask bench --setup-reference`: bench/reference/.venv with torch, transformers,
+/// safetensors, numpy and h5py from PyPI (`bench train-step` and `bench data`).
 pub fn setup_reference() -> Result<()> {
     let dir = crate::project_root().join("bench/reference/.venv");
     let status = Command::new("python3")
@@ -44,7 +44,14 @@ pub fn setup_reference() -> Result<()> {
     }
     let pip = dir.join("bin/pip");
     let status = Command::new(&pip)
-        .args(["install", "torch", "transformers", "safetensors", "numpy"])
+        .args([
+            "install",
+            "torch",
+            "transformers",
+            "safetensors",
+            "numpy",
+            "h5py",
+        ])
         .status()
         .with_context(|| pip.display().to_string())?;
     if !status.success() {

@@ -15,6 +15,7 @@
 
 mod bench;
 mod bench_checkpoint;
+mod bench_data;
 mod bench_kernels;
 mod bench_onebit;
 mod bench_reference;
