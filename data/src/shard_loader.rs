@@ -7,6 +7,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -403,6 +404,8 @@ impl ShardLoader {
 /// caller waited for them.
 pub struct BatchPrefetcher {
     requests: Option<SyncSender<Vec<SampleRef>>>,
+    /// Set when the prefetcher is dropped: the thread stops before its next batch.
+    stop: Arc<AtomicBool>,
     results: Receiver<Result<Vec<HostBatch>, DataError>>,
     in_flight: usize,
     thread: Option<JoinHandle<()>>,
@@ -416,11 +419,13 @@ impl BatchPrefetcher {
     pub fn spawn(mut maker: BatchMaker, depth: usize) -> Result<Self, DataError> {
         let (requests, inbox) = sync_channel::<Vec<SampleRef>>(depth.max(1));
         let (outbox, results) = sync_channel(depth.max(1));
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
         let thread = std::thread::Builder::new()
             .name("ember-data".into())
             .spawn(move || {
                 for refs in inbox {
-                    if outbox.send(maker.make(&refs)).is_err() {
+                    if stopped.load(Ordering::Relaxed) || outbox.send(maker.make(&refs)).is_err() {
                         break;
                     }
                 }
@@ -431,6 +436,7 @@ impl BatchPrefetcher {
             })?;
         Ok(Self {
             requests: Some(requests),
+            stop,
             results,
             in_flight: 0,
             thread: Some(thread),
@@ -473,8 +479,9 @@ impl BatchPrefetcher {
 
 impl Drop for BatchPrefetcher {
     fn drop(&mut self) {
-        // Closing the request channel ends the thread's loop; drain so that it is not blocked
-        // on a full result channel.
+        // The flag stops the thread before its next batch, closing the request channel ends
+        // its loop; drain so that it is not blocked on a full result channel.
+        self.stop.store(true, Ordering::Relaxed);
         self.requests = None;
         while self.results.try_recv().is_ok() {}
         if let Some(thread) = self.thread.take() {

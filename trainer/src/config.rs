@@ -11,6 +11,9 @@ use serde::{Deserialize, Serialize};
 use crate::TrainError;
 
 mod loop_section;
+
+/// The most local batches `data.prefetch` may read ahead.
+pub const MAX_PREFETCH: usize = 64;
 use crate::checkpoint::CheckpointConfig;
 pub use crate::onebit::OnebitConfig;
 use crate::parallel::{BucketStorage, ClipMode, TiedEmbedding};
@@ -398,6 +401,29 @@ impl TrainConfig {
             .unwrap_or(((0.2 * self.train.steps as f64).round() as u64).max(1))
     }
 
+    /// Checks that the files a run starts from exist (`checkpoint.init_from`,
+    /// `checkpoint.resume`), before anything large is built.
+    ///
+    /// # Errors
+    /// [`TrainError::InvalidSetting`] naming the setting and the path.
+    pub fn check_paths(&self) -> Result<(), TrainError> {
+        let c = &self.checkpoint;
+        for (field, path) in [
+            ("checkpoint.init_from", &c.init_from),
+            ("checkpoint.resume", &c.resume),
+        ] {
+            if let Some(path) = path
+                && !path.exists()
+            {
+                return Err(TrainError::InvalidSetting {
+                    field,
+                    reason: format!("{}: no such file or folder", path.display()),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Checks what can be checked before any file is read.
     ///
     /// # Errors
@@ -480,6 +506,27 @@ impl TrainConfig {
         if d.presort_group == 0 {
             return invalid("data.presort_group", "must be at least 1".into());
         }
+        if d.bin_quota.is_some() && d.sampler == SamplerKind::Random {
+            return invalid(
+                "data.bin_quota",
+                "applies to the stratified and presort samplers, not to random (--sampler)".into(),
+            );
+        }
+        if d.prefetch > MAX_PREFETCH {
+            return invalid(
+                "data.prefetch",
+                format!(
+                    "{} local batches ahead is more than {MAX_PREFETCH} (each is held in memory)",
+                    d.prefetch
+                ),
+            );
+        }
+        if t.eval_samples == 0 {
+            return invalid("train.eval_samples", "must be at least 1".into());
+        }
+        if t.eval_interval_samples == Some(EvalInterval::Samples(0)) {
+            return invalid("train.eval_interval_samples", "must be at least 1".into());
+        }
         let p = &self.parallel;
         if !(p.bucket_cap_mb > 0.0 && p.first_bucket_mb > 0.0) {
             return invalid(
@@ -522,6 +569,31 @@ impl TrainConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Settings that only make sense together, or within bounds, are refused naming them.
+    #[test]
+    fn validate_names_the_setting() {
+        let refused = |edit: &dyn Fn(&mut TrainConfig)| {
+            let mut c = TrainConfig::default();
+            c.data.shards = Some("shards".into());
+            edit(&mut c);
+            c.validate().unwrap_err().to_string()
+        };
+        assert!(refused(&|c| c.data.bin_quota = Some(vec![16, 16])).contains("data.bin_quota"));
+        assert!(refused(&|c| c.data.prefetch = 65).contains("data.prefetch"));
+        assert!(refused(&|c| c.train.eval_samples = 0).contains("train.eval_samples"));
+        assert!(
+            refused(&|c| c.train.eval_interval_samples = Some(EvalInterval::Samples(0)))
+                .contains("train.eval_interval_samples")
+        );
+        let mut c = TrainConfig::default();
+        c.checkpoint.init_from = Some("no/such/weights".into());
+        let e = c.check_paths().unwrap_err().to_string();
+        assert!(
+            e.contains("checkpoint.init_from") && e.contains("no/such/weights"),
+            "{e}"
+        );
+    }
 
     /// Every shipped configuration loads, validates and round-trips; the MLPerf ones say what
     /// their sources say (`configs/mlperf-*.toml`, `../shared/REFERENCES.md`).

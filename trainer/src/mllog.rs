@@ -86,17 +86,33 @@ pub struct MlLog {
 }
 
 impl MlLog {
-    /// Creates (truncates) `config.mllog.file` on rank 0.
+    /// Creates (truncates) `config.mllog.file` on rank 0; a resumed run appends to it, with a
+    /// warning: an MLPerf result is one uninterrupted run, and the checker refuses a log with
+    /// two `run_start`s, as it should.
     ///
     /// # Errors
-    /// [`TrainError::Output`] naming the file when it cannot be created.
+    /// [`TrainError::InvalidSetting`] naming `mllog.file` when it cannot be created.
     pub fn create(config: &TrainConfig, rank: usize) -> Result<Self, TrainError> {
         let out = match (&config.mllog.file, rank) {
             (Some(path), 0) => {
                 if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
                     std::fs::create_dir_all(dir).map_err(|e| output_error(path, e))?;
                 }
-                let file = File::create(path).map_err(|e| output_error(path, e))?;
+                let resumed = config.checkpoint.resume.is_some();
+                if resumed {
+                    tracing::warn!(
+                        "{}: a resumed run appends to the MLPerf log; an MLPerf result is one \
+                         uninterrupted run, and the compliance checker refuses this log",
+                        path.display()
+                    );
+                }
+                let file = std::fs::OpenOptions::new()
+                    .create(true)
+                    .write(true)
+                    .append(resumed)
+                    .truncate(!resumed)
+                    .open(path)
+                    .map_err(|e| output_error(path, e))?;
                 Some((path.clone(), BufWriter::new(file)))
             }
             _ => None,
@@ -254,8 +270,8 @@ impl MlLog {
 }
 
 fn output_error(path: &Path, e: std::io::Error) -> TrainError {
-    TrainError::Output {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
+    TrainError::InvalidSetting {
+        field: "mllog.file",
+        reason: format!("{}: {e}", path.display()),
     }
 }

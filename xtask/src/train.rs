@@ -19,17 +19,17 @@ pub struct TrainArgs {
     #[arg(long)]
     config: Option<PathBuf>,
     /// Optimizer steps (train.steps)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     steps: Option<u64>,
     /// Samples per rank and micro-batch; the global batch size is this × grad-accum × ranks
     /// (train.batch_size)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     batch_size: Option<usize>,
     /// Peak learning rate after warmup (optimizer.lr)
     #[arg(long, allow_negative_numbers = true)]
     lr: Option<f64>,
     /// Steps of linear warmup (schedule.warmup_steps) [default: warmup_proportion of --steps]
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     warmup_steps: Option<u64>,
     /// Step at which warmup starts; negative starts the run part-way into it, as MLPerf's
     /// --start_warmup_step (schedule.start_warmup_step)
@@ -50,13 +50,13 @@ pub struct TrainArgs {
     optimizer: Option<OptimizerKind>,
     /// 1-bit Adam/LAMB: steps of exact AdamW/LAMB before compression
     /// (optimizer.onebit.freeze_step) [default: 20% of --steps]
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     freeze_step: Option<u64>,
     /// Longest sequence in tokens, [CLS] and [SEP]s included (instances.max_seq_length)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     seq_len: Option<usize>,
     /// Most masked positions per sequence (instances.max_predictions_per_seq)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     max_predictions: Option<usize>,
     /// Model size: tiny, mini, small, base or large (model.preset)
     #[arg(long)]
@@ -78,24 +78,24 @@ pub struct TrainArgs {
     out: Option<PathBuf>,
     /// Seed of model initialisation, dropout, batch order and instance creation
     /// (train.seed and instances.seed)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     seed: Option<u64>,
     /// Evaluate every N steps (train.eval_every)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     eval_every: Option<u64>,
     /// Stop once held-out masked-LM accuracy reaches this fraction (train.target_mlm_accuracy)
     #[arg(long, allow_negative_numbers = true)]
     target_mlm_accuracy: Option<f64>,
     /// Data-parallel ranks as threads of this process (in-process collectives). Under
     /// mpirun, srun or torchrun the ranks come from the launcher instead
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     nproc: usize,
     /// Gradient clipping: none, global, local-global or bucket (parallel.clip)
     #[arg(long, value_parser = parse_clip)]
     clip: Option<ClipMode>,
     /// K of --clip bucket: each bucket clipped to max-grad-norm/√K; Samsung's MLPerf v1.1
     /// code uses 22 (parallel.bucket_clip_count) [default: the number of buckets]
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     bucket_clip_count: Option<usize>,
     /// How accumulated micro-batches weigh their losses: micro-batch (the mean of their mean
     /// losses, NVIDIA's and Samsung's rule) or batch (exactly the whole local batch's
@@ -109,7 +109,7 @@ pub struct TrainArgs {
     #[arg(long, allow_negative_numbers = true)]
     first_bucket_mb: Option<f64>,
     /// Micro-batches per optimizer step (parallel.grad_accum)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     grad_accum: Option<usize>,
     /// Seconds a collective waits for the other ranks before the run stops
     /// (parallel.timeout_s)
@@ -140,26 +140,26 @@ pub struct TrainArgs {
     #[arg(long)]
     eval_data: Option<PathBuf>,
     /// Samples evaluated each time (train.eval_samples)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     eval_samples: Option<usize>,
     /// Evaluate every N training samples instead of every --eval-every steps; `mlperf` for
     /// the BERT rule FLOOR(0.05 × (230.23 × global batch + 3,000,000), 25,000)
     /// (train.eval_interval_samples)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     eval_interval_samples: Option<ember_trainer::config::EvalInterval>,
     /// Local batches the shard reader prepares ahead (data.prefetch)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     prefetch: Option<usize>,
     /// Sampler over the shards: random, stratified or presort (data.sampler)
     #[arg(long)]
     sampler: Option<SamplerKind>,
     /// Ranks per presort group (data.presort_group)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     presort_group: Option<usize>,
     /// Samples per length bin in each local batch, e.g. 6,3,2,5; must sum to
     /// batch-size × grad-accum, or batch-size (per micro-batch) (data.bin_quota) [default:
     /// proportional]
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
     bin_quota: Option<Vec<usize>>,
     /// Padding of shard batches: max, dynamic, or grouped (sorted by length, cut into
     /// grad-accum micro-batches each padded to its longest) (data.padding)
@@ -176,10 +176,10 @@ pub struct TrainArgs {
     /// Write a full-state checkpoint (weights, optimizer, data position) to
     /// OUT/checkpoints/step-NNNNNNN every N optimizer steps; one is always written at the end
     /// and on SIGTERM or SIGINT (checkpoint.every)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     checkpoint_every: Option<u64>,
     /// Keep only the newest K complete checkpoints; 0 keeps all (checkpoint.keep)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     keep_checkpoints: Option<usize>,
     /// Continue the run whose output folder is DIR from its newest complete checkpoint; the
     /// model, world size, global batch size, optimizer, data and seed must be as they were
@@ -205,7 +205,7 @@ pub struct TrainArgs {
     #[arg(long)]
     mllog_platform: Option<String>,
     /// Write a metrics line every N steps (train.log_every)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     log_every: Option<u64>,
     /// Do not draw the progress bar
     #[arg(long)]
@@ -472,6 +472,13 @@ pub fn run(args: TrainArgs) -> Result<()> {
                 "; target reached at {n} training samples"
             )),
     );
+    if summary.corpus_lines_skipped > 0 {
+        println!(
+            "ember: skipped {} corpus line(s) that were not UTF-8 (see the warnings; --strict \
+             stops at the first)",
+            summary.corpus_lines_skipped
+        );
+    }
     Ok(())
 }
 

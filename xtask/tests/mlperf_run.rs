@@ -341,6 +341,8 @@ fn bad_inputs_are_named_before_training() {
     for (flag, value, setting) in [
         ("--lr", "-0.001", "optimizer.lr"),
         ("--target-mlm-accuracy", "-0.5", "train.target_mlm_accuracy"),
+        ("--steps", "-1", "--steps"),
+        ("--init-from", "no-such-weights", "checkpoint.init_from"),
     ] {
         let output = ember(&["train", "--steps", "1", flag, value, "--out", "neg"], d);
         let message = text(&output);

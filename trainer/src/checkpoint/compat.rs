@@ -6,8 +6,9 @@
 //! describe another run, and the resumed run would be neither that run nor a fresh one.
 //! Everything else may change: more steps (the schedule's decay then stretches to the new
 //! end, as Hugging Face's Trainer does on `resume_from_checkpoint` with more epochs), the
-//! evaluation and logging cadence, the checkpoint cadence, the output folder, the kernels, the
-//! bucket sizes and the collectives' timeout.
+//! evaluation and logging cadence, the evaluation set (`data.eval_shards`), the checkpoint
+//! cadence, the output folder, the kernels, the bucket sizes, the reader's prefetch, the
+//! handling of bad input (`skip_bad_shards`, `strict`) and the collectives' timeout.
 
 use toml::Value;
 
@@ -22,6 +23,15 @@ const KEPT: [&str; 7] = [
     "data",
     "instances",
     "train.seed",
+];
+
+/// Settings inside the compared sections that do not change what is trained: where the
+/// evaluation set comes from, how far the reader prefetches, and how bad input is handled.
+const FREE: [&str; 4] = [
+    "data.eval_shards",
+    "data.prefetch",
+    "data.skip_bad_shards",
+    "data.strict",
 ];
 
 /// Checks that `given` may resume a checkpoint written under `saved` by `saved_world_size`
@@ -97,6 +107,7 @@ fn first_difference(
             keys.into_iter()
                 .find_map(|key| first_difference(&format!("{path}.{key}"), x.get(key), y.get(key)))
         }
+        _ if FREE.contains(&path) => None,
         (x, y) if x == y => None,
         (x, y) => Some((path.to_string(), show(x), show(y))),
     }
@@ -174,6 +185,13 @@ mod tests {
         c.train.eval_every = 7;
         c.train.log_every = 1;
         c.train.out = "elsewhere".into();
+        // Another evaluation set, prefetch depth or handling of bad input.
+        c.data.eval_shards = Some("eval/".into());
+        c.data.prefetch = 8;
+        c.data.skip_bad_shards = true;
+        c.data.strict = true;
         assert!(check_resume_compatible(&base, 2, &c, 2).is_ok());
+        c.data.shards = Some("other/".into());
+        assert!(refusal(&c, 2).contains("data.shards"));
     }
 }

@@ -76,6 +76,14 @@ pub fn prepare_data(config: &TrainConfig) -> Result<PreparedData, TrainError> {
                     path: path.clone(),
                 }));
             }
+            if eval.len() < config.train.eval_samples {
+                tracing::warn!(
+                    "{}: {} samples, fewer than train.eval_samples {}: evaluating all of them",
+                    path.display(),
+                    eval.len(),
+                    config.train.eval_samples
+                );
+            }
             Some(eval)
         }
         None => None,

@@ -89,6 +89,7 @@ pub fn train_in_process_with_data<B: GradHookBackend>(
         });
     }
     config.validate()?;
+    config.check_paths()?;
     let data = match data {
         Some(data) => data,
         None => Arc::new(prepare_data(config)?),

@@ -130,6 +130,7 @@ pub fn train_rank<B: GradHookBackend>(
 ) -> Result<TrainSummary, TrainError> {
     // Config and output.
     config.validate()?;
+    config.check_paths()?;
     let comm = Arc::new(CommThread::spawn(comm));
     let (rank, world_size) = (comm.rank(), comm.world_size());
     let out = &config.train.out;
