@@ -232,15 +232,7 @@ pub fn run(args: DataBenchArgs) -> Result<()> {
         line("ember prepare-data", jobs, &median(ember[k].clone()));
     }
     println!("\n{markdown}");
-    let out = args
-        .out
-        .clone()
-        .unwrap_or_else(|| crate::project_root().join("bench/results"));
-    std::fs::create_dir_all(&out).with_context(|| out.display().to_string())?;
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let base = out.join(format!("data-{stamp}"));
+    let base = crate::bench_reference::results_base(args.out.as_deref(), "data")?;
     std::fs::write(base.with_extension("md"), &markdown)?;
     std::fs::write(
         base.with_extension("json"),

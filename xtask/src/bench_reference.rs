@@ -30,6 +30,23 @@ pub(crate) fn reference_python(given: Option<&Path>) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// The base path of a benchmark's results, `OUT/NAME-<unix seconds>` (add `.md`, `.json`), with
+/// OUT `--out` or `bench/results/` (git-ignored), created.
+///
+/// # Errors
+/// When the folder cannot be created (it is named).
+pub(crate) fn results_base(out: Option<&Path>, name: &str) -> Result<PathBuf> {
+    let out = out.map_or_else(
+        || crate::project_root().join("bench/results"),
+        Path::to_path_buf,
+    );
+    std::fs::create_dir_all(&out).with_context(|| out.display().to_string())?;
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    Ok(out.join(format!("{name}-{stamp}")))
+}
+
 /// `cargo xtask bench --setup-reference`: bench/reference/.venv with torch, transformers,
 /// safetensors, numpy and h5py from PyPI (`bench train-step` and `bench data`).
 pub fn setup_reference() -> Result<()> {

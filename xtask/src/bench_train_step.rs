@@ -412,15 +412,10 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
         ));
     }
     println!("\n{markdown}");
-    let out = args
-        .out
-        .clone()
-        .unwrap_or_else(|| crate::project_root().join("bench/results"));
-    std::fs::create_dir_all(&out).with_context(|| out.display().to_string())?;
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let base = out.join(format!("train-step-{}-{stamp}", args.device));
+    let base = crate::bench_reference::results_base(
+        args.out.as_deref(),
+        &format!("train-step-{}", args.device),
+    )?;
     let json_rows: Vec<Value> = rows
         .iter()
         .map(|row| {
