@@ -46,6 +46,9 @@ log_every = 1
 
 [checkpoint]
 every = {every}
+# The newest two only: 14 runs of 6 checkpoints each (moments, 1-bit error feedback) wrote
+# gigabytes and filled a small disk.
+keep = 2
 
 [parallel]
 timeout_s = 120.0
@@ -90,12 +93,24 @@ fn losses(out: &Path) -> Vec<(u64, f64)> {
         .collect()
 }
 
-/// Polls until `ready` holds, then SIGKILLs the child; fails if the child ended first.
-fn kill_when(mut child: Child, what: &str, ready: impl Fn() -> bool) {
+/// Spawns `command` with its stdout and stderr in `log` (read back when the run fails).
+fn spawn_logged(mut command: Command, log: &Path) -> Child {
+    let file = std::fs::File::create(log).unwrap();
+    command
+        .stdout(Stdio::from(file.try_clone().unwrap()))
+        .stderr(Stdio::from(file))
+        .spawn()
+        .unwrap()
+}
+
+/// Polls until `ready` holds, then SIGKILLs the child; fails if the child ended first,
+/// printing what it wrote to `log`.
+fn kill_when(mut child: Child, log: &Path, what: &str, ready: impl Fn() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(600);
     while !ready() {
         if let Some(status) = child.try_wait().unwrap() {
-            panic!("the run ended ({status}) before {what}: make it longer");
+            let output = std::fs::read_to_string(log).unwrap_or_default();
+            panic!("the run ended ({status}) before {what}: make it longer\n{output}");
         }
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         std::thread::sleep(Duration::from_millis(1));
@@ -165,12 +180,11 @@ fn killed_between_checkpoints_resumes_bit_for_bit() {
 
         let cut = dir.path().join(format!("cut-{nproc}-{optimizer}-{freeze}"));
         let kill_at = 6 + (std::process::id() as u64 + nproc.len() as u64 * 7) % 4; // 6..=9
-        let child = command(&config, &cut, &extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        kill_when(child, &format!("step {kill_at}"), || {
+        let log = dir
+            .path()
+            .join(format!("cut-{nproc}-{optimizer}-{freeze}.log"));
+        let child = spawn_logged(command(&config, &cut, &extra), &log);
+        kill_when(child, &log, &format!("{what}: step {kill_at}"), || {
             losses(&cut).last().is_some_and(|(s, _)| *s >= kill_at)
         });
         let resumed_from = losses(&cut).len();
@@ -192,6 +206,8 @@ fn killed_between_checkpoints_resumes_bit_for_bit() {
             "{what}"
         );
         assert_same_run(&full, &cut, &what);
+        std::fs::remove_dir_all(&full).unwrap();
+        std::fs::remove_dir_all(&cut).unwrap();
     }
 }
 
@@ -204,14 +220,11 @@ fn killed_while_writing_a_checkpoint_resumes_from_the_one_before() {
     let full = dir.path().join("full");
     run(&config, &full, &[]);
     let cut = dir.path().join("cut");
-    let child = command(&config, &cut, &[])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let log = dir.path().join("cut.log");
+    let child = spawn_logged(command(&config, &cut, &[]), &log);
     let checkpoints = cut.join("checkpoints");
     // A folder after the first complete one, caught before its manifest is in place.
-    kill_when(child, "a checkpoint caught mid-write", || {
+    kill_when(child, &log, "a checkpoint caught mid-write", || {
         let Ok(entries) = std::fs::read_dir(&checkpoints) else {
             return false;
         };
