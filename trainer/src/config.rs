@@ -15,7 +15,9 @@ mod loop_section;
 /// The most local batches `data.prefetch` may read ahead.
 pub const MAX_PREFETCH: usize = 64;
 use crate::checkpoint::CheckpointConfig;
+pub use crate::loss_scale::{LossScaleConfig, LossScaleMode};
 pub use crate::onebit::OnebitConfig;
+pub use crate::parallel::AllreduceDtype;
 use crate::parallel::{BucketStorage, ClipMode, TiedEmbedding};
 pub use loop_section::{EvalInterval, EvalRule, LoopConfig, LossNormalization};
 
@@ -36,6 +38,8 @@ pub struct TrainConfig {
     pub checkpoint: CheckpointConfig,
     /// The MLPerf log (`:::MLLOG` lines) and its submission keys.
     pub mllog: crate::mllog::MllogConfig,
+    /// Dynamic loss scaling (`crate::loss_scale`).
+    pub loss_scale: LossScaleConfig,
 }
 
 impl Default for TrainConfig {
@@ -43,6 +47,7 @@ impl Default for TrainConfig {
         Self {
             checkpoint: CheckpointConfig::default(),
             mllog: crate::mllog::MllogConfig::default(),
+            loss_scale: LossScaleConfig::default(),
             model: ModelSection::default(),
             data: DataSection::default(),
             instances: PretrainingConfig::default(),
@@ -315,6 +320,9 @@ pub struct ParallelConfig {
     /// pass over the hooked gradients and one small device read after the wait for the
     /// buckets (none in backward); 0 never checks. Default: 100.
     pub check_gradients_every: u64,
+    /// The element type buckets travel in: `f32`, or `bf16` (half the bytes on the wire,
+    /// the sum accumulated back into f32; [`AllreduceDtype`]). Default: f32.
+    pub allreduce_dtype: AllreduceDtype,
 }
 
 impl Default for ParallelConfig {
@@ -329,6 +337,7 @@ impl Default for ParallelConfig {
             buckets: BucketStorage::Auto,
             tied_embedding: TiedEmbedding::Auto,
             check_gradients_every: 100,
+            allreduce_dtype: AllreduceDtype::F32,
         }
     }
 }
@@ -550,6 +559,21 @@ impl TrainConfig {
             return invalid(
                 "parallel.timeout_s",
                 format!("{} must be a positive number", p.timeout_s),
+            );
+        }
+        self.loss_scale.validate()?;
+        if self.loss_scale.mode != LossScaleMode::None && self.optimizer.name.is_onebit() {
+            return invalid(
+                "loss_scale.mode",
+                format!(
+                    "loss scaling with {} is not supported: its compression stage averages \
+                     compressed momenta, whose signs and scales cannot carry the overflow \
+                     check (Note [Agreeing on an overflow])",
+                    match self.optimizer.name {
+                        OptimizerKind::OnebitAdam => "onebit-adam",
+                        _ => "onebit-lamb",
+                    }
+                ),
             );
         }
         let max_positions = BertConfig::preset(self.model.preset).max_position_embeddings;

@@ -50,6 +50,18 @@ pub enum TrainError {
         /// The loss value.
         loss: f64,
     },
+    /// The gradients overflowed in `loss_scale.max_skipped_steps` steps in a row.
+    #[error(
+        "step {step}: the gradients overflowed (inf or NaN) in {skipped} steps in a row, the last at loss scale {scale}: the run stops instead of training on a collapsed scale (lower optimizer.lr, keep gradient clipping on, raise loss_scale.min_scale, or train in bf16)"
+    )]
+    LossScaleCollapsed {
+        /// The optimizer step the last skipped batch was for (1-based).
+        step: u64,
+        /// The scale of that step.
+        scale: f64,
+        /// Consecutive skipped steps.
+        skipped: u64,
+    },
     /// A gradient changed after a hook handed it to the reducer: its bucket was reduced
     /// without the rest of it (Note [Re-checking late gradients]).
     #[error(

@@ -7,7 +7,8 @@ use burn::backend::{Autodiff, NdArray};
 use clap::Args;
 use ember_data::{Padding, SamplerKind};
 use ember_model::Preset;
-use ember_trainer::parallel::{BucketStorage, ClipMode, LaunchEnv, TiedEmbedding};
+use ember_trainer::loss_scale::LossScaleMode;
+use ember_trainer::parallel::{AllreduceDtype, BucketStorage, ClipMode, LaunchEnv, TiedEmbedding};
 use ember_trainer::{LossNormalization, OptimizerKind, RunOptions, TrainConfig};
 
 use crate::project_root;
@@ -124,6 +125,21 @@ pub struct TrainArgs {
     /// (parallel.tied_embedding)
     #[arg(long)]
     tied_embedding: Option<TiedEmbedding>,
+    /// The element type gradient buckets travel in: f32, or bf16 (half the bytes, the sum in
+    /// f32; host buckets) (parallel.allreduce_dtype)
+    #[arg(long)]
+    allreduce_dtype: Option<AllreduceDtype>,
+    /// Loss scaling: none, or dynamic (PyTorch GradScaler's rule: a step whose gradients
+    /// overflow is skipped on every rank and the scale halves) (loss_scale.mode)
+    #[arg(long)]
+    loss_scale: Option<LossScaleMode>,
+    /// The first step's loss scale (loss_scale.init_scale) [default: 65536]
+    #[arg(long, allow_negative_numbers = true)]
+    init_loss_scale: Option<f64>,
+    /// Consecutive skipped steps after which the run stops with an error
+    /// (loss_scale.max_skipped_steps) [default: 20]
+    #[arg(long, allow_negative_numbers = true)]
+    max_skipped_steps: Option<u64>,
     /// Where to train: cpu (Burn's NdArray), cuda (NVIDIA GPU `LOCAL_RANK`, needs the `cuda`
     /// feature; several GPUs: one process each, under torchrun, srun or mpirun) or wgpu (any
     /// Vulkan/Metal/DX12 GPU, or Mesa's lavapipe on the CPU; needs the `wgpu` feature; one
@@ -359,6 +375,19 @@ impl TrainArgs {
         }
         if let Some(v) = self.tied_embedding {
             p.tied_embedding = v;
+        }
+        if let Some(v) = self.allreduce_dtype {
+            p.allreduce_dtype = v;
+        }
+        let l = &mut config.loss_scale;
+        if let Some(v) = self.loss_scale {
+            l.mode = v;
+        }
+        if let Some(v) = self.init_loss_scale {
+            l.init_scale = v;
+        }
+        if let Some(v) = self.max_skipped_steps {
+            l.max_skipped_steps = v;
         }
         let m = &mut config.mllog;
         if let Some(v) = &self.mllog {

@@ -8,6 +8,7 @@ mod clipping;
 mod details;
 mod failures;
 mod hooks;
+mod loss_scale;
 mod onebit;
 
 use std::collections::{BTreeMap, HashMap};

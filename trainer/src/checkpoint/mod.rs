@@ -84,6 +84,9 @@ pub struct RunState {
     pub tokens: usize,
     /// The last evaluation, if any.
     pub last_eval: Option<EvalResult>,
+    /// The dynamic loss scaler's state (`loss_scale.mode = "dynamic"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scaler: Option<crate::loss_scale::LossScalerState>,
 }
 
 /// Where one rank's training data stands (`rank-NNNNN.json`).

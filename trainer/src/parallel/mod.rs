@@ -2,9 +2,10 @@
 //! ([`collective`], [`in_process`], [`link`], [`mpi`], [`nccl`]) owned by a communication thread
 //! ([`comm_thread`]); the bucket plan ([`plan`]); gradient hooks that hand over each layer's
 //! gradients during backward ([`hooks`]); buckets on the device or the host ([`buckets`]),
-//! clipped ([`clip`]) and allreduced by the reducer ([`reducer`]); and how a process finds its
+//! clipped ([`clip`]) and allreduced by the reducer ([`reducer`], in f32 or [`bf16`]); and how a process finds its
 //! rank and its peers ([`launch`], [`rendezvous`]). See docs/ARCHITECTURE.md, Trainer.
 
+pub mod bf16;
 pub mod buckets;
 pub mod clip;
 pub mod collective;
@@ -23,6 +24,7 @@ pub mod reducer;
 pub mod rendezvous;
 pub mod tied;
 
+pub use bf16::{AllreduceDtype, allreduce_bf16, allreduce_bytes};
 pub use buckets::{BucketStorage, Buffer, Scalar};
 pub use clip::{ClipMode, bucket_clip_cap, clip_coefficient, clip_coefficient_device};
 pub use collective::{Collective, CommError, DeviceCollective, ReduceOp, SingleRank};

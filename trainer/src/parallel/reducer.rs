@@ -24,6 +24,7 @@ use burn::module::ParamId;
 use burn::tensor::ops::FloatTensor;
 use ember_backend_ext::FusedOps;
 
+use super::bf16::{AllreduceDtype, allreduce_bf16};
 use super::buckets::{Buffer, Scalar};
 use super::clip::{ClipMode, bucket_clip_cap};
 use super::collective::{CommError, ReduceOp};
@@ -53,6 +54,10 @@ pub struct ReducedStep<B: FusedOps> {
     pub timings: StepTimings,
     /// Elements this rank allreduced in the step (0 when the buckets stayed local).
     pub elements_allreduced: usize,
+    /// With [`Reducer::with_overflow_check`]: the squared norm of the averaged (unclipped)
+    /// gradient, the same on every rank, not finite when any rank's gradient was not
+    /// (Note [Agreeing on an overflow] in `loss_scale.rs`).
+    pub reduced_sq_norm: Option<Scalar<B>>,
 }
 
 /// A bucket's allreduce on the communication thread.
@@ -89,6 +94,8 @@ struct StepState<B: FusedOps> {
     last_launch: Option<Instant>,
     /// The tied table's rows, when its gradient is split (Note [Tied embedding split]).
     tied: Option<TiedRows<B>>,
+    /// Every gradient is multiplied by this as it arrives: 1 / the loss scale.
+    inv_loss_scale: f32,
 }
 
 /// Buckets, clipping and asynchronous allreduce for one rank (see the module docs).
@@ -103,6 +110,10 @@ pub struct Reducer<B: FusedOps> {
     on_device: bool,
     /// Buckets stay local, not allreduced ([`Reducer::set_local`]).
     local: bool,
+    /// The element type host buckets travel in.
+    allreduce_dtype: AllreduceDtype,
+    /// Measure the averaged gradient's squared norm for the overflow check.
+    overflow_check: bool,
     state: Arc<Mutex<StepState<B>>>,
     comm: Arc<CommThread<B>>,
 }
@@ -116,6 +127,7 @@ struct Shared<B: FusedOps> {
     bucket_clip_count: Option<usize>,
     on_device: bool,
     local: bool,
+    allreduce_dtype: AllreduceDtype,
     comm: Arc<CommThread<B>>,
 }
 
@@ -166,6 +178,7 @@ impl<B: FusedOps> Reducer<B> {
             error: None,
             last_launch: None,
             tied: plan.tied.as_ref().map(TiedRows::new),
+            inv_loss_scale: 1.0,
         };
         Self {
             plan: Arc::new(plan),
@@ -175,6 +188,8 @@ impl<B: FusedOps> Reducer<B> {
             bucket_clip_count: None,
             on_device,
             local: false,
+            allreduce_dtype: AllreduceDtype::F32,
+            overflow_check: false,
             state: Arc::new(Mutex::new(state)),
             comm,
         }
@@ -198,6 +213,38 @@ impl<B: FusedOps> Reducer<B> {
     pub fn with_bucket_clip_count(mut self, count: Option<usize>) -> Self {
         self.bucket_clip_count = count;
         self
+    }
+
+    /// Host buckets travel as `dtype` (`parallel.allreduce_dtype`; `super::bf16`).
+    ///
+    /// # Panics
+    /// If bf16 is asked of device buckets (the caller refuses the setting).
+    pub fn with_allreduce_dtype(mut self, dtype: AllreduceDtype) -> Self {
+        assert!(
+            dtype == AllreduceDtype::F32 || !self.on_device,
+            "bf16 allreduce of device buckets"
+        );
+        self.allreduce_dtype = dtype;
+        self
+    }
+
+    /// The element type buckets travel in.
+    pub fn allreduce_dtype(&self) -> AllreduceDtype {
+        self.allreduce_dtype
+    }
+
+    /// Reports the averaged gradient's squared norm in every [`ReducedStep`] (the loss
+    /// scaler's overflow check; an extra pass over the buckets in the `bucket` and
+    /// `local-global` clip modes, whose norm is the local one).
+    pub fn with_overflow_check(mut self, check: bool) -> Self {
+        self.overflow_check = check;
+        self
+    }
+
+    /// Divides every gradient of the next step by `scale` as it arrives (the loss scale;
+    /// `crate::loss_scale`), before accumulation, clipping and the allreduce.
+    pub fn set_loss_scale(&self, scale: f64) {
+        self.lock().inv_loss_scale = (1.0 / scale) as f32;
     }
 
     /// The K of [`ClipMode::Bucket`]: the pinned count, else the plan's reductions.
@@ -229,6 +276,7 @@ impl<B: FusedOps> Reducer<B> {
             bucket_clip_count: self.bucket_clip_count,
             on_device: self.on_device,
             local: self.local,
+            allreduce_dtype: self.allreduce_dtype,
             comm: self.comm.clone(),
         }
     }
@@ -337,11 +385,18 @@ impl<B: FusedOps> Reducer<B> {
         if let (Some(tied), Some(rows)) = (state.tied.as_mut(), rows) {
             tied.buffer = Some(rows);
         }
+        let reduced_sq_norm;
         let grad_norm = match self.clip {
-            ClipMode::LocalGlobal => local_norm.expect("measured above"),
-            ClipMode::Bucket => Scalar::sum(std::mem::take(&mut state.local_sq_norms)).sqrt(),
+            ClipMode::LocalGlobal | ClipMode::Bucket => {
+                reduced_sq_norm = self.overflow_check.then(|| self.sq_norm(&state));
+                match local_norm {
+                    Some(norm) => norm,
+                    None => Scalar::sum(std::mem::take(&mut state.local_sq_norms)).sqrt(),
+                }
+            }
             ClipMode::None | ClipMode::Global => {
                 let sq = self.sq_norm(&state);
+                reduced_sq_norm = self.overflow_check.then(|| sq.clone());
                 if self.clip == ClipMode::Global {
                     let coefficient = sq.clip_coefficient(self.max_norm);
                     scale_all(&mut state, &coefficient);
@@ -356,6 +411,7 @@ impl<B: FusedOps> Reducer<B> {
                 tail: last_launch.map_or(Duration::ZERO, |t| done.saturating_duration_since(t)),
             },
             elements_allreduced,
+            reduced_sq_norm,
         })
     }
 
@@ -415,6 +471,14 @@ impl<B: FusedOps> Shared<B> {
     /// last micro-batch, launches complete buckets in order.
     fn mark_params_ready(&self, state: &mut StepState<B>, grads: HookGradients<B>) {
         for (id, grad) in grads {
+            let grad = if state.inv_loss_scale == 1.0 {
+                grad
+            } else {
+                B::float_mul_scalar(
+                    grad,
+                    burn::tensor::Scalar::Float(state.inv_loss_scale.into()),
+                )
+            };
             if let Some(tied) = state.tied.as_mut().filter(|t| t.table == id) {
                 let first = state.first_micro_batch;
                 if let Err(e) = tied.add(grad, self.on_device, first) {
@@ -532,11 +596,17 @@ impl<B: FusedOps> Shared<B> {
             return rx;
         }
         match buffer {
-            Buffer::Host(values) => self.comm.submit(move |c| {
-                let mut values = values;
-                c.allreduce(&mut values, ReduceOp::Average)
+            Buffer::Host(values) => {
+                let dtype = self.allreduce_dtype;
+                self.comm.submit(move |c| {
+                    let mut values = values;
+                    match dtype {
+                        AllreduceDtype::F32 => c.allreduce(&mut values, ReduceOp::Average),
+                        AllreduceDtype::Bf16 => allreduce_bf16(c, &mut values, ReduceOp::Average),
+                    }
                     .map(|()| Buffer::Host(values))
-            }),
+                })
+            }
             Buffer::Device(tensor) => self.comm.submit_device(move |c| {
                 c.allreduce_device(tensor, ReduceOp::Average)
                     .map(Buffer::Device)

@@ -268,6 +268,9 @@ impl<B: GradHookBackend> Trainer<B> {
                 ),
             ));
         }
+        if let (Some(scaler), Some(saved)) = (self.loss_scaler.as_mut(), run.loss_scaler) {
+            scaler.restore(saved);
+        }
         if rank == 0 {
             info!(
                 step = run.step,

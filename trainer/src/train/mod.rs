@@ -30,6 +30,7 @@ pub use step::loss_weights;
 
 use crate::checkpoint::RunState;
 use crate::eval::{EvalResult, evaluate};
+use crate::loss_scale::LossScaler;
 use crate::mllog::MlLog;
 use crate::parallel::{CommThread, Communicator, GradHookBackend, ReduceOp, check_agreement};
 use crate::{TrainConfig, TrainError};
@@ -54,6 +55,10 @@ pub struct RunOptions {
     /// Called on rank 0 with the path of `metrics.jsonl` after each evaluation and at the end
     /// (the `train` command draws `curves.png` with it).
     pub on_eval: Option<fn(&std::path::Path)>,
+    /// For tests of the loss scaler: called with (steps done, rank) before each backward, it
+    /// returns a factor for that rank's loss (`f32::INFINITY` or NaN makes the step's
+    /// gradients overflow on that rank; 1 leaves the step as it is).
+    pub loss_fault: Option<fn(u64, usize) -> f32>,
 }
 
 /// What a finished run reports.
@@ -83,6 +88,11 @@ pub struct TrainSummary {
     pub peak_rss_bytes: Option<u64>,
     /// Corpus lines skipped because they were not UTF-8.
     pub corpus_lines_skipped: usize,
+    /// Steps skipped because their gradients overflowed (dynamic loss scaling), this run and
+    /// the resumed run's before it.
+    pub skipped_steps: u64,
+    /// The loss scale at the end (dynamic loss scaling only).
+    pub loss_scale: Option<f64>,
     /// Wall-clock seconds of the training loop (evaluations included, data preparation not).
     pub train_seconds: f64,
     /// Real (unpadded) tokens processed per second of training.
@@ -209,6 +219,7 @@ pub fn train_rank<B: GradHookBackend>(
         losses: log.losses.clone(),
         tokens: log.tokens,
         last_eval,
+        loss_scaler: None,
     };
     let mut data_wait_s = 0.0;
     let mut last_eval_step = None;
@@ -221,6 +232,12 @@ pub fn train_rank<B: GradHookBackend>(
         let mut record;
         (model, record) = trainer.step(model, step, micro_batches, device, &options)?;
         record.data_wait_s = waited;
+        if record.skipped {
+            // Not counted: the weights, moments and schedule stay; the next batch tries again.
+            let next_scale = trainer.loss_scaler.as_ref().map_or(1.0, LossScaler::scale);
+            log.skipped(&record, next_scale)?;
+            continue;
+        }
         if rank == 0 && record.compressed && step == trainer.optimizer_freeze_step() {
             info!(
                 step = step + 1,
@@ -273,7 +290,8 @@ pub fn train_rank<B: GradHookBackend>(
         let ends = reached_target || stopped_by.is_some() || step == config.train.steps;
         if due || ends {
             log.flush(&comm)?;
-            let state = run_state(step, &log, last_eval);
+            let mut state = run_state(step, &log, last_eval);
+            state.loss_scaler = trainer.loss_scaler.as_ref().map(LossScaler::state);
             last_checkpoint =
                 Some(trainer.save_checkpoint(&model, config, &rank_data, &state, &comm)?);
         }
@@ -325,6 +343,7 @@ pub fn train_rank<B: GradHookBackend>(
         write_atomically(&out.join("train_config.toml"), &config.to_toml())?;
     }
     let peak_rss_bytes = output::peak_rss_bytes();
+    let scaler_state = trainer.loss_scaler.as_ref().map(LossScaler::state);
     log.end(json!({
         "event": "end", "steps": step, "reached_target": reached_target,
         "target_reached_at_samples": target_reached_at,
@@ -333,6 +352,8 @@ pub fn train_rank<B: GradHookBackend>(
         "train_seconds": train_seconds, "data_wait_s": data_wait_s,
         "peak_rss_mib": peak_rss_bytes.map(|b| b as f64 / (1 << 20) as f64),
         "corpus_lines_skipped": data.skipped_lines,
+        "skipped_steps": scaler_state.map_or(0, |s| s.skipped_steps),
+        "loss_scale": scaler_state.map(|s| s.scale),
         "checkpoint": checkpoint,
         "last_checkpoint": last_checkpoint, "stopped_by": stopped_by,
     }))?;
@@ -355,6 +376,8 @@ pub fn train_rank<B: GradHookBackend>(
         data_wait_s,
         peak_rss_bytes,
         corpus_lines_skipped: data.skipped_lines,
+        skipped_steps: scaler_state.map_or(0, |s| s.skipped_steps),
+        loss_scale: scaler_state.map(|s| s.scale),
         train_seconds,
         tokens_per_second: (log.tokens - tokens_before) as f64 / train_seconds,
         checkpoint,

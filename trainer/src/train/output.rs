@@ -126,6 +126,12 @@ pub(crate) struct StepRecord<B: Backend> {
     /// Seconds the step waited for its batches (the shard reader's prefetch not ready, or
     /// the in-memory loader's collation).
     pub data_wait_s: f64,
+    /// The loss scale of the step (dynamic loss scaling only).
+    pub loss_scale: Option<f64>,
+    /// Steps skipped for an overflow so far in the run (dynamic loss scaling only).
+    pub skipped_steps: u64,
+    /// The step's gradients overflowed: no update, the step is not counted.
+    pub skipped: bool,
 }
 
 /// Metrics, progress and the losses of a run (rank 0 writes; every rank reads its losses).
@@ -280,6 +286,10 @@ impl<B: Backend> RunLog<B> {
                 "data_wait_s": last.data_wait_s,
                 "elapsed_s": self.started.elapsed().as_secs_f64(),
             });
+            if let Some(scale) = last.loss_scale {
+                line["loss_scale"] = json!(scale);
+                line["skipped_steps"] = json!(last.skipped_steps);
+            }
             if let Some(syncs) = last.host_syncs {
                 line["host_syncs_backward"] = json!(syncs.backward);
                 line["host_syncs_step"] = json!(syncs.step);
@@ -289,6 +299,34 @@ impl<B: Backend> RunLog<B> {
         self.progress.set_message(format!("loss {:.3}", l[0]));
         self.pending.clear();
         Ok(())
+    }
+
+    /// Writes the `skip` record of a step whose gradients overflowed (Note [Agreeing on an
+    /// overflow]) and warns: the step is not counted, the scale for the next try is
+    /// `next_scale`.
+    pub(crate) fn skipped(
+        &mut self,
+        record: &StepRecord<B>,
+        next_scale: f64,
+    ) -> Result<(), TrainError> {
+        let scale = record.loss_scale.unwrap_or(1.0);
+        self.progress.suspend(|| {
+            tracing::warn!(
+                step = record.step,
+                loss_scale = scale,
+                next_loss_scale = next_scale,
+                skipped_steps = record.skipped_steps,
+                "gradients overflowed (inf or NaN): step skipped on every rank"
+            )
+        });
+        let Some(metrics) = self.metrics.as_mut() else {
+            return Ok(());
+        };
+        metrics.write(json!({
+            "event": "skip", "step": record.step, "loss_scale": scale,
+            "next_loss_scale": next_scale, "skipped_steps": record.skipped_steps,
+            "elapsed_s": self.started.elapsed().as_secs_f64(),
+        }))
     }
 
     /// Writes an evaluation's `eval` record and logs it.

@@ -11,9 +11,10 @@ use burn::tensor::{Tensor, TensorData};
 use ember_data::InstanceLoader;
 use ember_model::{BertConfig, BertForPreTraining};
 
+use crate::loss_scale::{LossScaleMode, LossScaler};
 use crate::optim::PreTrainingOptimizer;
 use crate::parallel::{
-    CommThread, GradHookBackend, Reducer, bucket_plan, check_agreement, ready_order,
+    AllreduceDtype, CommThread, GradHookBackend, Reducer, bucket_plan, check_agreement, ready_order,
 };
 use crate::schedule::WarmupPolyDecay;
 use crate::{LossNormalization, TrainConfig, TrainError};
@@ -42,6 +43,8 @@ pub(crate) struct Trainer<B: GradHookBackend> {
     pub loss_normalization: LossNormalization,
     /// Steps between re-checks of the hooks' gradients (Note [Re-checking late gradients]).
     pub check_gradients_every: u64,
+    /// Dynamic loss scaling, when `loss_scale.mode` asks for it.
+    pub loss_scaler: Option<LossScaler>,
 }
 
 impl<B: GradHookBackend> Trainer<B> {
@@ -71,6 +74,15 @@ impl<B: GradHookBackend> Trainer<B> {
                 field: "parallel.buckets",
                 reason,
             })?;
+        if on_device && config.parallel.allreduce_dtype != AllreduceDtype::F32 {
+            return Err(TrainError::InvalidSetting {
+                field: "parallel.allreduce_dtype",
+                reason: "bf16 buckets are reduced through host collectives for now; this run's \
+                         buckets are on the device (set parallel.buckets = \"host\", or keep \
+                         allreduce_dtype = \"f32\")"
+                    .into(),
+            });
+        }
         let model = init_model::<B>(config, &bert_config, device);
         let probe = eval
             .sequential_batches()
@@ -100,7 +112,9 @@ impl<B: GradHookBackend> Trainer<B> {
             on_device,
             comm.clone(),
         )
-        .with_bucket_clip_count(config.parallel.bucket_clip_count);
+        .with_bucket_clip_count(config.parallel.bucket_clip_count)
+        .with_allreduce_dtype(config.parallel.allreduce_dtype)
+        .with_overflow_check(config.loss_scale.mode != LossScaleMode::None);
         let fused = config.model.kernels.multi_tensor::<B>();
         let mut optimizer_config = config.optimizer.clone();
         if optimizer_config.name.is_onebit() {
@@ -126,6 +140,7 @@ impl<B: GradHookBackend> Trainer<B> {
             seed: config.train.seed,
             loss_normalization: config.train.loss_normalization,
             check_gradients_every: config.parallel.check_gradients_every,
+            loss_scaler: LossScaler::new(&config.loss_scale),
         };
         Ok((trainer, model))
     }

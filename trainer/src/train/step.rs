@@ -16,8 +16,9 @@ use super::output::{HostSyncCounts, StepRecord};
 use super::setup::Trainer;
 use crate::eval::forward_loss_hooked;
 use crate::grads::{peek_grads, take_grads};
-use crate::onebit::ring_allreduce_bytes;
-use crate::parallel::{DeliveryCheck, GradHookBackend, GradHooks};
+use crate::loss_scale::LossScaler;
+use crate::onebit::OnebitStep;
+use crate::parallel::{DeliveryCheck, GradHookBackend, GradHooks, allreduce_bytes};
 use crate::{LossNormalization, RunOptions, TrainError};
 
 impl<B: GradHookBackend> Trainer<B> {
@@ -67,6 +68,15 @@ impl<B: GradHookBackend> Trainer<B> {
         let mut checks = Vec::new();
         // 1-bit Adam/LAMB's compression stage averages momenta, not gradients.
         self.reducer.set_local(self.optimizer.compressing());
+        let loss_scale = self.loss_scaler.as_ref().map(LossScaler::scale);
+        if let Some(scale) = loss_scale {
+            self.reducer.set_loss_scale(scale);
+        }
+        // Tests inject an overflow by a non-finite factor on the loss of a chosen rank and step.
+        let fault = options
+            .loss_fault
+            .map_or(1.0, |f| f64::from(f(step, self.rank)));
+        let factor = loss_scale.unwrap_or(1.0) * fault;
         self.reducer.begin_step(
             micro_batches
                 .iter()
@@ -106,7 +116,12 @@ impl<B: GradHookBackend> Trainer<B> {
                 syncs_at_backward = count();
             }
             let backward_started = Instant::now();
-            let mut grads = GradientsParams::from_grads(total.backward(), &model);
+            let scaled = if factor == 1.0 {
+                total
+            } else {
+                total.mul_scalar(factor)
+            };
+            let mut grads = GradientsParams::from_grads(scaled.backward(), &model);
             drop(hooks);
             if let Some(check) = check {
                 // Compared on the device now, read after the wait (no read in backward).
@@ -130,15 +145,30 @@ impl<B: GradHookBackend> Trainer<B> {
                 }
             })?;
         }
-        let grads = self.reducer.gradients::<B, _>(&model, device);
         let lr = self.schedule.lr(step);
-        let (model, onebit) = self.optimizer.try_step(lr, model, grads)?;
+        let mut skipped = false;
+        if let Some(scaler) = self.loss_scaler.as_mut() {
+            // One read of the averaged gradient's squared norm (Note [Agreeing on an overflow]).
+            let sq = reduced
+                .reduced_sq_norm
+                .as_ref()
+                .expect("the reducer checks overflows with a loss scaler")
+                .value();
+            skipped = scaler.update(!sq.is_finite(), step + 1)?;
+        }
+        let (model, onebit) = if skipped {
+            (model, OnebitStep::default())
+        } else {
+            let grads = self.reducer.gradients::<B, _>(&model, device);
+            self.optimizer.try_step(lr, model, grads)?
+        };
         let comm_bytes = if onebit.compressed {
             onebit.bytes.total()
         } else {
-            ring_allreduce_bytes(
+            allreduce_bytes(
                 reduced.elements_allreduced,
                 self.reducer.comm().world_size(),
+                self.reducer.allreduce_dtype(),
             )
         };
         let host_syncs = match (syncs_at_start, syncs_at_backward, syncs_at_wait, count()) {
@@ -161,6 +191,12 @@ impl<B: GradHookBackend> Trainer<B> {
             comm_bytes,
             compressed: onebit.compressed,
             data_wait_s: 0.0,
+            loss_scale,
+            skipped_steps: self
+                .loss_scaler
+                .as_ref()
+                .map_or(0, |s| s.state().skipped_steps),
+            skipped,
         };
         Ok((model, record))
     }

@@ -1,0 +1,189 @@
+//! Dynamic loss scaling over 2 in-process ranks (`trainer/src/loss_scale.rs`): an overflow on
+//! one rank skips the step on both, the scale halves and grows again after the interval, never
+//! goes below the floor, and consecutive overflows stop the run with an error, never a NaN
+//! weight. Dropout on, several masked positions per sample.
+
+use std::sync::atomic::AtomicU32;
+
+use super::*;
+use ember_trainer::loss_scale::LossScaleMode;
+
+/// Tries of the current run on which rank 1 overflowed (step 2) and rank 0 did (step 4), each
+/// once; `PERSISTENT`: rank 1 overflows on every try from step 1 on.
+static FAULTS: [AtomicU32; 2] = [AtomicU32::new(0), AtomicU32::new(0)];
+
+fn twice(step: u64, rank: usize) -> f32 {
+    match (rank, step) {
+        (1, 2) if FAULTS[1].fetch_add(1, Ordering::SeqCst) == 0 => f32::INFINITY,
+        (0, 4) if FAULTS[0].fetch_add(1, Ordering::SeqCst) == 0 => f32::NAN,
+        _ => 1.0,
+    }
+}
+
+fn persistent(step: u64, rank: usize) -> f32 {
+    if rank == 1 && step >= 1 {
+        f32::INFINITY
+    } else {
+        1.0
+    }
+}
+
+fn config(out: &Path) -> TrainConfig {
+    let mut config = small_config(out);
+    config.model.hidden_dropout_prob = Some(0.1);
+    config.model.attention_probs_dropout_prob = Some(0.1);
+    config.instances.max_predictions_per_seq = 8;
+    config.train.batch_size = 2;
+    config.train.steps = 6;
+    config.train.eval_every = 6;
+    config.loss_scale.init_scale = 1024.0;
+    config.loss_scale.growth_interval = 2;
+    config.loss_scale.min_scale = 256.0;
+    config
+}
+
+fn records(metrics: &Path, event: &str) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["event"] == event)
+        .collect()
+}
+
+fn run_ranks(
+    config: &TrainConfig,
+    fault: Option<fn(u64, usize) -> f32>,
+) -> Vec<Result<ember_trainer::TrainSummary, TrainError>> {
+    for f in &FAULTS {
+        f.store(0, Ordering::SeqCst);
+    }
+    static DATA: std::sync::OnceLock<Arc<PreparedData>> = std::sync::OnceLock::new();
+    let data = DATA.get_or_init(|| Arc::new(prepare_data(config).unwrap()));
+    on_ranks(2, Duration::from_secs(120), |_, comm| {
+        let options = RunOptions {
+            loss_fault: fault,
+            ..RunOptions::default()
+        };
+        train_rank::<B>(
+            config,
+            &Default::default(),
+            options,
+            Communicator::Host(Box::new(comm)),
+            Some(data.clone()),
+        )
+    })
+}
+
+#[test]
+fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let plain = config(&dir.path().join("plain"));
+    let reference: Vec<_> = run_ranks(&plain, None)
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+
+    let mut scaled = config(&dir.path().join("scaled"));
+    scaled.loss_scale.mode = LossScaleMode::Dynamic;
+    let summaries: Vec<_> = run_ranks(&scaled, Some(twice))
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    // Both ranks skipped both tries (one overflowed on rank 1 only, one on rank 0 only): a
+    // rank that had not would have run out of steps first and left the other waiting.
+    for s in &summaries {
+        assert_eq!(s.steps, 6);
+        assert_eq!(s.skipped_steps, 2, "rank {}", s.is_main_rank);
+    }
+    let metrics = &summaries[0].metrics;
+    let skips = records(metrics, "skip");
+    let at = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap();
+    assert_eq!(skips.len(), 2, "{skips:?}");
+    // Steps 1, 2 clean at 1024: the scale doubles; step 3's first try overflows at 2048 and
+    // halves; steps 3, 4 clean at 1024, doubled; step 5's first try overflows at 2048.
+    assert_eq!(
+        (at(&skips[0], "step"), at(&skips[0], "loss_scale")),
+        (3.0, 2048.0)
+    );
+    assert_eq!(at(&skips[0], "next_loss_scale"), 1024.0);
+    assert_eq!(
+        (at(&skips[1], "step"), at(&skips[1], "loss_scale")),
+        (5.0, 2048.0)
+    );
+    let train = records(metrics, "train");
+    let scales: Vec<f64> = train.iter().map(|r| at(r, "loss_scale")).collect();
+    assert_eq!(scales, [1024.0, 1024.0, 1024.0, 1024.0, 1024.0, 1024.0]);
+    let skipped: Vec<f64> = train.iter().map(|r| at(r, "skipped_steps")).collect();
+    assert_eq!(skipped, [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]);
+    // The schedule did not advance on the skipped tries: every step has the unscaled run's
+    // learning rate. Before the first skip the runs are the same batches, and scaling by a
+    // power of two is exact in f32: the same losses, bit for bit.
+    let plain_train = records(&reference[0].metrics, "train");
+    for (a, b) in train.iter().zip(&plain_train) {
+        assert_eq!(at(a, "lr"), at(b, "lr"), "step {}", a["step"]);
+    }
+    assert_eq!(summaries[0].losses[..2], reference[0].losses[..2]);
+    assert_ne!(
+        summaries[0].losses[2], reference[0].losses[2],
+        "step 3 saw the next batch"
+    );
+    let weights = ember_tests::read_safetensors(&summaries[0].checkpoint);
+    assert!(
+        weights.values().flatten().all(|x| x.is_finite()),
+        "a NaN weight"
+    );
+    assert_eq!(
+        summaries[0].loss_scale,
+        Some(2048.0),
+        "steps 5, 6 clean: doubled"
+    );
+}
+
+#[test]
+fn consecutive_overflows_stop_the_run_at_the_floor() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let mut scaled = config(dir.path());
+    scaled.loss_scale.mode = LossScaleMode::Dynamic;
+    scaled.loss_scale.max_skipped_steps = 4;
+    for result in run_ranks(&scaled, Some(persistent)) {
+        let error = result.unwrap_err();
+        // 1024 → 512 → 256, then the floor holds it: the fourth try is at 256.
+        assert!(
+            matches!(
+                error,
+                TrainError::LossScaleCollapsed {
+                    step: 2,
+                    scale: 256.0,
+                    skipped: 4
+                }
+            ),
+            "{error}"
+        );
+        let message = error.to_string();
+        assert!(
+            message.contains("step 2") && message.contains("4 steps in a row"),
+            "{message}"
+        );
+    }
+    let skips = records(&dir.path().join("metrics.jsonl"), "skip");
+    let scales: Vec<f64> = skips
+        .iter()
+        .map(|r| r["loss_scale"].as_f64().unwrap())
+        .collect();
+    assert_eq!(scales, [1024.0, 512.0, 256.0], "the fourth is the error");
+}
+
+#[test]
+fn loss_scaling_is_refused_with_one_bit_optimizers() {
+    let mut c = config(Path::new("unused"));
+    c.loss_scale.mode = LossScaleMode::Dynamic;
+    c.optimizer.name = ember_trainer::OptimizerKind::OnebitAdam;
+    let error = c.validate().unwrap_err().to_string();
+    assert!(
+        error.contains("loss_scale.mode") && error.contains("onebit-adam"),
+        "{error}"
+    );
+}
