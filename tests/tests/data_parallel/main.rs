@@ -8,8 +8,8 @@ mod clipping;
 mod details;
 mod failures;
 mod hooks;
-mod loss_scale;
 mod onebit;
+mod precision;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
