@@ -6,12 +6,12 @@ use burn::nn::{
     Dropout, DropoutConfig, Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear,
     LinearConfig,
 };
-use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{DType, Int, Tensor};
 use ember_backend_ext::{DropoutSpec, FusedOps, Kernels};
 
 use crate::hook::{ForwardHook, NoHook};
+use crate::precision::{Precision, cast_to, dense_as, layer_norm_f32, softmax_f32};
 
 use crate::BertConfig;
 
@@ -210,19 +210,14 @@ impl<B: FusedOps> BertSelfAttention<B> {
         let split_heads = |x: Tensor<B, 3>| {
             x.reshape([batch, seq_len, heads, head_dim]).swap_dims(1, 2) // [B, nh, S, hd]
         };
-        let q = split_heads(ember_backend_ext::dense_module(
-            &self.query,
-            hidden_states.clone(),
-        ));
-        let k = split_heads(ember_backend_ext::dense_module(
-            &self.key,
-            hidden_states.clone(),
-        ));
-        let v = split_heads(ember_backend_ext::dense_module(&self.value, hidden_states));
+        let q = split_heads(dense_as(&self.query, hidden_states.clone()));
+        let k = split_heads(dense_as(&self.key, hidden_states.clone()));
+        let v = split_heads(dense_as(&self.value, hidden_states));
 
         let scores = q.matmul(k.swap_dims(2, 3)) / (head_dim as f64).sqrt(); // [B, nh, S, S]
         let mask_bias = mask_bias.reshape([batch, 1, 1, seq_len]);
-        let probs = reference_dropout(softmax(scores + mask_bias, 3), &self.dropout);
+        // Note [Autocast]: the softmax in f32.
+        let probs = reference_dropout(softmax_f32(scores + mask_bias, 3), &self.dropout);
         probs
             .matmul(v) // [B, nh, S, hd]
             .swap_dims(1, 2) // [B, S, nh, hd]
@@ -258,11 +253,8 @@ impl<B: FusedOps> BertSelfOutput<B> {
     /// - `hidden_states`, `input`: `[B, S, H]`
     /// - output: `[B, S, H]`
     pub fn forward(&self, hidden_states: Tensor<B, 3>, input: Tensor<B, 3>) -> Tensor<B, 3> {
-        let x = reference_dropout(
-            ember_backend_ext::dense_module(&self.dense, hidden_states),
-            &self.dropout,
-        );
-        self.layer_norm.forward(x + input)
+        let x = reference_dropout(dense_as(&self.dense, hidden_states), &self.dropout);
+        layer_norm_f32(&self.layer_norm, x + input)
     }
 }
 
@@ -331,21 +323,28 @@ impl<B: Backend> BertLayer<B> {
     }
 }
 
-/// The input, without bias, of a dense layer whose bias goes into a fused op.
+/// The input, without bias, of a dense layer whose bias goes into a fused op; the weight in
+/// `x`'s dtype (Note [Autocast]).
 fn dense_no_bias<B: FusedOps>(x: Tensor<B, 3>, linear: &Linear<B>) -> Tensor<B, 3> {
-    ember_backend_ext::dense(x, linear.weight.val(), None)
+    let dtype = x.dtype();
+    ember_backend_ext::dense(x, cast_to(linear.weight.val(), dtype), None)
 }
 
-fn bias_of<B: Backend>(linear: &Linear<B>) -> Tensor<B, 1> {
+/// The bias of `linear` (zeros without one), in `dtype`.
+fn bias_of<B: Backend>(linear: &Linear<B>, dtype: DType) -> Tensor<B, 1> {
     let bias = linear.bias.as_ref().map(|b| b.val());
-    bias.unwrap_or_else(|| Tensor::zeros([linear.weight.dims()[1]], &linear.weight.device()))
+    let bias =
+        bias.unwrap_or_else(|| Tensor::zeros([linear.weight.dims()[1]], &linear.weight.device()));
+    cast_to(bias, dtype)
 }
 
-fn gamma_beta<B: Backend>(norm: &LayerNorm<B>) -> (Tensor<B, 1>, Tensor<B, 1>) {
+/// γ and β of `norm` (β zeros without one), in `dtype`: the fused LayerNorm takes them in its
+/// input's storage type and accumulates in f32.
+fn gamma_beta<B: Backend>(norm: &LayerNorm<B>, dtype: DType) -> (Tensor<B, 1>, Tensor<B, 1>) {
     let gamma = norm.gamma.val();
     let beta = norm.beta.as_ref().map(|b| b.val());
     let beta = beta.unwrap_or_else(|| gamma.zeros_like());
-    (gamma, beta)
+    (cast_to(gamma, dtype), cast_to(beta, dtype))
 }
 
 impl<B: FusedOps> BertLayer<B> {
@@ -369,6 +368,7 @@ impl<B: FusedOps> BertLayer<B> {
     /// is on, as Burn's `Dropout` does.
     fn forward_fused(&self, hidden_states: Tensor<B, 3>, mask_bias: Tensor<B, 2>) -> Tensor<B, 3> {
         let [batch, seq_len, hidden] = hidden_states.dims();
+        let dtype = hidden_states.dtype();
         let training = training(&hidden_states);
         let dropout = |p: f64| {
             if training {
@@ -383,18 +383,9 @@ impl<B: FusedOps> BertLayer<B> {
         let split_heads = |x: Tensor<B, 3>| {
             x.reshape([batch, seq_len, heads, head_dim]).swap_dims(1, 2) // [B, nh, S, hd]
         };
-        let q = split_heads(ember_backend_ext::dense_module(
-            &self_attention.query,
-            hidden_states.clone(),
-        ));
-        let k = split_heads(ember_backend_ext::dense_module(
-            &self_attention.key,
-            hidden_states.clone(),
-        ));
-        let v = split_heads(ember_backend_ext::dense_module(
-            &self_attention.value,
-            hidden_states.clone(),
-        ));
+        let q = split_heads(dense_as(&self_attention.query, hidden_states.clone()));
+        let k = split_heads(dense_as(&self_attention.key, hidden_states.clone()));
+        let v = split_heads(dense_as(&self_attention.value, hidden_states.clone()));
         let context = ember_backend_ext::attention(
             q,
             k,
@@ -407,10 +398,10 @@ impl<B: FusedOps> BertLayer<B> {
         .reshape([batch, seq_len, hidden]);
 
         let output = &self.attention.output;
-        let (gamma, beta) = gamma_beta(&output.layer_norm);
+        let (gamma, beta) = gamma_beta(&output.layer_norm, dtype);
         let attention_output = ember_backend_ext::bias_dropout_add_layer_norm(
             dense_no_bias(context, &output.dense),
-            bias_of(&output.dense),
+            bias_of(&output.dense, dtype),
             hidden_states,
             gamma,
             beta,
@@ -421,12 +412,12 @@ impl<B: FusedOps> BertLayer<B> {
         let dense = &self.intermediate.dense;
         let intermediate = ember_backend_ext::bias_gelu(
             dense_no_bias(attention_output.clone(), dense),
-            bias_of(dense),
+            bias_of(dense, dtype),
         ); // [B, S, I]
-        let (gamma, beta) = gamma_beta(&self.output.layer_norm);
+        let (gamma, beta) = gamma_beta(&self.output.layer_norm, dtype);
         ember_backend_ext::bias_dropout_add_layer_norm(
             dense_no_bias(intermediate, &self.output.dense),
-            bias_of(&self.output.dense),
+            bias_of(&self.output.dense, dtype),
             attention_output,
             gamma,
             beta,
@@ -447,15 +438,12 @@ impl<B: FusedOps> BertLayer<B> {
             .forward(hidden_states.clone(), mask_bias);
         let attention_output = attention.output.forward(context, hidden_states);
 
-        let intermediate = gelu(ember_backend_ext::dense_module(
-            &self.intermediate.dense,
-            attention_output.clone(),
-        )); // [B, S, I]
+        let intermediate = gelu(dense_as(&self.intermediate.dense, attention_output.clone())); // [B, S, I]
         let x = reference_dropout(
-            ember_backend_ext::dense_module(&self.output.dense, intermediate),
+            dense_as(&self.output.dense, intermediate),
             &self.output.dropout,
         );
-        self.output.layer_norm.forward(x + attention_output)
+        layer_norm_f32(&self.output.layer_norm, x + attention_output)
     }
 }
 
@@ -504,7 +492,8 @@ impl<B: FusedOps> BertEncoder<B> {
         input_mask: Tensor<B, 2, Int>,
         hook: &dyn ForwardHook<B>,
     ) -> Tensor<B, 3> {
-        let mask_bias = attention_mask_bias(input_mask);
+        // In the layers' dtype (Note [Autocast]); −10000 is exact in f16 and bf16.
+        let mask_bias = cast_to(attention_mask_bias(input_mask), hidden_states.dtype());
         self.layer
             .iter()
             .enumerate()
@@ -542,7 +531,7 @@ impl<B: FusedOps> BertPooler<B> {
         let first = sequence_output
             .slice([0..batch, 0..1])
             .reshape([batch, hidden]);
-        ember_backend_ext::dense_module(&self.dense, first).tanh()
+        dense_as(&self.dense, first).tanh()
     }
 }
 
@@ -553,6 +542,10 @@ pub struct BertModel<B: Backend> {
     pub embeddings: BertEmbeddings<B>,
     pub encoder: BertEncoder<B>,
     pub pooler: BertPooler<B>,
+    /// The dtype the encoder, pooler and heads compute in (Note [Autocast]); the parameters
+    /// stay f32. Default: f32.
+    #[module(skip)]
+    pub precision: Precision,
 }
 
 /// What [`BertModel::forward`] returns.
@@ -591,6 +584,7 @@ impl BertConfig {
                     device,
                 ),
             },
+            precision: Precision::F32,
         }
     }
 }
@@ -599,6 +593,12 @@ impl<B: Backend> BertModel<B> {
     /// Chooses the implementation of the encoder layers (see [`BertEncoder::set_kernels`]).
     pub fn set_kernels(&mut self, kernels: Kernels) {
         self.encoder.set_kernels(kernels);
+    }
+
+    /// Chooses the dtype the model computes in (Note [Autocast] in `precision.rs`); check
+    /// [`Precision::supported`] first: a backend without the type fails in its first op.
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.precision = precision;
     }
 }
 
@@ -632,6 +632,7 @@ impl<B: FusedOps> BertModel<B> {
         hook: &dyn ForwardHook<B>,
     ) -> BertModelOutput<B> {
         let embedded = self.embeddings.forward(input_ids, segment_ids);
+        let embedded = cast_to(embedded, self.precision.dtype().into());
         let encoded = self.encoder.forward_hooked(embedded, input_mask, hook);
         let sequence_output = hook.heads_input(encoded);
         let pooled_output = self.pooler.forward(sequence_output.clone());

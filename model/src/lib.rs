@@ -37,6 +37,7 @@ mod embed;
 mod error;
 mod flops;
 mod hook;
+mod precision;
 mod pretrained;
 mod pretraining;
 
@@ -49,6 +50,7 @@ pub use embed::{Embedder, Pooling};
 pub use ember_backend_ext::Kernels;
 pub use error::ModelError;
 pub use hook::{ForwardHook, NoHook};
+pub use precision::{Precision, cast_to, dense_as, layer_norm_f32, softmax_f32};
 pub use pretrained::{LoadReport, WeightsFile};
 pub use pretraining::{
     BertForPreTraining, BertLMPredictionHead, BertPreTrainingHeads, BertPredictionHeadTransform,

@@ -6,12 +6,13 @@
 use burn::module::{Module, Param};
 use burn::nn::{LayerNorm, Linear};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{DType, Int, Tensor};
 use ember_backend_ext::{FusedOps, Kernels};
 
 use crate::BertConfig;
 use crate::bert::{BertModel, dense, gelu, layer_norm};
 use crate::hook::{ForwardHook, NoHook};
+use crate::precision::{Precision, cast_to, dense_as, layer_norm_f32};
 
 /// Dense + GELU + LayerNorm before the vocabulary projection.
 /// Mirrors Hugging Face `BertPredictionHeadTransform`.
@@ -97,6 +98,11 @@ impl<B: Backend> BertForPreTraining<B> {
         self.bert.encoder.set_kernels(kernels);
     }
 
+    /// Chooses the dtype the model computes in (see [`crate::BertModel::set_precision`]).
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.bert.set_precision(precision);
+    }
+
     /// Builder form of [`BertForPreTraining::set_kernels`].
     pub fn with_kernels(mut self, kernels: Kernels) -> Self {
         self.set_kernels(kernels);
@@ -153,27 +159,28 @@ impl<B: FusedOps> BertForPreTraining<B> {
             .select(0, masked_lm_flat_positions); // [N, H]
 
         let predictions = &self.cls.predictions;
-        let transformed =
-            predictions
-                .transform
-                .layer_norm
-                .forward(gelu(ember_backend_ext::dense_module(
-                    &predictions.transform.dense,
-                    masked_states,
-                )));
-        // [H, V]: the word embeddings (tied), transposed.
-        let decoder = hook.decoder_weight(
-            self.bert.embeddings.word_embeddings.weight.val(),
-            &transformed,
+        let dtype = masked_states.dtype();
+        let transformed = layer_norm_f32(
+            &predictions.transform.layer_norm,
+            gelu(dense_as(&predictions.transform.dense, masked_states)),
         );
-        let mlm_logits =
-            ember_backend_ext::dense(transformed, decoder, Some(predictions.bias.val())); // [N, V]
+        // [H, V]: the word embeddings (tied), transposed; in the heads' dtype after the hook.
+        let decoder = cast_to(
+            hook.decoder_weight(
+                self.bert.embeddings.word_embeddings.weight.val(),
+                &transformed,
+            ),
+            dtype,
+        );
+        let bias = cast_to(predictions.bias.val(), dtype);
+        let mlm_logits = ember_backend_ext::dense(transformed, decoder, Some(bias)); // [N, V]
 
+        // The logits in f32, for the losses and accuracy (Note [Autocast]).
         PreTrainingOutput {
-            mlm_logits,
-            nsp_logits: ember_backend_ext::dense_module(
-                &self.cls.seq_relationship,
-                out.pooled_output,
+            mlm_logits: cast_to(mlm_logits, DType::F32),
+            nsp_logits: cast_to(
+                dense_as(&self.cls.seq_relationship, out.pooled_output),
+                DType::F32,
             ),
         }
     }

@@ -19,6 +19,7 @@ pub use crate::loss_scale::{LossScaleConfig, LossScaleMode};
 pub use crate::onebit::OnebitConfig;
 pub use crate::parallel::AllreduceDtype;
 use crate::parallel::{BucketStorage, ClipMode, TiedEmbedding};
+pub use ember_model::Precision;
 pub use loop_section::{EvalInterval, EvalRule, LoopConfig, LossNormalization};
 
 /// Everything a training run needs.
@@ -562,7 +563,7 @@ impl TrainConfig {
             );
         }
         self.loss_scale.validate()?;
-        if self.loss_scale.mode != LossScaleMode::None && self.optimizer.name.is_onebit() {
+        if self.loss_scale.enabled(self.train.precision) && self.optimizer.name.is_onebit() {
             return invalid(
                 "loss_scale.mode",
                 format!(

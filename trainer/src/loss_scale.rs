@@ -33,8 +33,10 @@ use crate::TrainError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LossScaleMode {
-    /// The loss as it is, no overflow check.
+    /// Dynamic with `train.precision = "fp16"`, none otherwise (bf16 has f32's range).
     #[default]
+    Auto,
+    /// The loss as it is, no overflow check.
     None,
     /// PyTorch's `GradScaler` rule (see the module docs).
     Dynamic,
@@ -43,6 +45,7 @@ pub enum LossScaleMode {
 impl std::fmt::Display for LossScaleMode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
+            LossScaleMode::Auto => "auto",
             LossScaleMode::None => "none",
             LossScaleMode::Dynamic => "dynamic",
         })
@@ -53,10 +56,11 @@ impl std::str::FromStr for LossScaleMode {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
+            "auto" => Ok(LossScaleMode::Auto),
             "none" => Ok(LossScaleMode::None),
             "dynamic" => Ok(LossScaleMode::Dynamic),
             other => Err(format!(
-                "unknown loss scale mode {other:?}: expected none or dynamic"
+                "unknown loss scale mode {other:?}: expected auto, none or dynamic"
             )),
         }
     }
@@ -67,7 +71,7 @@ impl std::str::FromStr for LossScaleMode {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LossScaleConfig {
-    /// `none` or `dynamic`. Default: none.
+    /// `auto` (dynamic in fp16), `none` or `dynamic`. Default: auto.
     pub mode: LossScaleMode,
     /// The first step's scale. Default: 65536 (2¹⁶, PyTorch's `init_scale`).
     pub init_scale: f64,
@@ -86,7 +90,7 @@ pub struct LossScaleConfig {
 impl Default for LossScaleConfig {
     fn default() -> Self {
         Self {
-            mode: LossScaleMode::None,
+            mode: LossScaleMode::Auto,
             init_scale: 65536.0,
             growth_factor: 2.0,
             backoff_factor: 0.5,
@@ -143,6 +147,15 @@ impl LossScaleConfig {
         }
         Ok(())
     }
+
+    /// Whether the loss is scaled when the model computes in `precision`.
+    pub fn enabled(&self, precision: Option<ember_model::Precision>) -> bool {
+        match self.mode {
+            LossScaleMode::Auto => precision == Some(ember_model::Precision::Fp16),
+            LossScaleMode::None => false,
+            LossScaleMode::Dynamic => true,
+        }
+    }
 }
 
 /// What the scaler carries from step to step (saved in checkpoints).
@@ -167,9 +180,13 @@ pub struct LossScaler {
 }
 
 impl LossScaler {
-    /// A scaler for `config`; `None` when `config.mode` is `none`.
-    pub fn new(config: &LossScaleConfig) -> Option<Self> {
-        (config.mode == LossScaleMode::Dynamic).then(|| Self {
+    /// A scaler for `config` when the model computes in `precision`; `None` when the loss is
+    /// not scaled ([`LossScaleConfig::enabled`]).
+    pub fn new(
+        config: &LossScaleConfig,
+        precision: Option<ember_model::Precision>,
+    ) -> Option<Self> {
+        config.enabled(precision).then(|| Self {
             config: config.clone(),
             state: LossScalerState {
                 scale: config.init_scale,
@@ -236,14 +253,17 @@ mod tests {
     use super::*;
 
     fn scaler(interval: u64, max_skipped: u64) -> LossScaler {
-        LossScaler::new(&LossScaleConfig {
-            mode: LossScaleMode::Dynamic,
-            init_scale: 8.0,
-            growth_interval: interval,
-            min_scale: 2.0,
-            max_skipped_steps: max_skipped,
-            ..LossScaleConfig::default()
-        })
+        LossScaler::new(
+            &LossScaleConfig {
+                mode: LossScaleMode::Dynamic,
+                init_scale: 8.0,
+                growth_interval: interval,
+                min_scale: 2.0,
+                max_skipped_steps: max_skipped,
+                ..LossScaleConfig::default()
+            },
+            None,
+        )
         .unwrap()
     }
 
@@ -289,13 +309,16 @@ mod tests {
 
     #[test]
     fn a_scale_that_would_overflow_is_not_taken() {
-        let mut s = LossScaler::new(&LossScaleConfig {
-            mode: LossScaleMode::Dynamic,
-            init_scale: f64::MAX,
-            min_scale: 1.0,
-            growth_interval: 1,
-            ..LossScaleConfig::default()
-        })
+        let mut s = LossScaler::new(
+            &LossScaleConfig {
+                mode: LossScaleMode::Dynamic,
+                init_scale: f64::MAX,
+                min_scale: 1.0,
+                growth_interval: 1,
+                ..LossScaleConfig::default()
+            },
+            None,
+        )
         .unwrap();
         s.update(false, 1).unwrap();
         assert_eq!(s.scale(), f64::MAX);

@@ -6,7 +6,7 @@ use anyhow::{Context, Result, bail};
 use burn::backend::{Autodiff, NdArray};
 use clap::Args;
 use ember_data::{Padding, SamplerKind};
-use ember_model::Preset;
+use ember_model::{Precision, Preset};
 use ember_trainer::loss_scale::LossScaleMode;
 use ember_trainer::parallel::{AllreduceDtype, BucketStorage, ClipMode, LaunchEnv, TiedEmbedding};
 use ember_trainer::{LossNormalization, OptimizerKind, RunOptions, TrainConfig};
@@ -129,8 +129,13 @@ pub struct TrainArgs {
     /// f32; host buckets) (parallel.allreduce_dtype)
     #[arg(long)]
     allreduce_dtype: Option<AllreduceDtype>,
-    /// Loss scaling: none, or dynamic (PyTorch GradScaler's rule: a step whose gradients
-    /// overflow is skipped on every rank and the scale halves) (loss_scale.mode)
+    /// The dtype the model computes in, with f32 weights: f32, bf16 (CUDA) or fp16 (CUDA,
+    /// wgpu) (train.precision) [default: bf16 on cuda, f32 on cpu and wgpu]
+    #[arg(long)]
+    precision: Option<Precision>,
+    /// Loss scaling: auto (dynamic with fp16), none, or dynamic (PyTorch GradScaler's rule: a
+    /// step whose gradients overflow is skipped on every rank and the scale halves)
+    /// (loss_scale.mode)
     #[arg(long)]
     loss_scale: Option<LossScaleMode>,
     /// The first step's loss scale (loss_scale.init_scale) [default: 65536]
@@ -378,6 +383,9 @@ impl TrainArgs {
         }
         if let Some(v) = self.allreduce_dtype {
             p.allreduce_dtype = v;
+        }
+        if let Some(v) = self.precision {
+            config.train.precision = Some(v);
         }
         let l = &mut config.loss_scale;
         if let Some(v) = self.loss_scale {

@@ -230,3 +230,21 @@ fn bf16_buckets_send_half_the_bytes_and_train_as_f32() {
         assert_eq!(y.losses, b[0].losses, "the ranks agree");
     }
 }
+
+#[test]
+fn half_precision_on_the_cpu_is_refused_naming_the_setting() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(dir.path());
+    c.train.precision = Some(ember_model::Precision::Fp16);
+    let error = run_ranks(&c, None)
+        .into_iter()
+        .next()
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("train.precision") && error.contains("no fp16"),
+        "{error}"
+    );
+}

@@ -10,6 +10,7 @@ mod embed;
 mod eval_shards;
 mod fused_training;
 mod hf_parity;
+mod mixed_precision;
 mod pretrained;
 mod shard_training;
 mod train;

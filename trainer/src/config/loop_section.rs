@@ -38,6 +38,11 @@ pub struct LoopConfig {
     /// How the losses of `parallel.grad_accum` micro-batches make the step's gradient
     /// ([`LossNormalization`]). Default: micro-batch (NVIDIA's and Samsung's MLPerf code).
     pub loss_normalization: LossNormalization,
+    /// The dtype the model computes in: `f32`, `bf16` or `fp16`, with f32 weights and
+    /// optimizer state (Note [Autocast] in `ember_model`'s `precision.rs`). fp16 turns on
+    /// dynamic loss scaling unless `loss_scale.mode` says otherwise. Default: bf16 where the
+    /// backend has it (CUDA), else f32 (NdArray, wgpu).
+    pub precision: Option<ember_model::Precision>,
 }
 
 /// How often to evaluate, in training samples.
@@ -133,6 +138,7 @@ impl Default for LoopConfig {
             seed: 42,
             out: PathBuf::from("runs/latest"),
             loss_normalization: LossNormalization::MicroBatch,
+            precision: None,
         }
     }
 }

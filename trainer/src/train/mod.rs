@@ -93,6 +93,8 @@ pub struct TrainSummary {
     pub skipped_steps: u64,
     /// The loss scale at the end (dynamic loss scaling only).
     pub loss_scale: Option<f64>,
+    /// The dtype the model computed in.
+    pub precision: ember_model::Precision,
     /// Wall-clock seconds of the training loop (evaluations included, data preparation not).
     pub train_seconds: f64,
     /// Real (unpadded) tokens processed per second of training.
@@ -378,6 +380,7 @@ pub fn train_rank<B: GradHookBackend>(
         corpus_lines_skipped: data.skipped_lines,
         skipped_steps: scaler_state.map_or(0, |s| s.skipped_steps),
         loss_scale: scaler_state.map(|s| s.scale),
+        precision: trainer.precision,
         train_seconds,
         tokens_per_second: (log.tokens - tokens_before) as f64 / train_seconds,
         checkpoint,
@@ -488,6 +491,9 @@ fn start_run<B: GradHookBackend>(
             peak_lr = config.optimizer.lr,
             warmup_steps = config.warmup_steps(),
             steps = config.train.steps,
+            precision = %trainer.precision,
+            loss_scale = trainer.loss_scaler.as_ref().map(LossScaler::scale),
+            allreduce_dtype = %config.parallel.allreduce_dtype,
             "starting pre-training"
         );
         info!(
@@ -514,6 +520,9 @@ fn start_run<B: GradHookBackend>(
             "bucket_storage": storage, "clip": config.parallel.clip.to_string(),
             "unigram_token": rank_data.unigram_token,
             "unigram_baseline": rank_data.unigram_baseline,
+            "precision": trainer.precision.to_string(),
+            "loss_scale": trainer.loss_scaler.as_ref().map(LossScaler::scale),
+            "allreduce_dtype": config.parallel.allreduce_dtype.to_string(),
         }),
         resumed.map(|r| (r.dir.as_path(), &r.run)),
     )

@@ -9,9 +9,9 @@ use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, P
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use ember_data::InstanceLoader;
-use ember_model::{BertConfig, BertForPreTraining};
+use ember_model::{BertConfig, BertForPreTraining, Precision};
 
-use crate::loss_scale::{LossScaleMode, LossScaler};
+use crate::loss_scale::LossScaler;
 use crate::optim::PreTrainingOptimizer;
 use crate::parallel::{
     AllreduceDtype, CommThread, GradHookBackend, Reducer, bucket_plan, check_agreement, ready_order,
@@ -45,6 +45,8 @@ pub(crate) struct Trainer<B: GradHookBackend> {
     pub check_gradients_every: u64,
     /// Dynamic loss scaling, when `loss_scale.mode` asks for it.
     pub loss_scaler: Option<LossScaler>,
+    /// The dtype the model computes in.
+    pub precision: Precision,
 }
 
 impl<B: GradHookBackend> Trainer<B> {
@@ -83,7 +85,10 @@ impl<B: GradHookBackend> Trainer<B> {
                     .into(),
             });
         }
-        let model = init_model::<B>(config, &bert_config, device);
+        let precision = choose_precision::<B>(config.train.precision, device)?;
+        let loss_scaler = LossScaler::new(&config.loss_scale, Some(precision));
+        let mut model = init_model::<B>(config, &bert_config, device);
+        model.set_precision(precision);
         let probe = eval
             .sequential_batches()
             .next()
@@ -114,7 +119,7 @@ impl<B: GradHookBackend> Trainer<B> {
         )
         .with_bucket_clip_count(config.parallel.bucket_clip_count)
         .with_allreduce_dtype(config.parallel.allreduce_dtype)
-        .with_overflow_check(config.loss_scale.mode != LossScaleMode::None);
+        .with_overflow_check(loss_scaler.is_some());
         let fused = config.model.kernels.multi_tensor::<B>();
         let mut optimizer_config = config.optimizer.clone();
         if optimizer_config.name.is_onebit() {
@@ -140,7 +145,8 @@ impl<B: GradHookBackend> Trainer<B> {
             seed: config.train.seed,
             loss_normalization: config.train.loss_normalization,
             check_gradients_every: config.parallel.check_gradients_every,
-            loss_scaler: LossScaler::new(&config.loss_scale),
+            loss_scaler,
+            precision,
         };
         Ok((trainer, model))
     }
@@ -156,6 +162,28 @@ impl<B: GradHookBackend> Trainer<B> {
 }
 
 /// The model of `bert_config`, initialised from `train.seed` with every parameter drawn now.
+/// `train.precision`, or its default: bf16 where the backend has it, else f32.
+///
+/// # Errors
+/// [`TrainError::InvalidSetting`] for a precision the backend does not have.
+fn choose_precision<B: GradHookBackend>(
+    asked: Option<Precision>,
+    device: &B::Device,
+) -> Result<Precision, TrainError> {
+    match asked {
+        None if Precision::Bf16.supported::<B>(device) => Ok(Precision::Bf16),
+        None => Ok(Precision::F32),
+        Some(p) if p.supported::<B>(device) => Ok(p),
+        Some(p) => Err(TrainError::InvalidSetting {
+            field: "train.precision",
+            reason: format!(
+                "this backend has no {p} (NdArray on the CPU computes in f32 only; WGSL, so \
+                 wgpu, has no bf16: use fp16 there, or bf16 on CUDA)"
+            ),
+        }),
+    }
+}
+
 fn init_model<B: GradHookBackend>(
     config: &TrainConfig,
     bert_config: &BertConfig,

@@ -1,0 +1,146 @@
+//! Mixed precision: the dtype BERT computes in, with f32 weights.
+//!
+//! Note [Autocast]: the parameters stay f32 (the master weights the optimizer updates, the
+//! checkpoint holds and the reducer's buckets sum); with [`Precision::Bf16`] or
+//! [`Precision::Fp16`] the embeddings' output is cast to the half type, and from there every
+//! layer computes in the dtype of its input: each weight is cast to it where it is used (a
+//! node of the autodiff graph, whose backward casts the weight's gradient back to f32).
+//! The GEMMs, attention, GELU, dropout, residual adds and the fused kernels run on half
+//! tensors; what needs range or precision runs in f32 and casts its result back:
+//! LayerNorm (statistics, γ and β), the attention softmax, the MLM and NSP logits and so the
+//! losses (the fused kernels of `ember-backend-ext` accumulate in f32 inside). This is
+//! PyTorch's `torch.autocast` recipe (f32 parameters, a cast per op, `GradScaler` for fp16:
+//! `crate`'s user is the trainer's `loss_scale`), chosen over a half copy of the model
+//! refreshed after each step (apex O2, NVIDIA's MLPerf BERT) because the model, its
+//! checkpoints, the gradient hooks, buckets and optimizers all stay f32 and generic over the
+//! backend: the cost is one cast of each weight per micro-batch and of its gradient back,
+//! a few percent of a step's memory traffic for BERT-large (weights 1.3 GB against
+//! activations many times that).
+//!
+//! Backends without the half type (NdArray has neither f16 nor bf16; WGSL has no bf16) refuse
+//! it before training (`Backend::supports_dtype`).
+
+use burn::nn::{LayerNorm, Linear};
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, FloatDType, Tensor};
+use ember_backend_ext::FusedOps;
+use serde::{Deserialize, Serialize};
+
+/// The dtype BERT computes in (`train.precision`; Note [Autocast]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Everything in f32.
+    #[default]
+    F32,
+    /// bfloat16 compute (8 exponent bits: f32's range; no loss scaling needed).
+    Bf16,
+    /// IEEE half compute (5 exponent bits: needs loss scaling).
+    Fp16,
+}
+
+impl Precision {
+    /// The float dtype activations take.
+    pub fn dtype(self) -> FloatDType {
+        match self {
+            Precision::F32 => FloatDType::F32,
+            Precision::Bf16 => FloatDType::BF16,
+            Precision::Fp16 => FloatDType::F16,
+        }
+    }
+
+    /// Whether this is a half type.
+    pub fn is_half(self) -> bool {
+        self != Precision::F32
+    }
+
+    /// Whether `B` computes in this precision on `device` (Burn's `supports_dtype`).
+    pub fn supported<B: Backend>(self, device: &B::Device) -> bool {
+        B::supports_dtype(device, self.dtype().into())
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        })
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "f32" => Ok(Precision::F32),
+            "bf16" => Ok(Precision::Bf16),
+            "fp16" | "f16" => Ok(Precision::Fp16),
+            other => Err(format!(
+                "unknown precision {other:?}: expected f32, bf16 or fp16"
+            )),
+        }
+    }
+}
+
+/// `x` in `dtype`; `x` itself when it has it already (no graph node).
+pub fn cast_to<B: Backend, const D: usize>(x: Tensor<B, D>, dtype: DType) -> Tensor<B, D> {
+    if x.dtype() == dtype {
+        return x;
+    }
+    x.cast(FloatDType::from(dtype))
+}
+
+/// `x · Wᵀ + b` with the weights cast to `x`'s dtype (Note [Autocast]).
+///
+/// # Shapes
+/// - `x`: `[..., in]`; output `[..., out]`
+pub fn dense_as<B: FusedOps, const D: usize>(linear: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
+    let dtype = x.dtype();
+    ember_backend_ext::dense(
+        x,
+        cast_to(linear.weight.val(), dtype),
+        linear.bias.as_ref().map(|b| cast_to(b.val(), dtype)),
+    )
+}
+
+/// LayerNorm with its statistics, γ and β in f32, the result in `x`'s dtype.
+pub fn layer_norm_f32<B: Backend, const D: usize>(
+    norm: &LayerNorm<B>,
+    x: Tensor<B, D>,
+) -> Tensor<B, D> {
+    let dtype = x.dtype();
+    cast_to(norm.forward(cast_to(x, DType::F32)), dtype)
+}
+
+/// Softmax over `dim` computed in f32, the result in `x`'s dtype.
+pub fn softmax_f32<B: Backend, const D: usize>(x: Tensor<B, D>, dim: usize) -> Tensor<B, D> {
+    let dtype = x.dtype();
+    cast_to(
+        burn::tensor::activation::softmax(cast_to(x, DType::F32), dim),
+        dtype,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_and_ndarray_has_no_half_type() {
+        assert_eq!("bf16".parse::<Precision>(), Ok(Precision::Bf16));
+        assert_eq!("fp16".parse::<Precision>(), Ok(Precision::Fp16));
+        assert!(
+            "fp8"
+                .parse::<Precision>()
+                .unwrap_err()
+                .contains("f32, bf16 or fp16")
+        );
+        type N = burn::backend::NdArray;
+        let device = Default::default();
+        assert!(Precision::F32.supported::<N>(&device));
+        assert!(!Precision::Bf16.supported::<N>(&device));
+        assert!(!Precision::Fp16.supported::<N>(&device));
+    }
+}

@@ -1,0 +1,154 @@
+//! Mixed precision through the real training loop on wgpu (Mesa's lavapipe in CI, which has
+//! f16 but, as all of WGSL, no bf16): 50 steps of the tiny model computing in fp16 with
+//! dynamic loss scaling against the same run in f32 (Note [Autocast] in `ember_model`'s
+//! `precision.rs`). Dropout on, several masked positions per sample; the two runs see the same
+//! batches and dropout masks.
+
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+
+use burn::backend::Autodiff;
+use burn::backend::wgpu::WgpuDevice;
+use ember_model::Precision;
+use ember_trainer::{PreparedData, RunOptions, TrainConfig, TrainSummary, prepare_data};
+
+type B = Autodiff<crate::Wgpu>;
+
+fn config(out: &Path, precision: Precision) -> TrainConfig {
+    let mut config = ember_tests::data_parallel_config(out);
+    config.model.hidden_dropout_prob = Some(0.1);
+    config.model.attention_probs_dropout_prob = Some(0.1);
+    config.instances.max_predictions_per_seq = 8;
+    config.train.batch_size = 8;
+    config.train.steps = 50;
+    config.train.eval_every = 50;
+    config.train.eval_samples = 8;
+    config.train.precision = Some(precision);
+    config
+}
+
+fn data() -> Arc<PreparedData> {
+    static DATA: OnceLock<Arc<PreparedData>> = OnceLock::new();
+    DATA.get_or_init(|| {
+        Arc::new(prepare_data(&config(Path::new("unused"), Precision::F32)).unwrap())
+    })
+    .clone()
+}
+
+fn run(config: &TrainConfig) -> TrainSummary {
+    ember_trainer::train_in_process_with_data::<B>(
+        config,
+        1,
+        &WgpuDevice::DefaultDevice,
+        RunOptions::default(),
+        Some(data()),
+    )
+    .unwrap()
+}
+
+#[test]
+fn fp16_with_loss_scaling_trains_as_f32() {
+    let dir = tempfile::tempdir().unwrap();
+    let full = run(&config(&dir.path().join("f32"), Precision::F32));
+    let half = run(&config(&dir.path().join("fp16"), Precision::Fp16));
+    assert_eq!(full.precision, Precision::F32);
+    assert_eq!(half.precision, Precision::Fp16);
+    assert_eq!(full.loss_scale, None, "f32 does not scale");
+    let scale = half.loss_scale.expect("fp16 scales the loss by default");
+    assert!(scale >= 1.0, "{scale}");
+    assert_eq!(half.steps, 50);
+    let worst = full
+        .losses
+        .iter()
+        .zip(&half.losses)
+        .map(|(a, b)| ((a - b) / a).abs())
+        .fold(0.0, f64::max);
+    eprintln!(
+        "fp16 against f32, 50 steps: worst loss difference {worst:.2e} (relative), final \
+         losses {:.4} / {:.4}, loss scale {scale}, skipped steps {}",
+        full.losses[49], half.losses[49], half.skipped_steps
+    );
+    for (step, (a, b)) in full.losses.iter().zip(&half.losses).enumerate() {
+        assert!(
+            ((a - b) / a).abs() < 0.02,
+            "step {}: f32 loss {a}, fp16 loss {b}",
+            step + 1
+        );
+    }
+    // The master weights stay f32: the checkpoint's tensors are F32 and finite.
+    let bytes = std::fs::read(&half.checkpoint).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    for (name, view) in file.tensors() {
+        assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
+    }
+    let (a, b) = (
+        ember_tests::read_safetensors(&full.checkpoint),
+        ember_tests::read_safetensors(&half.checkpoint),
+    );
+    let (mut diff, mut norm, mut worst_abs) = (0.0, 0.0, 0.0f64);
+    for (name, x) in &a {
+        for (x, y) in x.iter().zip(&b[name]) {
+            assert!(y.is_finite(), "{name}");
+            diff += (x - y) * (x - y);
+            norm += x * x;
+            worst_abs = worst_abs.max((x - y).abs());
+        }
+    }
+    let relative = (diff / norm).sqrt();
+    eprintln!("weights: relative L2 difference {relative:.2e}, largest {worst_abs:.2e}");
+    assert!(relative < 0.01, "weights part: {relative}");
+}
+
+/// What runs in half and what in f32 (Note [Autocast]): with fp16 the encoder's output is
+/// f16, the logits f32, the parameters and their gradients f32; the loss is near the f32
+/// model's on the same weights and batch (fp16 rounds to 11 significant bits: within 1e-2
+/// relative).
+#[test]
+fn fp16_computes_the_encoder_in_half_and_the_logits_and_gradients_in_f32() {
+    use burn::tensor::{DType, Int, Tensor};
+    use ember_model::{BertConfig, Preset};
+    let device = WgpuDevice::DefaultDevice;
+    let config = BertConfig::preset(Preset::Tiny);
+    let mut model = config.init_for_pretraining::<B>(&device);
+    let ids: Vec<i64> = (0..2 * 16).map(|i| 1000 + 37 * i).collect();
+    let input_ids = Tensor::<B, 1, Int>::from_data(ids.as_slice(), &device).reshape([2, 16]);
+    let segment_ids = Tensor::<B, 2, Int>::zeros([2, 16], &device);
+    let input_mask = Tensor::<B, 2, Int>::ones([2, 16], &device);
+    let positions = Tensor::<B, 1, Int>::from_data([1, 5, 17, 30].as_slice(), &device);
+    let labels = Tensor::<B, 1, Int>::from_data([7, 8, 9, 10].as_slice(), &device);
+    let nsp = Tensor::<B, 1, Int>::from_data([0, 1].as_slice(), &device);
+    let loss_of = |model: &ember_model::BertForPreTraining<B>| {
+        let out = model.forward(
+            input_ids.clone(),
+            segment_ids.clone(),
+            input_mask.clone(),
+            positions.clone(),
+        );
+        (
+            out.mlm_logits.dtype(),
+            model.loss(&out, labels.clone(), nsp.clone()).total,
+        )
+    };
+    let (_, full) = loss_of(&model);
+    model.set_precision(Precision::Fp16);
+    let encoded = model
+        .bert
+        .forward(input_ids.clone(), segment_ids.clone(), input_mask.clone());
+    assert_eq!(encoded.sequence_output.dtype(), DType::F16);
+    let (logits_dtype, half) = loss_of(&model);
+    assert_eq!(logits_dtype, DType::F32);
+    let grads = half.clone().backward();
+    let weight = &model.bert.encoder.layer[0]
+        .attention
+        .self_attention
+        .query
+        .weight;
+    assert_eq!(weight.val().dtype(), DType::F32);
+    assert_eq!(weight.grad(&grads).unwrap().dtype(), DType::F32);
+    let (full, half) = (full.into_scalar(), half.into_scalar());
+    assert!(
+        ((full - half) / full).abs() < 1e-2,
+        "f32 {full}, fp16 {half}"
+    );
+    assert_ne!(full, half, "fp16 rounding changed nothing: not in use?");
+}
