@@ -5,7 +5,7 @@
 #                                       # them into gpu-check/bins.tar.gz (~22 MB; the two binaries
 #                                       # are ~86 MB unpacked, over the device machine's 64 MiB carry)
 #   scripts/gpu-check.sh run [PART...]  # on the GPU machine; PART: step, kernels, bench-kernels,
-#                                       # resume, onebit, train-step, streaming (default: all, in that order); logs in $OUT (or
+#                                       # resume, onebit, train-step, streaming, precision (default: all, in that order); logs in $OUT (or
 #                                       # gpu-check/out), one table per part
 #
 # Parts:
@@ -36,6 +36,12 @@
 #                  each; prints the mean data wait per step against the step time (on the CPU it
 #                  is 0% of a BERT-base step; the target is < 5%), the peak host memory, and
 #                  checks the MLPerf log with mlperf-logging when the machine's Python has it.
+#   precision      mixed precision (Note [Autocast]): BERT-large at sequence length 128 (batch 32)
+#                  and 512 (batch 8), 20 steps each in f32, bf16 and fp16 (dynamic loss scaling)
+#                  on the same batches: samples/s (mean step after the third), peak GPU memory
+#                  (nvidia-smi, sampled every 100 ms), the largest relative difference of the 20
+#                  losses from f32's, skipped steps. Targets: bf16 >= 3x f32's samples/s at 512,
+#                  losses within 1% of f32's.
 #
 # The GPU machine needs the NVIDIA driver, and NCCL for `step`: cubecl-cuda and cudarc load
 # libcuda, nvrtc and libnccl at run time. The script adds the libraries of the machine's
@@ -61,7 +67,7 @@ build)
 run)
     shift
     parts=("$@")
-    [ ${#parts[@]} -gt 0 ] || parts=(step kernels bench-kernels resume onebit train-step streaming)
+    [ ${#parts[@]} -gt 0 ] || parts=(step kernels bench-kernels resume onebit train-step streaming precision)
     out="${OUT:-$dir/out}"
     mkdir -p "$out"
     if [ ! -x "$dir/xtask" ] || [ ! -x "$dir/kernels" ]; then
@@ -174,8 +180,50 @@ PY
                 done
             done
             ;;
+        precision)
+            echo "== mixed precision: BERT-large, f32 / bf16 / fp16, 20 steps on the same batches"
+            m="$out/precision"
+            rm -rf "$m" && mkdir -p "$m"
+            for shape in 128:32 512:8; do
+                seq=${shape%:*}; batch=${shape#*:}
+                for prec in f32 bf16 fp16; do
+                    run="$m/$seq-$prec"
+                    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$run.mem" &
+                    smi=$!
+                    timeout 150 "$dir/xtask" train --device cuda --preset large --seq-len "$seq" \
+                        --batch-size "$batch" --steps 20 --eval-every 20 --eval-samples 64 --log-every 1 \
+                        --precision "$prec" --no-progress --out "$run" 2>&1 | tail -1 || status=$?
+                    kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
+                done
+            done
+            python3 - "$m" <<'PY' | tee "$m.md" || status=$?
+import json, sys
+root = sys.argv[1]
+print("| seq | batch | precision | samples/s | x f32 | peak GPU MiB | max loss diff vs f32 | skipped |")
+print("|---:|---:|---|---:|---:|---:|---:|---:|")
+for seq, batch in ((128, 32), (512, 8)):
+    runs = {}
+    for prec in ("f32", "bf16", "fp16"):
+        try:
+            records = [json.loads(l) for l in open(f"{root}/{seq}-{prec}/metrics.jsonl")]
+        except OSError:
+            print(f"| {seq} | {batch} | {prec} | failed | | | | |")
+            continue
+        train = [r for r in records if r["event"] == "train"]
+        steps = train[3:] or train
+        rate = batch / (sum(r["step_s"] for r in steps) / len(steps))
+        mem = [int(x) for x in open(f"{root}/{seq}-{prec}.mem").read().split() if x.isdigit()]
+        runs[prec] = (rate, [r["loss"] for r in train], max(mem, default=0),
+                      train[-1].get("skipped_steps", 0))
+    for prec, (rate, losses, mem, skipped) in runs.items():
+        base = runs.get("f32")
+        ratio = f"{rate / base[0]:.2f}" if base else "n/a"
+        diff = max((abs(a - b) / abs(a) for a, b in zip(base[1], losses)), default=0) if base else 0
+        print(f"| {seq} | {batch} | {prec} | {rate:.1f} | {ratio} | {mem} | {diff:.2e} | {skipped} |")
+PY
+            ;;
         *)
-            echo "unknown part $part (step, kernels, bench-kernels, resume, onebit, train-step, streaming)" >&2
+            echo "unknown part $part (step, kernels, bench-kernels, resume, onebit, train-step, streaming, precision)" >&2
             status=2
             ;;
         esac
@@ -184,7 +232,7 @@ PY
     exit $status
     ;;
 *)
-    echo "usage: $0 build | run [step|kernels|bench-kernels|resume|onebit|train-step|streaming ...]" >&2
+    echo "usage: $0 build | run [step|kernels|bench-kernels|resume|onebit|train-step|streaming|precision ...]" >&2
     exit 2
     ;;
 esac
