@@ -141,6 +141,16 @@ fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
         Some(2048.0),
         "steps 5, 6 clean: doubled"
     );
+    // The checkpoint holds the scaler's state, for --resume.
+    let path = summaries[0].last_checkpoint.join("trainer_state.json");
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let scaler = &state["loss_scaler"];
+    assert_eq!(
+        (scaler["scale"].as_f64(), scaler["skipped_steps"].as_u64()),
+        (Some(2048.0), Some(2)),
+        "{state}"
+    );
 }
 
 #[test]

@@ -8,7 +8,10 @@
 //! end, as Hugging Face's Trainer does on `resume_from_checkpoint` with more epochs), the
 //! evaluation and logging cadence, the evaluation set (`data.eval_shards`), the checkpoint
 //! cadence, the output folder, the kernels, the bucket sizes, the reader's prefetch, the
-//! handling of bad input (`skip_bad_shards`, `strict`) and the collectives' timeout.
+//! handling of bad input (`skip_bad_shards`, `strict`), the collectives' timeout, and the
+//! precision (`train.precision`, `loss_scale`, `parallel.allreduce_dtype`: the checkpoint
+//! holds f32 weights and moments whatever the run computed in; a saved loss scale continues
+//! when the resumed run scales its loss).
 
 use toml::Value;
 
