@@ -1,7 +1,8 @@
 //! One optimizer step of one rank: micro-batches forward and backward with the gradient hooks
 //! feeding the reducer, the wait for the averaged buckets, and the optimizer update. Nothing
 //! here reads device memory (Note [Reading at log time] in `output.rs`; Note [Bucket storage]
-//! in `parallel/buckets.rs`).
+//! in `parallel/buckets.rs`) but, with loss scaling, the one scalar that decides whether the
+//! step is skipped (Note [Agreeing on an overflow] in `loss_scale.rs`).
 
 use std::time::Instant;
 
