@@ -140,3 +140,14 @@ pub fn data_parallel_config(out: &std::path::Path) -> ember_trainer::TrainConfig
     config.train.out = out.to_path_buf();
     config
 }
+
+/// [`data_parallel_config`] with what an equivalence test must keep on when the runs it
+/// compares need not be exact splits of one batch: the presets' dropout (0.1) and up to 8
+/// masked positions per sample.
+pub fn dropout_and_masks_config(out: &std::path::Path) -> ember_trainer::TrainConfig {
+    let mut config = data_parallel_config(out);
+    config.model.hidden_dropout_prob = Some(0.1);
+    config.model.attention_probs_dropout_prob = Some(0.1);
+    config.instances.max_predictions_per_seq = 8;
+    config
+}

@@ -25,6 +25,6 @@ pub use error::TrainError;
 pub use eval::EvalResult;
 pub use parallel::bucket_plan;
 pub use train::{
-    PreparedData, RunOptions, TrainSummary, loss_weights, prepare_data, train, train_in_process,
-    train_in_process_with_data, train_rank,
+    PreparedData, RunOptions, TrainSummary, initial_model, initialisation_lock, loss_weights,
+    prepare_data, train, train_in_process, train_in_process_with_data, train_rank,
 };

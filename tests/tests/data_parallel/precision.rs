@@ -31,10 +31,7 @@ fn persistent(step: u64, rank: usize) -> f32 {
 }
 
 fn config(out: &Path) -> TrainConfig {
-    let mut config = small_config(out);
-    config.model.hidden_dropout_prob = Some(0.1);
-    config.model.attention_probs_dropout_prob = Some(0.1);
-    config.instances.max_predictions_per_seq = 8;
+    let mut config = ember_tests::dropout_and_masks_config(out);
     config.train.batch_size = 2;
     config.train.steps = 6;
     config.train.eval_every = 6;

@@ -101,6 +101,9 @@ fn one_step<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(device: &B::D
     config.vocab_size = 211;
     config.hidden_dropout_prob = 0.0;
     config.attention_probs_dropout_prob = 0.0;
+    // The device's generator is shared with the runs of other tests (wgpu) or the process
+    // (NdArray): seed and draw under the trainer's initialisation lock.
+    let guard = ember_trainer::initialisation_lock();
     B::seed(device, 5);
     let model: BertForPreTraining<B> = config.init_for_pretraining(device);
     // Burn draws parameters lazily, at first use, and each clone would draw its own: draw
@@ -112,6 +115,7 @@ fn one_step<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(device: &B::D
         }
     }
     model.visit(&mut Materialize);
+    drop(guard);
     let batch = batch::<B>(config.vocab_size, device);
 
     for optimizer in [OptimizerKind::AdamW, OptimizerKind::Lamb] {

@@ -15,10 +15,7 @@ use ember_trainer::{PreparedData, RunOptions, TrainConfig, TrainSummary, prepare
 type B = Autodiff<crate::Wgpu>;
 
 fn config(out: &Path, precision: Precision) -> TrainConfig {
-    let mut config = ember_tests::data_parallel_config(out);
-    config.model.hidden_dropout_prob = Some(0.1);
-    config.model.attention_probs_dropout_prob = Some(0.1);
-    config.instances.max_predictions_per_seq = 8;
+    let mut config = ember_tests::dropout_and_masks_config(out);
     config.train.batch_size = 8;
     config.train.steps = 50;
     config.train.eval_every = 50;
@@ -102,14 +99,14 @@ fn fp16_with_loss_scaling_trains_as_f32() {
 /// What runs in half and what in f32 (Note [Autocast]): with fp16 the encoder's output is
 /// f16, the logits f32, the parameters and their gradients f32; the loss is near the f32
 /// model's on the same weights and batch (fp16 rounds to 11 significant bits: within 1e-2
-/// relative).
+/// relative). The model comes from `initial_model`, which draws its weights while no other
+/// test's run initialises (the device's generator is shared).
 #[test]
 fn fp16_computes_the_encoder_in_half_and_the_logits_and_gradients_in_f32() {
     use burn::tensor::{DType, Int, Tensor};
-    use ember_model::{BertConfig, Preset};
     let device = WgpuDevice::DefaultDevice;
-    let config = BertConfig::preset(Preset::Tiny);
-    let mut model = config.init_for_pretraining::<B>(&device);
+    let train = config(Path::new("unused"), Precision::F32);
+    let mut model = ember_trainer::initial_model::<B>(&train, 30522, &device).unwrap();
     let ids: Vec<i64> = (0..2 * 16).map(|i| 1000 + 37 * i).collect();
     let input_ids = Tensor::<B, 1, Int>::from_data(ids.as_slice(), &device).reshape([2, 16]);
     let segment_ids = Tensor::<B, 2, Int>::zeros([2, 16], &device);
@@ -151,4 +148,28 @@ fn fp16_computes_the_encoder_in_half_and_the_logits_and_gradients_in_f32() {
         "f32 {full}, fp16 {half}"
     );
     assert_ne!(full, half, "fp16 rounding changed nothing: not in use?");
+}
+
+/// bf16 device buckets need bf16 on the device: wgpu has none, and the run says so before
+/// its first step, naming the setting.
+#[test]
+fn bf16_device_buckets_on_wgpu_are_refused_naming_the_setting() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(dir.path(), Precision::F32);
+    c.train.steps = 2;
+    c.parallel.buckets = ember_trainer::parallel::BucketStorage::Device;
+    c.parallel.allreduce_dtype = ember_trainer::parallel::AllreduceDtype::Bf16;
+    let error = ember_trainer::train_in_process_with_data::<B>(
+        &c,
+        2,
+        &WgpuDevice::DefaultDevice,
+        RunOptions::default(),
+        Some(data()),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        error.contains("parallel.allreduce_dtype") && error.contains("no bf16"),
+        "{error}"
+    );
 }

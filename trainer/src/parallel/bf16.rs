@@ -15,7 +15,8 @@
 //! casts the bucket, allreduces it in bf16 and casts back); DeepSpeed as
 //! `communication_data_type`.
 //!
-//! One rank: nothing travels, the buffer stays f32.
+//! One rank: nothing travels, the buffer stays f32. Device buckets take another road
+//! (`Reducer::with_allreduce_dtype`): cast to bf16 on the GPU, NCCL's `ncclBfloat16`.
 
 use burn::tensor::bf16;
 use serde::{Deserialize, Serialize};

@@ -90,13 +90,14 @@ cuda_memory!(cubecl::cuda::CudaRuntime);
 cuda_memory!(ember_backend_ext::CountingRuntime<cubecl::cuda::CudaRuntime>);
 
 /// `len` f32 of device memory at `ptr`, which CubeCL owns: what NCCL reduces in place.
-struct BucketMemory {
+struct BucketMemory<T> {
     ptr: u64,
     len: usize,
     stream: Arc<CudaStream>,
+    element: std::marker::PhantomData<T>,
 }
 
-impl DeviceSlice<f32> for BucketMemory {
+impl<T> DeviceSlice<T> for BucketMemory<T> {
     fn len(&self) -> usize {
         self.len
     }
@@ -105,7 +106,7 @@ impl DeviceSlice<f32> for BucketMemory {
     }
 }
 
-impl DevicePtrMut<f32> for BucketMemory {
+impl<T> DevicePtrMut<T> for BucketMemory<T> {
     fn device_ptr_mut<'a>(
         &'a mut self,
         _stream: &'a CudaStream,
@@ -232,9 +233,9 @@ where
     ) -> Result<Tensor<CubeBackend<R, F, I, BT>, 1>, CommError> {
         let seq = self.next_seq();
         let mut tensor: CubeTensor<R> = bucket.into_primitive().tensor();
-        if tensor.dtype != DType::F32 {
+        if !matches!(tensor.dtype, DType::F32 | DType::BF16) {
             return Err(nccl_error(format!(
-                "device allreduce of {:?} buckets is not supported (f32 only)",
+                "device allreduce of {:?} buckets is not supported (f32 or bf16)",
                 tensor.dtype
             )));
         }
@@ -251,14 +252,29 @@ where
         // Note [NCCL ordering]: an aligned command for the pointer, then wait for the producers.
         let (ptr, keep_alive) = R::device_ptr(&tensor.client, tensor.handle.clone())?;
         cubecl::future::block_on(tensor.client.sync()).map_err(nccl_error)?;
-        let mut memory = BucketMemory {
-            ptr,
-            len,
-            stream: self.stream.clone(),
-        };
-        self.comm
-            .all_reduce_in_place(&mut memory, &nccl_op(op))
-            .map_err(nccl_error)?;
+        // bf16 buckets (`parallel.allreduce_dtype`): NCCL's ncclBfloat16, summed in bf16 at
+        // each hop of its ring.
+        if tensor.dtype == DType::BF16 {
+            let mut memory = BucketMemory::<burn::tensor::bf16> {
+                ptr,
+                len,
+                stream: self.stream.clone(),
+                element: std::marker::PhantomData,
+            };
+            self.comm
+                .all_reduce_in_place(&mut memory, &nccl_op(op))
+                .map_err(nccl_error)?;
+        } else {
+            let mut memory = BucketMemory::<f32> {
+                ptr,
+                len,
+                stream: self.stream.clone(),
+                element: std::marker::PhantomData,
+            };
+            self.comm
+                .all_reduce_in_place(&mut memory, &nccl_op(op))
+                .map_err(nccl_error)?;
+        }
         self.wait("allreduce", seq)?;
         drop(keep_alive);
         Ok(Tensor::from_primitive(TensorPrimitive::Float(tensor)))

@@ -215,15 +215,12 @@ impl<B: FusedOps> Reducer<B> {
         self
     }
 
-    /// Host buckets travel as `dtype` (`parallel.allreduce_dtype`; `super::bf16`).
-    ///
-    /// # Panics
-    /// If bf16 is asked of device buckets (the caller refuses the setting).
+    /// Buckets travel as `dtype` (`parallel.allreduce_dtype`): host buckets through
+    /// `super::bf16` (the sum in f32), device buckets cast to bf16 on the device and reduced
+    /// by the device collective (NCCL's ncclBfloat16), then cast back to f32. With one rank
+    /// nothing travels and nothing is rounded. Device buckets need a backend with bf16 (the
+    /// caller checks).
     pub fn with_allreduce_dtype(mut self, dtype: AllreduceDtype) -> Self {
-        assert!(
-            dtype == AllreduceDtype::F32 || !self.on_device,
-            "bf16 allreduce of device buckets"
-        );
         self.allreduce_dtype = dtype;
         self
     }
@@ -607,10 +604,20 @@ impl<B: FusedOps> Shared<B> {
                     .map(|()| Buffer::Host(values))
                 })
             }
-            Buffer::Device(tensor) => self.comm.submit_device(move |c| {
-                c.allreduce_device(tensor, ReduceOp::Average)
-                    .map(Buffer::Device)
-            }),
+            Buffer::Device(tensor) => {
+                let bf16 =
+                    self.allreduce_dtype == AllreduceDtype::Bf16 && self.comm.world_size() > 1;
+                self.comm.submit_device(move |c| {
+                    if bf16 {
+                        let half = tensor.cast(burn::tensor::FloatDType::BF16);
+                        c.allreduce_device(half, ReduceOp::Average)
+                            .map(|t| Buffer::Device(t.cast(burn::tensor::FloatDType::F32)))
+                    } else {
+                        c.allreduce_device(tensor, ReduceOp::Average)
+                            .map(Buffer::Device)
+                    }
+                })
+            }
         }
     }
 }

@@ -11,6 +11,7 @@ mod data;
 mod local;
 mod output;
 mod setup;
+pub use setup::{initial_model, initialisation_lock};
 mod step;
 
 use std::path::PathBuf;

@@ -76,12 +76,15 @@ impl<B: GradHookBackend> Trainer<B> {
                 field: "parallel.buckets",
                 reason,
             })?;
-        if on_device && config.parallel.allreduce_dtype != AllreduceDtype::F32 {
+        if on_device
+            && config.parallel.allreduce_dtype == AllreduceDtype::Bf16
+            && !B::supports_dtype(device, burn::tensor::DType::BF16)
+        {
             return Err(TrainError::InvalidSetting {
                 field: "parallel.allreduce_dtype",
-                reason: "bf16 buckets are reduced through host collectives for now; this run's \
-                         buckets are on the device (set parallel.buckets = \"host\", or keep \
-                         allreduce_dtype = \"f32\")"
+                reason: "bf16 device buckets need a backend with bf16 (CUDA); this one has none \
+                         (wgpu: WGSL has no bf16): set parallel.buckets = \"host\", or keep \
+                         allreduce_dtype = \"f32\""
                     .into(),
             });
         }
@@ -182,6 +185,35 @@ fn choose_precision<B: GradHookBackend>(
             ),
         }),
     }
+}
+
+/// Holds the lock under which runs seed a backend's generator and draw their initial weights:
+/// code of another thread that seeds or draws from the same generator (a test building its
+/// own model on a shared device) holds it too, so that neither changes the other's weights.
+pub fn initialisation_lock() -> std::sync::MutexGuard<'static, ()> {
+    INIT_LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The model a run of `config` starts from before rank 0's parameters are broadcast: seeded
+/// with `train.seed`, every parameter drawn now, with the configured kernels and precision.
+/// Initialisations are serialised across threads (the backends' generators are per device
+/// or per process), so a test or tool may build one while runs train in other threads
+/// without changing their weights.
+///
+/// # Errors
+/// [`TrainError::Model`] for a bad model configuration; [`TrainError::InvalidSetting`] for a
+/// precision the backend does not have.
+pub fn initial_model<B: GradHookBackend>(
+    config: &TrainConfig,
+    vocab_size: usize,
+    device: &B::Device,
+) -> Result<BertForPreTraining<B>, TrainError> {
+    let bert_config = config.bert_config(vocab_size);
+    bert_config.validate()?;
+    let precision = choose_precision::<B>(config.train.precision, device)?;
+    let mut model = init_model::<B>(config, &bert_config, device);
+    model.set_precision(precision);
+    Ok(model)
 }
 
 fn init_model<B: GradHookBackend>(
