@@ -509,6 +509,16 @@ pub fn run(args: TrainArgs) -> Result<()> {
                 "; target reached at {n} training samples"
             )),
     );
+    if summary.precision.is_half() || summary.loss_scale.is_some() {
+        println!(
+            "ember: computed in {}{}",
+            summary.precision,
+            summary.loss_scale.map_or(String::new(), |scale| format!(
+                "; loss scale {scale} at the end, {} step(s) skipped for an overflow",
+                summary.skipped_steps
+            ))
+        );
+    }
     if summary.corpus_lines_skipped > 0 {
         println!(
             "ember: skipped {} corpus line(s) that were not UTF-8 (see the warnings; --strict \
