@@ -36,6 +36,7 @@ pub enum Precision {
     /// bfloat16 compute (8 exponent bits: f32's range; no loss scaling needed).
     Bf16,
     /// IEEE half compute (5 exponent bits: needs loss scaling).
+    #[serde(alias = "f16")]
     Fp16,
 }
 

@@ -562,7 +562,7 @@ impl TrainConfig {
                 format!("{} must be a positive number", p.timeout_s),
             );
         }
-        self.loss_scale.validate()?;
+        self.loss_scale.validate(self.train.precision)?;
         if self.loss_scale.enabled(self.train.precision) && self.optimizer.name.is_onebit() {
             return invalid(
                 "loss_scale.mode",

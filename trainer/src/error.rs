@@ -52,13 +52,13 @@ pub enum TrainError {
     },
     /// The gradients overflowed in `loss_scale.max_skipped_steps` steps in a row.
     #[error(
-        "step {step}: the gradients overflowed (inf or NaN) in {skipped} steps in a row, the last at loss scale {scale}: the run stops instead of training on a collapsed scale (lower optimizer.lr, keep gradient clipping on, raise loss_scale.min_scale, or train in bf16)"
+        "step {step}: the gradients overflowed (inf or NaN) in {skipped} steps in a row, the last at loss scale {scale}: the run stops instead of training on a collapsed scale (lower optimizer.lr, keep gradient clipping on, raise loss_scale.min_scale, lower a high loss_scale.init_scale, or train in bf16)"
     )]
     LossScaleCollapsed {
         /// The optimizer step the last skipped batch was for (1-based).
         step: u64,
-        /// The scale of that step.
-        scale: f64,
+        /// The scale of that step, as printed.
+        scale: String,
         /// Consecutive skipped steps.
         skipped: u64,
     },

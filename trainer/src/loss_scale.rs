@@ -102,28 +102,80 @@ impl Default for LossScaleConfig {
 }
 
 impl LossScaleConfig {
-    /// Checks the settings.
+    /// Checks the settings, for a model computing in `precision`.
     ///
     /// # Errors
-    /// [`TrainError::InvalidSetting`] naming the field: a scale that is not finite and
-    /// positive, `min_scale > init_scale`, a growth factor ≤ 1, a backoff factor outside
-    /// (0, 1), an interval or a skip limit of 0.
-    pub fn validate(&self) -> Result<(), TrainError> {
+    /// [`TrainError::InvalidSetting`] naming the field: a scale that is not a positive f32
+    /// (the scale multiplies an f32 loss: PyTorch keeps it in an f32 tensor),
+    /// `init_scale < min_scale`, a growth factor ≤ 1, a backoff factor outside (0, 1), an
+    /// interval or a skip limit of 0, and any of these set away from its default while the
+    /// loss is not scaled (it would be ignored).
+    pub fn validate(&self, precision: Option<ember_model::Precision>) -> Result<(), TrainError> {
         let invalid =
             |field: &'static str, reason: String| Err(TrainError::InvalidSetting { field, reason });
-        let positive = |x: f64| x.is_finite() && x > 0.0;
-        if !positive(self.init_scale) {
+        let default = Self::default();
+        if !self.enabled(precision) {
+            let changed = [
+                (
+                    "loss_scale.init_scale",
+                    self.init_scale != default.init_scale,
+                ),
+                (
+                    "loss_scale.growth_factor",
+                    self.growth_factor != default.growth_factor,
+                ),
+                (
+                    "loss_scale.backoff_factor",
+                    self.backoff_factor != default.backoff_factor,
+                ),
+                (
+                    "loss_scale.growth_interval",
+                    self.growth_interval != default.growth_interval,
+                ),
+                ("loss_scale.min_scale", self.min_scale != default.min_scale),
+                (
+                    "loss_scale.max_skipped_steps",
+                    self.max_skipped_steps != default.max_skipped_steps,
+                ),
+            ];
+            if let Some((field, _)) = changed.iter().find(|(_, c)| *c) {
+                return invalid(
+                    field,
+                    format!(
+                        "applies when the loss is scaled (loss_scale.mode = \"dynamic\", or \
+                         \"auto\" with train.precision = \"fp16\"); mode is {}",
+                        self.mode
+                    ),
+                );
+            }
+        }
+        let f32_positive = |x: f64| x > 0.0 && x <= f64::from(f32::MAX);
+        if !f32_positive(self.init_scale) {
             return invalid(
                 "loss_scale.init_scale",
-                format!("must be finite and positive, got {}", self.init_scale),
+                format!(
+                    "must be positive and at most f32's largest value (3.4e38), got {}",
+                    fmt_scale(self.init_scale)
+                ),
             );
         }
-        if !positive(self.min_scale) || self.min_scale > self.init_scale {
+        if !f32_positive(self.min_scale) {
             return invalid(
                 "loss_scale.min_scale",
                 format!(
-                    "must be positive and at most init_scale ({}), got {}",
-                    self.init_scale, self.min_scale
+                    "must be positive and at most f32's largest value (3.4e38), got {}",
+                    fmt_scale(self.min_scale)
+                ),
+            );
+        }
+        if self.init_scale < self.min_scale {
+            return invalid(
+                "loss_scale.init_scale",
+                format!(
+                    "{} is below loss_scale.min_scale ({}): raise it, or lower min_scale in \
+                     the [loss_scale] section (--min-loss-scale)",
+                    fmt_scale(self.init_scale),
+                    fmt_scale(self.min_scale)
                 ),
             );
         }
@@ -169,6 +221,9 @@ pub struct LossScalerState {
     pub consecutive_skips: u64,
     /// Skipped steps in the whole run.
     pub skipped_steps: u64,
+    /// The scale of the last skipped step (for the error).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_skipped_scale: Option<f64>,
 }
 
 /// The dynamic loss scaler of one rank (every rank takes the same decisions: Note [Agreeing
@@ -193,6 +248,7 @@ impl LossScaler {
                 growth_tracker: 0,
                 consecutive_skips: 0,
                 skipped_steps: 0,
+                last_skipped_scale: None,
             },
         })
     }
@@ -207,44 +263,63 @@ impl LossScaler {
         self.state
     }
 
-    /// Continues from a saved state.
+    /// Continues from a saved state (PyTorch's `GradScaler.load_state_dict`: the saved scale
+    /// goes on, `init_scale` is for fresh runs), raised to this run's `min_scale` if below it.
     pub fn restore(&mut self, state: LossScalerState) {
         self.state = state;
+        self.state.scale = self.state.scale.max(self.config.min_scale);
     }
 
     /// Updates the scale after a step whose averaged gradient was (`found_inf`) or was not
-    /// finite, and returns whether the step must be skipped. `step` is the 1-based optimizer
-    /// step the batch would have been, for the error.
-    ///
-    /// # Errors
-    /// [`TrainError::LossScaleCollapsed`] on the `max_skipped_steps`-th consecutive skip.
-    pub fn update(&mut self, found_inf: bool, step: u64) -> Result<bool, TrainError> {
+    /// finite, and returns whether the step must be skipped.
+    pub fn update(&mut self, found_inf: bool) -> bool {
         let s = &mut self.state;
         if found_inf {
-            let scale = s.scale;
+            s.last_skipped_scale = Some(s.scale);
             s.scale = (s.scale * self.config.backoff_factor).max(self.config.min_scale);
             s.growth_tracker = 0;
             s.consecutive_skips += 1;
             s.skipped_steps += 1;
-            if s.consecutive_skips >= self.config.max_skipped_steps {
-                return Err(TrainError::LossScaleCollapsed {
-                    step,
-                    scale,
-                    skipped: s.consecutive_skips,
-                });
-            }
-            return Ok(true);
+            return true;
         }
         s.consecutive_skips = 0;
         s.growth_tracker += 1;
         if s.growth_tracker == self.config.growth_interval {
+            // Not taken when it leaves f32's range (PyTorch's scale is an f32 tensor).
             let grown = s.scale * self.config.growth_factor;
-            if grown.is_finite() {
+            if (grown as f32).is_finite() {
                 s.scale = grown;
             }
             s.growth_tracker = 0;
         }
-        Ok(false)
+        false
+    }
+
+    /// After a skipped step (logged by then): the error once `max_skipped_steps` steps in a
+    /// row have overflowed. `step` is the 1-based optimizer step the batches were for.
+    ///
+    /// # Errors
+    /// [`TrainError::LossScaleCollapsed`] naming the step, the count and the last scale.
+    pub fn check_collapse(&self, step: u64) -> Result<(), TrainError> {
+        let s = &self.state;
+        if s.consecutive_skips < self.config.max_skipped_steps {
+            return Ok(());
+        }
+        Err(TrainError::LossScaleCollapsed {
+            step,
+            scale: fmt_scale(s.last_skipped_scale.unwrap_or(s.scale)),
+            skipped: s.consecutive_skips,
+        })
+    }
+}
+
+/// A loss scale for messages: plain up to a million (65536), in exponent form beyond or below
+/// a thousandth (1.7e38, 1e-300).
+pub fn fmt_scale(scale: f64) -> String {
+    if scale != 0.0 && !(1e-3..1e6).contains(&scale.abs()) {
+        format!("{scale:e}")
+    } else {
+        format!("{scale}")
     }
 }
 
@@ -270,23 +345,23 @@ mod tests {
     #[test]
     fn the_scale_backs_off_grows_after_the_interval_and_stops_at_the_floor() {
         let mut s = scaler(3, 10);
-        assert!(s.update(true, 1).unwrap(), "an overflow skips");
+        assert!(s.update(true), "an overflow skips");
         assert_eq!(s.scale(), 4.0);
         // Two clean steps: not yet; the third doubles (PyTorch: growth_tracker reaches the
         // interval), and the count starts again.
-        assert!(!s.update(false, 1).unwrap());
-        assert!(!s.update(false, 2).unwrap());
+        assert!(!s.update(false));
+        assert!(!s.update(false));
         assert_eq!(s.scale(), 4.0);
-        assert!(!s.update(false, 3).unwrap());
+        assert!(!s.update(false));
         assert_eq!(s.scale(), 8.0);
         assert_eq!(s.state().growth_tracker, 0);
         // An overflow resets the count of clean steps.
-        s.update(false, 4).unwrap();
-        s.update(true, 5).unwrap();
+        s.update(false);
+        s.update(true);
         assert_eq!(s.state().growth_tracker, 0);
         // The floor: 4 → 2 → 2.
-        for step in 5..8 {
-            s.update(true, step).unwrap();
+        for _ in 0..3 {
+            s.update(true);
         }
         assert_eq!(s.scale(), 2.0);
         assert_eq!(s.state().skipped_steps, 5);
@@ -296,11 +371,14 @@ mod tests {
     #[test]
     fn consecutive_skips_stop_the_run_with_the_step_and_scale() {
         let mut s = scaler(2000, 3);
-        s.update(true, 10).unwrap();
-        s.update(false, 10).unwrap();
-        s.update(true, 11).unwrap();
-        s.update(true, 11).unwrap();
-        let error = s.update(true, 11).unwrap_err().to_string();
+        s.update(true);
+        s.update(false);
+        s.check_collapse(10).unwrap();
+        s.update(true);
+        s.update(true);
+        s.check_collapse(11).unwrap();
+        s.update(true);
+        let error = s.check_collapse(11).unwrap_err().to_string();
         assert!(
             error.contains("step 11") && error.contains("scale 2") && error.contains("3 "),
             "{error}"
@@ -308,36 +386,70 @@ mod tests {
     }
 
     #[test]
-    fn a_scale_that_would_overflow_is_not_taken() {
+    fn a_scale_that_would_leave_f32_is_not_taken() {
+        let max = f64::from(f32::MAX);
         let mut s = LossScaler::new(
             &LossScaleConfig {
                 mode: LossScaleMode::Dynamic,
-                init_scale: f64::MAX,
-                min_scale: 1.0,
+                init_scale: max / 1.5,
                 growth_interval: 1,
                 ..LossScaleConfig::default()
             },
             None,
         )
         .unwrap();
-        s.update(false, 1).unwrap();
-        assert_eq!(s.scale(), f64::MAX);
+        s.update(false);
+        assert_eq!(s.scale(), max / 1.5);
+        // A resumed run's floor applies to the saved scale.
+        let mut t = scaler(10, 10); // min_scale 2.0
+        t.restore(LossScalerState {
+            scale: 0.5,
+            ..s.state()
+        });
+        assert_eq!(t.scale(), 2.0);
+        assert_eq!(fmt_scale(65536.0), "65536");
+        assert_eq!(fmt_scale(1.7e38), "1.7e38");
     }
 
     #[test]
     fn bad_settings_name_the_field() {
         let refused = |edit: &dyn Fn(&mut LossScaleConfig)| {
-            let mut c = LossScaleConfig::default();
+            let mut c = LossScaleConfig {
+                mode: LossScaleMode::Dynamic,
+                ..LossScaleConfig::default()
+            };
             edit(&mut c);
-            c.validate().unwrap_err().to_string()
+            c.validate(None).unwrap_err().to_string()
         };
         assert!(refused(&|c| c.init_scale = 0.0).contains("loss_scale.init_scale"));
         assert!(refused(&|c| c.init_scale = f64::INFINITY).contains("loss_scale.init_scale"));
-        assert!(refused(&|c| c.min_scale = 1e9).contains("loss_scale.min_scale"));
+        assert!(refused(&|c| c.init_scale = 1e300).contains("3.4e38), got 1e300"));
+        assert!(refused(&|c| c.init_scale = f64::NAN).contains("loss_scale.init_scale"));
+        let below = refused(&|c| c.init_scale = 0.5);
+        assert!(
+            below.contains("loss_scale.init_scale") && below.contains("--min-loss-scale"),
+            "{below}"
+        );
+        assert!(refused(&|c| c.min_scale = 0.0).contains("loss_scale.min_scale"));
         assert!(refused(&|c| c.growth_factor = 1.0).contains("loss_scale.growth_factor"));
         assert!(refused(&|c| c.backoff_factor = 1.0).contains("loss_scale.backoff_factor"));
         assert!(refused(&|c| c.growth_interval = 0).contains("loss_scale.growth_interval"));
         assert!(refused(&|c| c.max_skipped_steps = 0).contains("loss_scale.max_skipped_steps"));
-        LossScaleConfig::default().validate().unwrap();
+        LossScaleConfig::default().validate(None).unwrap();
+        // Settings of a scaler that does not run are refused, not ignored.
+        let ignored = LossScaleConfig {
+            init_scale: 1024.0,
+            ..LossScaleConfig::default()
+        };
+        let error = ignored.validate(None).unwrap_err().to_string();
+        assert!(
+            error.contains("loss_scale.init_scale") && error.contains("applies when"),
+            "{error}"
+        );
+        ignored
+            .validate(Some(ember_model::Precision::Fp16))
+            .unwrap();
+        assert!(LossScaleConfig::default().enabled(Some(ember_model::Precision::Fp16)));
+        assert!(!LossScaleConfig::default().enabled(Some(ember_model::Precision::Bf16)));
     }
 }

@@ -141,6 +141,9 @@ pub struct TrainArgs {
     /// The first step's loss scale (loss_scale.init_scale) [default: 65536]
     #[arg(long, allow_negative_numbers = true)]
     init_loss_scale: Option<f64>,
+    /// The loss scale never goes below this (loss_scale.min_scale) [default: 1]
+    #[arg(long, allow_negative_numbers = true)]
+    min_loss_scale: Option<f64>,
     /// Consecutive skipped steps after which the run stops with an error
     /// (loss_scale.max_skipped_steps) [default: 20]
     #[arg(long, allow_negative_numbers = true)]
@@ -396,6 +399,9 @@ impl TrainArgs {
         }
         if let Some(v) = self.max_skipped_steps {
             l.max_skipped_steps = v;
+        }
+        if let Some(v) = self.min_loss_scale {
+            l.min_scale = v;
         }
         let m = &mut config.mllog;
         if let Some(v) = &self.mllog {

@@ -35,6 +35,13 @@ fn config(out: &Path) -> TrainConfig {
     config.train.batch_size = 2;
     config.train.steps = 6;
     config.train.eval_every = 6;
+    config
+}
+
+/// [`config`] with dynamic loss scaling from 1024, doubling after 2 clean steps, floor 256.
+fn scaled_config(out: &Path) -> TrainConfig {
+    let mut config = config(out);
+    config.loss_scale.mode = LossScaleMode::Dynamic;
     config.loss_scale.init_scale = 1024.0;
     config.loss_scale.growth_interval = 2;
     config.loss_scale.min_scale = 256.0;
@@ -84,8 +91,7 @@ fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
         .map(Result::unwrap)
         .collect();
 
-    let mut scaled = config(&dir.path().join("scaled"));
-    scaled.loss_scale.mode = LossScaleMode::Dynamic;
+    let scaled = scaled_config(&dir.path().join("scaled"));
     let summaries: Vec<_> = run_ranks(&scaled, Some(twice))
         .into_iter()
         .map(Result::unwrap)
@@ -154,8 +160,7 @@ fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
 fn consecutive_overflows_stop_the_run_at_the_floor() {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
-    let mut scaled = config(dir.path());
-    scaled.loss_scale.mode = LossScaleMode::Dynamic;
+    let mut scaled = scaled_config(dir.path());
     scaled.loss_scale.max_skipped_steps = 4;
     for result in run_ranks(&scaled, Some(persistent)) {
         let error = result.unwrap_err();
@@ -165,15 +170,17 @@ fn consecutive_overflows_stop_the_run_at_the_floor() {
                 error,
                 TrainError::LossScaleCollapsed {
                     step: 2,
-                    scale: 256.0,
-                    skipped: 4
+                    skipped: 4,
+                    ..
                 }
             ),
             "{error}"
         );
         let message = error.to_string();
         assert!(
-            message.contains("step 2") && message.contains("4 steps in a row"),
+            message.contains("step 2")
+                && message.contains("4 steps in a row")
+                && message.contains("loss scale 256:"),
             "{message}"
         );
     }
@@ -182,7 +189,8 @@ fn consecutive_overflows_stop_the_run_at_the_floor() {
         .iter()
         .map(|r| r["loss_scale"].as_f64().unwrap())
         .collect();
-    assert_eq!(scales, [1024.0, 512.0, 256.0], "the fourth is the error");
+    // Every skip is recorded, the fourth (the error's) too; the floor holds the last two.
+    assert_eq!(scales, [1024.0, 512.0, 256.0, 256.0]);
 }
 
 #[test]
@@ -254,4 +262,28 @@ fn half_precision_on_the_cpu_is_refused_naming_the_setting() {
         error.contains("train.precision") && error.contains("no fp16"),
         "{error}"
     );
+}
+
+/// Rank 0's first try of step 1 overflows.
+fn first_try(step: u64, rank: usize) -> f32 {
+    match (rank, step) {
+        (0, 0) if FAULTS[0].fetch_add(1, Ordering::SeqCst) == 0 => f32::INFINITY,
+        _ => 1.0,
+    }
+}
+
+/// A step whose gradients the hooks' re-check compares (Note [Re-checking late gradients])
+/// and that overflows is skipped, not failed: its NaN gradients compare with nothing.
+#[test]
+fn an_overflow_on_a_re_checked_step_is_skipped() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let mut scaled = scaled_config(dir.path());
+    scaled.parallel.check_gradients_every = 1;
+    scaled.train.steps = 2;
+    scaled.train.eval_every = 2;
+    for summary in run_ranks(&scaled, Some(first_try)) {
+        let summary = summary.unwrap();
+        assert_eq!((summary.steps, summary.skipped_steps), (2, 1));
+    }
 }

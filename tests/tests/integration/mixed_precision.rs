@@ -62,8 +62,12 @@ fn fp16_with_loss_scaling_trains_as_f32() {
         .fold(0.0, f64::max);
     eprintln!(
         "fp16 against f32, 50 steps: worst loss difference {worst:.2e} (relative), final \
-         losses {:.4} / {:.4}, loss scale {scale}, skipped steps {}",
-        full.losses[49], half.losses[49], half.skipped_steps
+         losses {:.4} / {:.4}, loss scale {scale}, skipped steps {}, training {:.1} s / {:.1} s",
+        full.losses[49],
+        half.losses[49],
+        half.skipped_steps,
+        full.train_seconds,
+        half.train_seconds
     );
     for (step, (a, b)) in full.losses.iter().zip(&half.losses).enumerate() {
         assert!(

@@ -268,8 +268,23 @@ impl<B: GradHookBackend> Trainer<B> {
                 ),
             ));
         }
-        if let (Some(scaler), Some(saved)) = (self.loss_scaler.as_mut(), run.loss_scaler) {
-            scaler.restore(saved);
+        match (self.loss_scaler.as_mut(), run.loss_scaler) {
+            (Some(scaler), Some(saved)) => {
+                scaler.restore(saved);
+                if rank == 0 {
+                    info!(
+                        loss_scale = scaler.scale(),
+                        "the loss scale continues from the checkpoint (loss_scale.init_scale is \
+                         for fresh runs)"
+                    );
+                }
+            }
+            (None, Some(saved)) if rank == 0 => warn!(
+                saved_loss_scale = saved.scale,
+                "the checkpoint's run scaled its loss and this one does not (loss_scale.mode, \
+                 train.precision)"
+            ),
+            _ => {}
         }
         if rank == 0 {
             info!(

@@ -235,61 +235,69 @@ pub fn train_rank<B: GradHookBackend>(
         let mut record;
         (model, record) = trainer.step(model, step, micro_batches, device, &options)?;
         record.data_wait_s = waited;
+        // A skipped step (its gradients overflowed: `crate::loss_scale`) is not counted: the
+        // weights, moments and schedule stay, the next batch tries again; a signal still stops
+        // the run, with the checkpoint of the last step taken.
+        let stepped = !record.skipped;
+        let mut eval_due = false;
         if record.skipped {
-            // Not counted: the weights, moments and schedule stay; the next batch tries again.
-            let next_scale = trainer.loss_scaler.as_ref().map_or(1.0, LossScaler::scale);
-            log.skipped(&record, next_scale)?;
-            continue;
-        }
-        if rank == 0 && record.compressed && step == trainer.optimizer_freeze_step() {
-            info!(
-                step = step + 1,
-                warmup_bytes_per_step = comm_bytes.last().copied().unwrap_or_default(),
-                compressed_bytes_per_step = record.comm_bytes,
-                "1-bit compression: momenta averaged compressed from here on, the variance frozen"
-            );
-        }
-        comm_bytes.push(record.comm_bytes);
-        step += 1;
-        log.record(record, &comm)?;
-        // By samples (MLPerf: after the first step whose samples reach the next multiple of
-        // the interval), else every `eval_every` steps; and after the last step.
-        let eval_due = match eval_interval {
-            Some(every) => samples_at(step) / every > samples_at(step - 1) / every,
-            None => step % config.train.eval_every == 0,
-        };
-        if eval_due || step == config.train.steps {
-            let samples = samples_at(step);
-            mllog.end(
-                "block_stop",
-                Value::Null,
-                json!({"first_epoch_num": block_first, "samples_count": samples}),
-            )?;
-            mllog.start("eval_start", Value::Null, json!({"epoch_num": samples}))?;
-            let result = evaluate_sharded(&model, &rank_data.eval, device, &comm)?;
-            mllog.event(
-                "eval_accuracy",
-                json!(result.mlm_accuracy),
-                json!({"epoch_num": samples}),
-            )?;
-            mllog.end("eval_stop", Value::Null, json!({"epoch_num": samples}))?;
-            log.eval(step, &result)?;
-            last_eval = Some(result);
-            last_eval_step = Some(step);
-            if let (0, Some(hook)) = (rank, options.on_eval) {
-                hook(&out.join("metrics.jsonl"));
+            let scaler = trainer
+                .loss_scaler
+                .as_ref()
+                .expect("only a loss scaler skips");
+            log.skipped(&record, scaler.scale())?;
+            scaler.check_collapse(step + 1)?;
+        } else {
+            if rank == 0 && record.compressed && step == trainer.optimizer_freeze_step() {
+                info!(
+                    step = step + 1,
+                    warmup_bytes_per_step = comm_bytes.last().copied().unwrap_or_default(),
+                    compressed_bytes_per_step = record.comm_bytes,
+                    "1-bit compression: momenta averaged compressed from here on, the variance frozen"
+                );
             }
-            reached_target = config
-                .train
-                .target_mlm_accuracy
-                .is_some_and(|t| result.mlm_accuracy >= t);
-            if reached_target {
-                target_reached_at = Some(samples_at(step));
+            comm_bytes.push(record.comm_bytes);
+            step += 1;
+            log.record(record, &comm)?;
+            // By samples (MLPerf: after the first step whose samples reach the next multiple of
+            // the interval), else every `eval_every` steps; and after the last step.
+            eval_due = match eval_interval {
+                Some(every) => samples_at(step) / every > samples_at(step - 1) / every,
+                None => step % config.train.eval_every == 0,
+            };
+            if eval_due || step == config.train.steps {
+                let samples = samples_at(step);
+                mllog.end(
+                    "block_stop",
+                    Value::Null,
+                    json!({"first_epoch_num": block_first, "samples_count": samples}),
+                )?;
+                mllog.start("eval_start", Value::Null, json!({"epoch_num": samples}))?;
+                let result = evaluate_sharded(&model, &rank_data.eval, device, &comm)?;
+                mllog.event(
+                    "eval_accuracy",
+                    json!(result.mlm_accuracy),
+                    json!({"epoch_num": samples}),
+                )?;
+                mllog.end("eval_stop", Value::Null, json!({"epoch_num": samples}))?;
+                log.eval(step, &result)?;
+                last_eval = Some(result);
+                last_eval_step = Some(step);
+                if let (0, Some(hook)) = (rank, options.on_eval) {
+                    hook(&out.join("metrics.jsonl"));
+                }
+                reached_target = config
+                    .train
+                    .target_mlm_accuracy
+                    .is_some_and(|t| result.mlm_accuracy >= t);
+                if reached_target {
+                    target_reached_at = Some(samples_at(step));
+                }
             }
         }
         stopped_by = stop_signal(options, &comm)?;
         let every = config.checkpoint.every;
-        let due = every > 0 && step % every == 0;
+        let due = stepped && every > 0 && step % every == 0;
         let ends = reached_target || stopped_by.is_some() || step == config.train.steps;
         if due || ends {
             log.flush(&comm)?;

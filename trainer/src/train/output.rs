@@ -310,6 +310,10 @@ impl<B: Backend> RunLog<B> {
         next_scale: f64,
     ) -> Result<(), TrainError> {
         let scale = record.loss_scale.unwrap_or(1.0);
+        // Rank 0 (the one with the metrics) speaks for all: every rank skipped.
+        let Some(metrics) = self.metrics.as_mut() else {
+            return Ok(());
+        };
         self.progress.suspend(|| {
             tracing::warn!(
                 step = record.step,
@@ -319,9 +323,6 @@ impl<B: Backend> RunLog<B> {
                 "gradients overflowed (inf or NaN): step skipped on every rank"
             )
         });
-        let Some(metrics) = self.metrics.as_mut() else {
-            return Ok(());
-        };
         metrics.write(json!({
             "event": "skip", "step": record.step, "loss_scale": scale,
             "next_loss_scale": next_scale, "skipped_steps": record.skipped_steps,

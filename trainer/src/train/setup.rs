@@ -83,8 +83,8 @@ impl<B: GradHookBackend> Trainer<B> {
             return Err(TrainError::InvalidSetting {
                 field: "parallel.allreduce_dtype",
                 reason: "bf16 device buckets need a backend with bf16 (CUDA); this one has none \
-                         (wgpu: WGSL has no bf16): set parallel.buckets = \"host\", or keep \
-                         allreduce_dtype = \"f32\""
+                         (NdArray has no half type, WGSL no bf16): set parallel.buckets = \
+                         \"host\", or keep allreduce_dtype = \"f32\""
                     .into(),
             });
         }

@@ -138,15 +138,6 @@ impl<B: GradHookBackend> Trainer<B> {
         }
         let syncs_at_wait = count();
         let reduced = self.reducer.finalize_backward()?;
-        for check in checks {
-            check.result(|id| self.param_name(id)).map_err(|params| {
-                TrainError::GradientAfterHook {
-                    step: step + 1,
-                    params,
-                }
-            })?;
-        }
-        let lr = self.schedule.lr(step);
         let mut skipped = false;
         if let Some(scaler) = self.loss_scaler.as_mut() {
             // One read of the averaged gradient's squared norm (Note [Agreeing on an overflow]).
@@ -155,8 +146,20 @@ impl<B: GradHookBackend> Trainer<B> {
                 .as_ref()
                 .expect("the reducer checks overflows with a loss scaler")
                 .value();
-            skipped = scaler.update(!sq.is_finite(), step + 1)?;
+            skipped = scaler.update(!sq.is_finite());
         }
+        // An overflowed step's gradients hold inf − inf = NaN, which no re-check can compare.
+        if !skipped {
+            for check in checks {
+                check.result(|id| self.param_name(id)).map_err(|params| {
+                    TrainError::GradientAfterHook {
+                        step: step + 1,
+                        params,
+                    }
+                })?;
+            }
+        }
+        let lr = self.schedule.lr(step);
         let (model, onebit) = if skipped {
             (model, OnebitStep::default())
         } else {
