@@ -255,29 +255,35 @@ where
         // bf16 buckets (`parallel.allreduce_dtype`): NCCL's ncclBfloat16, summed in bf16 at
         // each hop of its ring.
         if tensor.dtype == DType::BF16 {
-            let mut memory = BucketMemory::<burn::tensor::bf16> {
-                ptr,
-                len,
-                stream: self.stream.clone(),
-                element: std::marker::PhantomData,
-            };
-            self.comm
-                .all_reduce_in_place(&mut memory, &nccl_op(op))
-                .map_err(nccl_error)?;
+            self.all_reduce_in_place::<burn::tensor::bf16>(ptr, len, op)?;
         } else {
-            let mut memory = BucketMemory::<f32> {
-                ptr,
-                len,
-                stream: self.stream.clone(),
-                element: std::marker::PhantomData,
-            };
-            self.comm
-                .all_reduce_in_place(&mut memory, &nccl_op(op))
-                .map_err(nccl_error)?;
+            self.all_reduce_in_place::<f32>(ptr, len, op)?;
         }
         self.wait("allreduce", seq)?;
         drop(keep_alive);
         Ok(Tensor::from_primitive(TensorPrimitive::Float(tensor)))
+    }
+}
+
+impl Nccl {
+    /// NCCL's in-place allreduce of `len` elements of `T` at device address `ptr`, on NCCL's
+    /// stream (the caller orders it after the buffer's producers: Note [NCCL ordering]).
+    fn all_reduce_in_place<T: cudarc::nccl::NcclType>(
+        &self,
+        ptr: u64,
+        len: usize,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        let mut memory = BucketMemory::<T> {
+            ptr,
+            len,
+            stream: self.stream.clone(),
+            element: std::marker::PhantomData,
+        };
+        self.comm
+            .all_reduce_in_place(&mut memory, &nccl_op(op))
+            .map_err(nccl_error)?;
+        Ok(())
     }
 }
 
