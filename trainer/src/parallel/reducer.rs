@@ -11,9 +11,14 @@
 //! (`all_reduce_bucket`) while backward continues, the tied table's rows last
 //! (`all_reduce_rows`); [`Reducer::finalize_backward`] waits for
 //! the averaged buckets and applies the clip modes that need them all; and
-//! [`Reducer::gradients`] gives the optimizer each parameter's averaged gradient.
+//! [`Reducer::gradients`] gives the optimizer each parameter's averaged gradient. The launch
+//! side (what the hooks' callback runs) is in `reducer/launch.rs`, the hand-over in
+//! `reducer/handover.rs`.
 
 mod handover;
+mod launch;
+
+use launch::scale_all;
 
 use std::collections::HashMap;
 use std::sync::mpsc::Receiver;
@@ -24,10 +29,10 @@ use burn::module::ParamId;
 use burn::tensor::ops::FloatTensor;
 use ember_backend_ext::FusedOps;
 
-use super::bf16::{AllreduceDtype, allreduce_bf16};
+use super::bf16::AllreduceDtype;
 use super::buckets::{Buffer, Scalar};
-use super::clip::{ClipMode, bucket_clip_cap};
-use super::collective::{CommError, ReduceOp};
+use super::clip::ClipMode;
+use super::collective::CommError;
 use super::comm_thread::{CommThread, receive};
 use super::hooks::{GradCallback, HookGradients};
 use super::plan::BucketPlan;
@@ -461,175 +466,4 @@ impl<B: FusedOps> Reducer<B> {
 fn lock<B: FusedOps>(state: &Mutex<StepState<B>>) -> MutexGuard<'_, StepState<B>> {
     // A rank that panicked while holding the lock leaves nothing a later step reads.
     state.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-impl<B: FusedOps> Shared<B> {
-    /// Adds delivered gradients to their buckets; flattens the buckets they complete; in the
-    /// last micro-batch, launches complete buckets in order.
-    fn mark_params_ready(&self, state: &mut StepState<B>, grads: HookGradients<B>) {
-        for (id, grad) in grads {
-            let grad = if state.inv_loss_scale == 1.0 {
-                grad
-            } else {
-                B::float_mul_scalar(
-                    grad,
-                    burn::tensor::Scalar::Float(state.inv_loss_scale.into()),
-                )
-            };
-            if let Some(tied) = state.tied.as_mut().filter(|t| t.table == id) {
-                let first = state.first_micro_batch;
-                if let Err(e) = tied.add(grad, self.on_device, first) {
-                    state.error.get_or_insert(e);
-                }
-                continue;
-            }
-            let Some(&(k, i)) = self.index.get(&id) else {
-                state
-                    .error
-                    .get_or_insert_with(|| format!("a gradient for unplanned parameter {id}"));
-                continue;
-            };
-            if state.seen[k][i] {
-                let name = &self.plan.buckets[k].params[i].name;
-                state
-                    .error
-                    .get_or_insert_with(|| format!("the gradient of {name} arrived twice"));
-                continue;
-            }
-            state.seen[k][i] = true;
-            state.pending[k][i] = Some(grad);
-            state.arrived[k] += 1;
-            if state.arrived[k] == self.plan.buckets[k].params.len() {
-                self.mark_bucket_ready(state, k);
-            }
-        }
-        if state.last_micro_batch && self.clip != ClipMode::LocalGlobal {
-            // Complete in this micro-batch (earlier micro-batches' buffers exist already).
-            while state.next_launch < self.plan.buckets.len()
-                && state.arrived[state.next_launch]
-                    == self.plan.buckets[state.next_launch].params.len()
-            {
-                let k = state.next_launch;
-                self.all_reduce_bucket(state, k);
-            }
-            self.all_reduce_rows(state);
-        }
-    }
-
-    /// Bucket `k`'s gradients have all arrived in this micro-batch: flattens them into its
-    /// buffer (adding to the earlier micro-batches').
-    fn mark_bucket_ready(&self, state: &mut StepState<B>, k: usize) {
-        let grads = state.pending[k]
-            .iter_mut()
-            .map(|g| g.take().expect("the bucket is complete"))
-            .collect();
-        let flat = Buffer::flatten(self.on_device, grads);
-        let buffer = match state.buffers[k].take() {
-            Some(earlier) if !state.first_micro_batch => earlier.add(flat),
-            _ => flat,
-        };
-        state.buffers[k] = Some(buffer);
-    }
-
-    /// Clips bucket `k` (`bucket` mode) and hands it to the communication thread.
-    fn all_reduce_bucket(&self, state: &mut StepState<B>, k: usize) {
-        let buffer = state.buffers[k].take().expect("a complete bucket");
-        let buffer = self.bucket_clip(state, buffer);
-        if !self.local {
-            state.elements_allreduced += buffer.len();
-        }
-        let rx = self.submit(buffer);
-        state.in_flight.push((k, rx));
-        state.last_launch = Some(Instant::now());
-        state.next_launch += 1;
-    }
-
-    /// After the last bucket, the tied table's rows, once they arrived in the step's last
-    /// micro-batch (Note [Tied embedding split]).
-    fn all_reduce_rows(&self, state: &mut StepState<B>) {
-        let ready = state.next_launch == self.plan.buckets.len()
-            && state
-                .tied
-                .as_ref()
-                .is_some_and(|t| t.arrived && t.in_flight.is_none() && t.buffer.is_some());
-        if !ready {
-            return;
-        }
-        let buffer = state
-            .tied
-            .as_mut()
-            .and_then(|t| t.buffer.take())
-            .expect("checked");
-        let buffer = self.bucket_clip(state, buffer);
-        if !self.local {
-            state.elements_allreduced += buffer.len();
-        }
-        let rx = self.submit(buffer);
-        state.tied.as_mut().expect("checked").in_flight = Some(rx);
-        state.last_launch = Some(Instant::now());
-    }
-
-    /// In `bucket` mode, clips a bucket by its own norm to max_norm/√K (Note [Clip
-    /// coefficient]; ClipMode::Bucket).
-    fn bucket_clip(&self, state: &mut StepState<B>, buffer: Buffer<B>) -> Buffer<B> {
-        if self.clip != ClipMode::Bucket {
-            return buffer;
-        }
-        let sq = buffer.sq_norm();
-        let count = self
-            .bucket_clip_count
-            .unwrap_or_else(|| self.plan.num_reductions());
-        let cap = bucket_clip_cap(self.max_norm, count);
-        let clipped = buffer.scale(&sq.clip_coefficient(cap));
-        state.local_sq_norms.push(sq);
-        clipped
-    }
-
-    /// Hands a buffer to the communication thread for its average over the ranks.
-    fn submit(&self, buffer: Buffer<B>) -> InFlight<B> {
-        if self.local {
-            let (tx, rx) = std::sync::mpsc::channel();
-            let _ = tx.send(Ok(buffer));
-            return rx;
-        }
-        match buffer {
-            Buffer::Host(values) => {
-                let dtype = self.allreduce_dtype;
-                self.comm.submit(move |c| {
-                    let mut values = values;
-                    match dtype {
-                        AllreduceDtype::F32 => c.allreduce(&mut values, ReduceOp::Average),
-                        AllreduceDtype::Bf16 => allreduce_bf16(c, &mut values, ReduceOp::Average),
-                    }
-                    .map(|()| Buffer::Host(values))
-                })
-            }
-            Buffer::Device(tensor) => {
-                let bf16 =
-                    self.allreduce_dtype == AllreduceDtype::Bf16 && self.comm.world_size() > 1;
-                self.comm.submit_device(move |c| {
-                    if bf16 {
-                        let half = tensor.cast(burn::tensor::FloatDType::BF16);
-                        c.allreduce_device(half, ReduceOp::Average)
-                            .map(|t| Buffer::Device(t.cast(burn::tensor::FloatDType::F32)))
-                    } else {
-                        c.allreduce_device(tensor, ReduceOp::Average)
-                            .map(Buffer::Device)
-                    }
-                })
-            }
-        }
-    }
-}
-
-/// Scales every bucket (and the tied rows) by `coefficient`.
-fn scale_all<B: FusedOps>(state: &mut StepState<B>, coefficient: &Scalar<B>) {
-    for buffer in &mut state.buffers {
-        let b = buffer.take().expect("every bucket is complete");
-        *buffer = Some(b.scale(coefficient));
-    }
-    if let Some(tied) = state.tied.as_mut() {
-        let rows = tied.buffer.take().expect("the rows arrived");
-        tied.buffer = Some(rows.scale(coefficient));
-    }
 }
