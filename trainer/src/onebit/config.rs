@@ -38,13 +38,34 @@ pub struct OnebitConfig {
     /// (rare tokens' embedding rows with small batches: see the README). Default: 128.
     pub scale_block: usize,
     /// The denominator of the compression stage's update: `frozen` (the papers' and
-    /// DeepSpeed's: the variance at the freeze) or `frozen-or-fresh` (element by element the
+    /// DeepSpeed's: the variance at the freeze), `frozen-or-fresh` (element by element the
     /// larger of the frozen variance and a fresh one rebuilt from the averaged momenta, as
-    /// 1-bit LAMB rebuilds it: no communication). A frozen variance is wrong for what had no
+    /// 1-bit LAMB rebuilds it: no communication) or `frozen-bounded` (the frozen variance,
+    /// each element's |m̂|/√v̂ bounded by 1). A frozen variance is wrong for what had no
     /// gradient in the warm-up: a rare token first seen after the freeze gets an update
     /// divided by the variance of its near-zero gradients (the README's run: embedding entries
-    /// of 21, accuracy at the baseline). Default: frozen-or-fresh.
-    pub variance: OnebitVariance,
+    /// of 21, accuracy at the baseline). Default (unset): `frozen-bounded` for 1-bit Adam,
+    /// `frozen-or-fresh` for 1-bit LAMB, the best of the three measured on the embedded corpus
+    /// (README, 1-bit Adam and 1-bit LAMB).
+    pub variance: Option<OnebitVariance>,
+    /// 1-bit LAMB's per-tensor scaling in the compression stage: `frozen-factor` (DeepSpeed's:
+    /// the warm-up's averaged trust ratio times a factor from the fresh variance, clamped and
+    /// moved at most `factor_threshold` per step) or `computed` (each step's trust ratio
+    /// ‖w‖/‖u‖ of the update u computed from the averaged momenta, as exact LAMB computes
+    /// it; the same on every rank, no communication). Default: `computed` (measured better
+    /// on the embedded corpus: README).
+    pub lamb_coeff: OnebitLambCoeff,
+}
+
+/// 1-bit LAMB's scaling coefficients after the freeze (`optimizer.onebit.lamb_coeff`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OnebitLambCoeff {
+    /// The warm-up's averaged trust ratio times the fresh-variance factor (Li et al. 2022;
+    /// DeepSpeed).
+    FrozenFactor,
+    /// Each step's trust ratio of the compression stage's update.
+    Computed,
 }
 
 /// The variance the compression stage divides by (`optimizer.onebit.variance`).
@@ -56,6 +77,10 @@ pub enum OnebitVariance {
     /// max(frozen, fresh) element by element, the fresh variance rebuilt from the averaged
     /// momenta.
     FrozenOrFresh,
+    /// The frozen variance, with each element's Adam ratio |m̂|/√v̂ bounded by 1: the
+    /// denominator is max(√v̂, |m̂|) + ε, so an element whose variance froze near zero moves by
+    /// at most the learning rate per step.
+    FrozenBounded,
 }
 
 impl Default for OnebitConfig {
@@ -70,12 +95,23 @@ impl Default for OnebitConfig {
             factor_threshold: 0.1,
             mask_unused: true,
             scale_block: 128,
-            variance: OnebitVariance::FrozenOrFresh,
+            variance: None,
+            lamb_coeff: OnebitLambCoeff::Computed,
         }
     }
 }
 
 impl OnebitConfig {
+    /// The variance setting 1-bit Adam (`lamb` false) or 1-bit LAMB runs with: the one given,
+    /// else the optimizer's default (see [`OnebitConfig::variance`]).
+    pub fn variance_for(&self, lamb: bool) -> OnebitVariance {
+        self.variance.unwrap_or(if lamb {
+            OnebitVariance::FrozenOrFresh
+        } else {
+            OnebitVariance::FrozenBounded
+        })
+    }
+
     /// Checks the settings, with `freeze_step` the resolved warm-up length.
     ///
     /// # Errors

@@ -15,6 +15,6 @@ mod step;
 mod tests;
 
 pub use allreduce::{BytesSent, CompressedAllreduce, padded_len, ring_allreduce_bytes};
-pub use config::{OnebitConfig, OnebitVariance};
+pub use config::{OnebitConfig, OnebitLambCoeff, OnebitVariance};
 pub use optimizer::{OnebitKind, OnebitOptimizer, OnebitStep};
 pub use state::onebit_rank_file;

@@ -12,23 +12,30 @@
 //!
 //! ```text
 //! m ← β1·m + (1−β1)·g_local;   m ← compressed_average(m);   m ← m ⊙ mask
-//! Adam:  w ← w − lr·( m̂ / (√v̂_frozen + ε) + λ·w )
-//! LAMB:  u = m̂ / (√v̂_frozen + ε) + λ·w;   w ← w − lr · c_freeze · f · u
+//! Adam:  w ← w − lr·( m̂ / D + λ·w )
+//! LAMB:  u = m̂ / D + λ·w;   w ← w − lr · c · u
 //! ```
 //!
-//! where 1-bit LAMB's factor f compares the frozen variance with a fresh one rebuilt from the
-//! averaged momenta (`g = (m − β1·m_prev)/(1−β1)`, `v_fresh ← β2·v_fresh + (1−β2)·g²`):
-//! `f = max(denom_frozen / denom_fresh)`, blended towards 1 by the weight decay's share of the
-//! update, clipped to `[factor_min, factor_max]` and to ±`factor_threshold` of the last step's
-//! f (DeepSpeed's `OnebitLamb.step`). 1-bit LAMB compresses all momenta as one buffer, each
+//! with D the denominator of `optimizer.onebit.variance`: DeepSpeed's `√v̂_frozen + ε`
+//! (`frozen`), `max(√v̂_frozen, |m̂|) + ε` (`frozen-bounded`, 1-bit Adam's default) or
+//! `√max(v̂_frozen, v̂_fresh) + ε` (`frozen-or-fresh`, 1-bit LAMB's default), the fresh
+//! variance rebuilt from the averaged momenta (`g = (m − β1·m_prev)/(1−β1)`, `v_fresh ←
+//! β2·v_fresh + (1−β2)·g²`). 1-bit LAMB's per-tensor scaling c is `optimizer.onebit.lamb_coeff`:
+//! DeepSpeed's `c_freeze · f` (`frozen-factor`), where f = `max(D / denom_fresh)`, blended
+//! towards 1 by the weight decay's share of the update, clipped to `[factor_min, factor_max]`
+//! and to ±`factor_threshold` of the last step's f (DeepSpeed's `OnebitLamb.step`); or each
+//! step's trust ratio `‖w‖/‖u‖` (`computed`, the default), which every rank computes alike
+//! from the averaged momenta. 1-bit LAMB compresses all momenta as one buffer, each
 //! tensor's momentum scaled by `united_scale / its_scale` first (the scales taken at the
 //! freeze); 1-bit Adam compresses each tensor on its own (DeepSpeed's f32 path).
 //!
 //! Where ember differs from DeepSpeed (docs/ARCHITECTURE.md, 1-bit optimizers):
-//! - **the denominator** is by default element by element the larger of the frozen variance
-//!   and the fresh one rebuilt from the averaged momenta (`optimizer.onebit.variance =
-//!   frozen-or-fresh`; `frozen` is DeepSpeed's): a variance frozen while an element had almost
-//!   no gradient (a rare token) divides that element's later, real gradients by nearly zero;
+//! - **the denominator** is by default not the frozen variance alone (`frozen-bounded` for
+//!   Adam, `frozen-or-fresh` for LAMB; `frozen` is DeepSpeed's): a variance frozen while an
+//!   element had almost no gradient (a rare token) divides that element's later, real
+//!   gradients by nearly zero;
+//! - **1-bit LAMB's scaling** is by default each step's trust ratio (`lamb_coeff =
+//!   computed`; `frozen-factor` is DeepSpeed's);
 //! - **one scale per 128 elements** (`optimizer.onebit.scale_block`; 0 is DeepSpeed's one per
 //!   buffer);
 //! - **bias correction** continues through both stages (m̂ = m/(1−β1ᵗ), v̂ = v/(1−β2ᵀ) with T
@@ -149,10 +156,12 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
             nvlamb: config.nvlamb || kind == OnebitKind::Lamb,
             ..config.clone()
         };
+        let mut settings = config.onebit.clone();
+        settings.variance = Some(settings.variance_for(kind == OnebitKind::Lamb));
         Self {
             kind,
             hyper: config.clone(),
-            settings: config.onebit.clone(),
+            settings,
             freeze_step: config.onebit.freeze_step.unwrap_or(100_000),
             exact: PreTrainingOptimizer::new(&exact_config, module, fused),
             steps: 0,
@@ -286,7 +295,8 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
     /// Whether the compression stage rebuilds a fresh variance from the averaged momenta
     /// (1-bit LAMB's factor, `optimizer.onebit.variance = frozen-or-fresh`).
     pub(crate) fn tracks_fresh_variance(&self) -> bool {
-        self.kind == OnebitKind::Lamb || self.settings.variance == OnebitVariance::FrozenOrFresh
+        self.kind == OnebitKind::Lamb
+            || self.settings.variance == Some(OnebitVariance::FrozenOrFresh)
     }
 
     /// The compression stage over `params` (moments at step `time`, the variance frozen at

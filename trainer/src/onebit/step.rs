@@ -11,7 +11,7 @@ use ember_backend_ext::FusedOps;
 
 use super::allreduce::BytesSent;
 use super::optimizer::{OnebitKind, OnebitOptimizer, OnebitStep, ReadHost, WriteHost};
-use crate::onebit::OnebitVariance;
+use crate::onebit::{OnebitLambCoeff, OnebitVariance};
 use crate::parallel::CommError;
 
 /// ‖x‖₂, accumulated in f64.
@@ -47,7 +47,8 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
         let mut host = read.out;
         let lamb = self.kind == OnebitKind::Lamb;
         let fresh = self.tracks_fresh_variance();
-        let floor = self.settings.variance == OnebitVariance::FrozenOrFresh;
+        let floor = self.settings.variance == Some(OnebitVariance::FrozenOrFresh);
+        let bounded = self.settings.variance == Some(OnebitVariance::FrozenBounded);
         let (b1, b2, eps) = (self.hyper.beta1, self.hyper.beta2, self.hyper.epsilon);
         let weight_decay = self.hyper.weight_decay;
         let s = self.settings.clone();
@@ -153,22 +154,27 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
                 }
             }
             // √v̂ + ε of the frozen variance, or of the larger of it and the fresh one.
-            let denom = |v: f32, f: f32| {
+            let denom = |v: f32, f: f32, m: f32| {
                 let v = v / bc2;
-                if floor { v.max(f / bc2_fresh) } else { v }.sqrt() + eps
+                let d = if floor { v.max(f / bc2_fresh) } else { v }.sqrt();
+                if bounded {
+                    d.max((m / bc1).abs()) + eps
+                } else {
+                    d + eps
+                }
             };
             let fresh_or_zero = |i: usize| p.v_fresh.get(i).copied().unwrap_or(0.0);
             if !lamb {
                 // Adam: one pass, no temporaries.
                 for (i, (w, &m)) in w.iter_mut().zip(&p.m).enumerate() {
-                    let u = (m / bc1) / denom(p.v[i], fresh_or_zero(i)) + decay * *w;
+                    let u = (m / bc1) / denom(p.v[i], fresh_or_zero(i), m) + decay * *w;
                     *w -= lr * u;
                 }
                 updated.insert(p.id, w.clone());
                 continue;
             }
             let denom: Vec<f32> = (0..p.v.len())
-                .map(|i| denom(p.v[i], fresh_or_zero(i)))
+                .map(|i| denom(p.v[i], fresh_or_zero(i), p.m[i]))
                 .collect();
             let prelim: Vec<f32> =
                 p.m.iter()
@@ -200,7 +206,17 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
                 p.last_factor * (1.0 + s.factor_threshold),
             );
             p.last_factor = factor;
-            let step = lr * p.coeff_freeze * factor;
+            let coeff = if s.lamb_coeff == OnebitLambCoeff::Computed {
+                let (w_norm, u_norm) = (norm(w), norm(&update));
+                if w_norm > 0.0 && u_norm > 0.0 {
+                    (w_norm / u_norm) as f32
+                } else {
+                    1.0
+                }
+            } else {
+                p.coeff_freeze * factor
+            };
+            let step = lr * coeff;
             for (w, u) in w.iter_mut().zip(&update) {
                 *w -= step * u;
             }

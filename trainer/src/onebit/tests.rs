@@ -9,7 +9,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
 use crate::config::{OptimizerConfig, OptimizerKind};
-use crate::onebit::OnebitVariance;
+use crate::onebit::{OnebitLambCoeff, OnebitVariance};
 use crate::optim::PreTrainingOptimizer;
 
 type B = Autodiff<NdArray>;
@@ -55,6 +55,7 @@ fn setup(
     freeze: u64,
     seed: u64,
     variance: OnebitVariance,
+    lamb_coeff: OnebitLambCoeff,
 ) -> (
     Linear<B>,
     PreTrainingOptimizer<Linear<B>, B>,
@@ -66,7 +67,8 @@ fn setup(
         weight_decay: 0.1,
         onebit: crate::config::OnebitConfig {
             freeze_step: Some(freeze),
-            variance,
+            variance: Some(variance),
+            lamb_coeff,
             ..Default::default()
         },
         ..Default::default()
@@ -87,9 +89,14 @@ fn setup(
 
 /// `frozen`: Adam dividing by the variance at the freeze. `frozen-or-fresh`: by the larger of
 /// it and the variance of the gradients the momenta imply (one rank: the gradients).
+/// `frozen-bounded`: by the larger of the frozen √v̂ and |m̂|.
 #[test]
 fn onebit_adam_on_one_rank_is_adamw_then_adam_with_the_variance_frozen() {
-    for variance in [OnebitVariance::Frozen, OnebitVariance::FrozenOrFresh] {
+    for variance in [
+        OnebitVariance::Frozen,
+        OnebitVariance::FrozenOrFresh,
+        OnebitVariance::FrozenBounded,
+    ] {
         adam_on_one_rank(variance);
     }
 }
@@ -97,7 +104,13 @@ fn onebit_adam_on_one_rank_is_adamw_then_adam_with_the_variance_frozen() {
 fn adam_on_one_rank(variance: OnebitVariance) {
     let freeze = 3;
     let lr = 1e-2;
-    let (model, mut onebit, mut exact) = setup(OptimizerKind::OnebitAdam, freeze, 5, variance);
+    let (model, mut onebit, mut exact) = setup(
+        OptimizerKind::OnebitAdam,
+        freeze,
+        5,
+        variance,
+        OnebitLambCoeff::Computed,
+    );
     let (mut a, mut b) = (model.clone(), model);
     for step in 0..freeze as usize {
         let (ga, gb) = (grads(&a, step), grads(&b, step));
@@ -121,6 +134,7 @@ fn adam_on_one_rank(variance: OnebitVariance) {
     let mut bias = bias_values(&b);
     let (mut f_w, mut f_b) = (v_w.clone(), v_b.clone());
     let mut fresh_won = false;
+    let mut bound_won = false;
     for step in freeze as usize..freeze as usize + 3 {
         let (g_w, g_b) = host_grads(&b, step);
         let g = grads(&b, step);
@@ -143,7 +157,12 @@ fn adam_on_one_rank(variance: OnebitVariance) {
                     second = f[k] / bc2_fresh;
                     fresh_won = true;
                 }
-                let u = (m[k] / bc1) / (second.sqrt() + eps) + decay * x[k];
+                let mut root = second.sqrt();
+                if variance == OnebitVariance::FrozenBounded && (m[k] / bc1).abs() > root {
+                    root = (m[k] / bc1).abs();
+                    bound_won = true;
+                }
+                let u = (m[k] / bc1) / (root + eps) + decay * x[k];
                 x[k] -= lr as f32 * u;
             }
         }
@@ -162,6 +181,8 @@ fn adam_on_one_rank(variance: OnebitVariance) {
     assert_eq!(after["weight"].time, freeze as usize + 3);
     // The gradients grow as the weights do: the fresh variance took over somewhere.
     assert_eq!(fresh_won, variance == OnebitVariance::FrozenOrFresh);
+    // ... and the momentum outgrew the frozen variance somewhere.
+    assert_eq!(bound_won, variance == OnebitVariance::FrozenBounded);
 }
 
 /// ‖x‖₂ in f64.
@@ -169,8 +190,16 @@ fn norm(x: &[f32]) -> f64 {
     x.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt()
 }
 
+/// DeepSpeed's formulas (`frozen-factor`: the warm-up's averaged trust ratio times the
+/// clamped factor), and `computed` (each step's ‖w‖/‖u‖), by hand.
 #[test]
 fn onebit_lamb_on_one_rank_follows_deepspeeds_formulas() {
+    for lamb_coeff in [OnebitLambCoeff::FrozenFactor, OnebitLambCoeff::Computed] {
+        lamb_on_one_rank(lamb_coeff);
+    }
+}
+
+fn lamb_on_one_rank(lamb_coeff: OnebitLambCoeff) {
     let freeze = 3usize;
     let lr = 1e-2;
     let wd = 0.1f32;
@@ -180,6 +209,7 @@ fn onebit_lamb_on_one_rank_follows_deepspeeds_formulas() {
         freeze as u64,
         6,
         OnebitVariance::Frozen,
+        lamb_coeff,
     );
     let (b1, b2, eps) = (0.9f32, 0.999f32, 1e-6f32);
     let (mut a, mut b) = (model.clone(), model);
@@ -263,8 +293,12 @@ fn onebit_lamb_on_one_rank_follows_deepspeeds_formulas() {
                 .clamp(last_factor[k] * 0.9, last_factor[k] * 1.1);
             last_factor[k] = factor;
             factors_seen.push(factor);
+            let scaling = match lamb_coeff {
+                OnebitLambCoeff::FrozenFactor => coeff[k] * factor,
+                OnebitLambCoeff::Computed => (norm(&w[k]) / norm(&update)) as f32,
+            };
             for i in 0..w[k].len() {
-                w[k][i] -= lr as f32 * coeff[k] * factor * update[i];
+                w[k][i] -= lr as f32 * scaling * update[i];
             }
         }
         let got = [values(b.weight.val().inner()), bias_values(&b)];
