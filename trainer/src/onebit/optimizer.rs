@@ -293,7 +293,7 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
     }
 
     /// Whether the compression stage rebuilds a fresh variance from the averaged momenta
-    /// (1-bit LAMB's factor, `optimizer.onebit.variance = frozen-or-fresh`).
+    /// (1-bit LAMB, and `optimizer.onebit.variance = frozen-or-fresh`).
     pub(crate) fn tracks_fresh_variance(&self) -> bool {
         self.kind == OnebitKind::Lamb
             || self.settings.variance == Some(OnebitVariance::FrozenOrFresh)

@@ -153,7 +153,8 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
                     *f = b2 * *f + (1.0 - b2) * g * g;
                 }
             }
-            // √v̂ + ε of the frozen variance, or of the larger of it and the fresh one.
+            // √v̂ + ε of the frozen variance (or of the larger of it and the fresh one), at
+            // least |m̂| + ε when bounded.
             let denom = |v: f32, f: f32, m: f32| {
                 let v = v / bc2;
                 let d = if floor { v.max(f / bc2_fresh) } else { v }.sqrt();
