@@ -74,12 +74,14 @@ fn warm_up_is_the_exact_optimizer_and_compression_sends_over_16_times_fewer_byte
 
 /// Convergence on the smoke run's recipe (`configs/tiny-cpu.toml`: the embedded corpus, tiny
 /// model; AdamW at its 2e-3, LAMB at 5e-3) with 4 in-process ranks × batch 2 and the freeze
-/// at 20% of the steps: all four learn (above the unigram baseline by a point), and each 1-bit
-/// optimizer ends within 2.5 points of held-out masked-LM accuracy of its exact optimizer.
-/// The issue asked for 1 point; measured over two seeds the gaps were 0.7 to 1.3 points (the
-/// README's table), seed to seed the exact optimizers moved by 0.3 to 0.6. DeepSpeed's exact
-/// settings (`variance = frozen`, `scale_block = 0`) fail this test: 1-bit Adam ended at the
-/// baseline, 3.1 points below AdamW.
+/// at 20% of the steps, 1-bit settings at their defaults: all four learn (above the unigram
+/// baseline by a point), and each 1-bit optimizer ends within 1.5 points of held-out
+/// masked-LM accuracy of its exact optimizer. The issue's target, 1 point, is met on every run
+/// measured (README: gaps 0.6–0.9 over three seeds; this test's own run here: AdamW 0.0930 /
+/// 1-bit Adam 0.0874, LAMB 0.0890 / 1-bit LAMB 0.0798); the half point of margin is for
+/// another CPU's arithmetic (a different GEMM kernel takes another trajectory; seed to seed
+/// the exact optimizers moved by 0.5–0.7 points). DeepSpeed's exact settings (`variance =
+/// frozen`, `scale_block = 0`) fail it: 1-bit Adam ended at the baseline, 3.1 points below.
 #[test]
 fn onebit_optimizers_reach_the_accuracy_of_the_exact_ones() {
     const STEPS: u64 = 600;
@@ -118,7 +120,7 @@ fn onebit_optimizers_reach_the_accuracy_of_the_exact_ones() {
             accuracy[0], accuracy[1]
         ));
         assert!(
-            (accuracy[0] - accuracy[1]).abs() <= 0.025,
+            (accuracy[0] - accuracy[1]).abs() <= 0.015,
             "{onebit:?} {:.4} vs {exact:?} {:.4}",
             accuracy[1],
             accuracy[0]
