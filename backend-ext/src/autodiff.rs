@@ -124,20 +124,20 @@ impl<B: FusedOps> Backward<B, 3> for AttentionBackward {
         let (q, k, v, probs, dropped, scale, dropout) = ops.state;
         if let Some(node) = node_v {
             // context = dropped · V  ⇒  dV = droppedᵀ · grad
-            let grad_v = B::float_matmul(B::float_swap_dims(dropped, 2, 3), grad.clone());
+            let grad_v = B::batched_matmul(B::float_swap_dims(dropped, 2, 3), grad.clone());
             grads.register::<B>(node.id, grad_v);
         }
         if node_q.is_none() && node_k.is_none() {
             return;
         }
-        let grad_dropped = B::float_matmul(grad, B::float_swap_dims(v, 2, 3));
+        let grad_dropped = B::batched_matmul(grad, B::float_swap_dims(v, 2, 3));
         let grad_scores = B::masked_softmax_dropout_backward(grad_dropped, probs, scale, dropout);
         if let Some(node) = node_q {
             // scores = Q · Kᵀ  ⇒  dQ = dS · K, dK = dSᵀ · Q
-            grads.register::<B>(node.id, B::float_matmul(grad_scores.clone(), k));
+            grads.register::<B>(node.id, B::batched_matmul(grad_scores.clone(), k));
         }
         if let Some(node) = node_k {
-            let grad_k = B::float_matmul(B::float_swap_dims(grad_scores, 2, 3), q);
+            let grad_k = B::batched_matmul(B::float_swap_dims(grad_scores, 2, 3), q);
             grads.register::<B>(node.id, grad_k);
         }
     }
@@ -214,6 +214,7 @@ impl<B: FusedOps> Backward<B, 1> for CrossEntropyBackward {
 impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
     const HAS_KERNELS: bool = B::HAS_KERNELS;
     const HAS_MULTI_TENSOR: bool = B::HAS_MULTI_TENSOR;
+    const FUSED_BY_DEFAULT: bool = B::FUSED_BY_DEFAULT;
 
     fn cross_entropy(
         logits: FloatTensor<Self>,
@@ -367,12 +368,12 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
             .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
             .compute_bound()
             .stateful();
-        let scores = B::float_matmul(
+        let scores = B::batched_matmul(
             q.primitive.clone(),
             B::float_swap_dims(k.primitive.clone(), 2, 3),
         );
         let softmax = B::masked_softmax_dropout(scores, mask_bias.primitive, scale, dropout);
-        let output = B::float_matmul(softmax.dropped.clone(), v.primitive.clone());
+        let output = B::batched_matmul(softmax.dropped.clone(), v.primitive.clone());
         match prepared {
             OpsKind::Tracked(prep) => {
                 let state = (

@@ -8,8 +8,9 @@
 use burn::tensor::ops::{FloatTensor, IntTensor};
 
 use crate::{
-    AdamHyper, AdamKind, AdamOutput, AdamTensors, CrossEntropyForward, FusedOps, cross_entropy,
-    host_adam, linear, reference,
+    AdamHyper, AdamKind, AdamOutput, AdamTensors, CrossEntropyForward, DropoutSpec, FusedOps,
+    LayerNormBackward, LayerNormForward, SoftmaxForward, cross_entropy, float, host_adam,
+    host_layer, host_matmul, linear, prim, reference,
 };
 
 impl<E, I, Q> FusedOps for burn_ndarray::NdArray<E, I, Q>
@@ -21,6 +22,7 @@ where
     burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<I>>,
 {
     const HAS_MULTI_TENSOR: bool = true;
+    const FUSED_BY_DEFAULT: bool = true;
 
     fn cross_entropy(
         logits: FloatTensor<Self>,
@@ -58,21 +60,22 @@ where
     ) -> Vec<AdamOutput<Self>> {
         tensors
             .into_iter()
-            .map(|t| {
-                match host_adam::adam_step(
-                    [&t.param, &t.grad, &t.moment_1, &t.moment_2],
-                    &hyper,
-                    kind,
-                ) {
-                    Some([param, moment_1, moment_2]) => AdamOutput {
-                        param,
-                        moment_1,
-                        moment_2,
-                    },
-                    None => reference::adam_tensors::<Self>(t, hyper, kind),
-                }
+            .map(|t| match host_adam::adam_step(t, &hyper, kind) {
+                Ok([param, moment_1, moment_2]) => AdamOutput {
+                    param,
+                    moment_1,
+                    moment_2,
+                },
+                Err(t) => reference::adam_tensors::<Self>(t, hyper, kind),
             })
             .collect()
+    }
+
+    fn batched_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        match host_matmul::batched_matmul(&a, &b) {
+            Some(out) => out,
+            None => <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_matmul(a, b),
+        }
     }
 
     fn dense(
@@ -94,6 +97,115 @@ where
         match linear::ndarray_linear_backward(&x, &weight, &grad) {
             Some(grads) => grads,
             None => linear::reference_linear_backward::<Self>(x, weight, grad),
+        }
+    }
+
+    fn bias_gelu(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
+        match host_layer::bias_gelu(&x, &bias) {
+            Some(out) => out,
+            None => prim(reference::bias_gelu::<Self, 2>(float(x), float(bias))),
+        }
+    }
+
+    fn bias_gelu_backward(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        match host_layer::bias_gelu_backward(&x, &bias, &grad) {
+            Some(out) => out,
+            None => prim(reference::bias_gelu_backward::<Self, 2>(
+                float(x),
+                float(bias),
+                float(grad),
+            )),
+        }
+    }
+
+    fn bias_dropout_add_layer_norm(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        dropout: DropoutSpec,
+        eps: f64,
+    ) -> LayerNormForward<Self> {
+        match host_layer::layer_norm(&x, &bias, &residual, &gamma, &beta, dropout, eps) {
+            Some([output, pre_norm, mean, rstd]) => LayerNormForward {
+                output,
+                pre_norm,
+                mean,
+                rstd,
+            },
+            None => reference::bias_dropout_add_layer_norm_forward::<Self>(
+                float(x),
+                float(bias),
+                float(residual),
+                float(gamma),
+                float(beta),
+                dropout,
+                eps,
+            ),
+        }
+    }
+
+    fn bias_dropout_add_layer_norm_backward(
+        grad: FloatTensor<Self>,
+        pre_norm: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        dropout: DropoutSpec,
+    ) -> LayerNormBackward<Self> {
+        match host_layer::layer_norm_backward(&grad, &pre_norm, &mean, &rstd, &gamma, dropout) {
+            Some([grad_pre_norm, grad_x, grad_x_hat]) => LayerNormBackward {
+                grad_pre_norm,
+                grad_x,
+                grad_x_hat,
+            },
+            None => reference::bias_dropout_add_layer_norm_backward::<Self>(
+                float(grad),
+                float(pre_norm),
+                float(mean),
+                float(rstd),
+                float(gamma),
+                dropout,
+            ),
+        }
+    }
+
+    fn masked_softmax_dropout(
+        scores: FloatTensor<Self>,
+        mask_bias: FloatTensor<Self>,
+        scale: f64,
+        dropout: DropoutSpec,
+    ) -> SoftmaxForward<Self> {
+        match host_layer::masked_softmax(&scores, &mask_bias, scale, dropout) {
+            Some([probs, dropped]) => SoftmaxForward { probs, dropped },
+            None => reference::masked_softmax_dropout_forward::<Self>(
+                float(scores),
+                float(mask_bias),
+                scale,
+                dropout,
+            ),
+        }
+    }
+
+    fn masked_softmax_dropout_backward(
+        grad_dropped: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        scale: f64,
+        dropout: DropoutSpec,
+    ) -> FloatTensor<Self> {
+        match host_layer::masked_softmax_backward(&grad_dropped, &probs, scale, dropout) {
+            Some(out) => out,
+            None => prim(reference::masked_softmax_dropout_backward::<Self>(
+                float(grad_dropped),
+                float(probs),
+                scale,
+                dropout,
+            )),
         }
     }
 }

@@ -36,6 +36,8 @@ mod dropout;
 mod functions;
 mod host;
 mod host_adam;
+mod host_layer;
+mod host_matmul;
 mod linear;
 pub mod reference;
 
@@ -68,8 +70,8 @@ pub use functions::{
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Kernels {
-    /// [`Kernels::Fused`] where the backend has kernels ([`FusedOps::HAS_KERNELS`]), else
-    /// [`Kernels::Reference`].
+    /// [`Kernels::Fused`] where the backend has kernels or NdArray's host loops
+    /// ([`FusedOps::FUSED_BY_DEFAULT`]), else [`Kernels::Reference`].
     #[default]
     Auto,
     /// The [`FusedOps`] ops (kernels and their custom backward passes).
@@ -82,7 +84,7 @@ impl Kernels {
     /// Whether backend `B` runs the fused ops under this choice.
     pub fn fused<B: FusedOps>(self) -> bool {
         match self {
-            Kernels::Auto => B::HAS_KERNELS,
+            Kernels::Auto => B::FUSED_BY_DEFAULT,
             Kernels::Fused => true,
             Kernels::Reference => false,
         }
@@ -224,6 +226,10 @@ pub trait FusedOps: Backend {
     /// Whether [`FusedOps::adam_multi_tensor`] is this backend's own (kernels, or NdArray's
     /// fused host loop) rather than the reference composition.
     const HAS_MULTI_TENSOR: bool = Self::HAS_KERNELS;
+
+    /// Whether [`Kernels::Auto`] runs the fused ops on this backend: where it has kernels, and
+    /// on NdArray, whose fused ops are host loops on views (`host_layer.rs`, `linear.rs`).
+    const FUSED_BY_DEFAULT: bool = Self::HAS_KERNELS;
 
     /// `x · weight + bias`, Burn's `Linear` (what Burn's `ModuleOps::linear` computes).
     /// NdArray runs it as one GEMM on views, without the copies of Burn's NdArray matmul
@@ -489,6 +495,18 @@ pub trait FusedOps: Backend {
             .collect()
     }
 
+    /// The batched matrix product of the attention, `C[b, h] = A[b, h] · B[b, h]` (Burn's
+    /// `float_matmul` of rank-4 tensors, which is the default body). NdArray multiplies each
+    /// `[b, h]` pair of (possibly transposed, head-strided) views with one GEMM, the pairs split
+    /// over rayon's threads (`host_matmul.rs`), without Burn 0.21 NdArray's copies of both
+    /// operands and of the output.
+    ///
+    /// # Shapes
+    /// `a` `[B, nh, M, K]`, `b` `[B, nh, K, N]` → `[B, nh, M, N]`
+    fn batched_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_matmul(a, b)
+    }
+
     /// The attention core, `dropout(softmax(Q·Kᵀ·scale + mask_bias)) · V`: two batched
     /// matmuls around [`FusedOps::masked_softmax_dropout`] (Vaswani et al. 2017, eq. 1; BERT's
     /// `BertSelfAttention`).
@@ -503,8 +521,8 @@ pub trait FusedOps: Backend {
         scale: f64,
         dropout: DropoutSpec,
     ) -> FloatTensor<Self> {
-        let scores = Self::float_matmul(q, Self::float_swap_dims(k, 2, 3));
+        let scores = Self::batched_matmul(q, Self::float_swap_dims(k, 2, 3));
         let softmax = Self::masked_softmax_dropout(scores, mask_bias, scale, dropout);
-        Self::float_matmul(softmax.dropped, v)
+        Self::batched_matmul(softmax.dropped, v)
     }
 }

@@ -133,7 +133,15 @@ pub(crate) fn ndarray_linear_backward(
     let (g2, _) = rows(&g);
     let w2 = matrix(&w);
     let dx = g2.dot(&w2.t()); // [R, O] · [O, I]
-    let dw = x2.t().dot(&g2); // [I, R] · [R, O]
+    // A weight that is the transposed view of an [O, I] table (the tied decoder's word
+    // embeddings) gets its gradient in that table's layout, as the same view: computed as
+    // (gᵀ·x)ᵀ, so that the transpose's backward hands the table a standard-layout gradient
+    // instead of a transposed one that the embedding's gradient sum must copy.
+    let dw = if !w2.is_standard_layout() && w2.t().is_standard_layout() {
+        g2.t().dot(&x2).reversed_axes() // ([O, R] · [R, I])ᵀ
+    } else {
+        x2.t().dot(&g2) // [I, R] · [R, O]
+    };
     let db = g2.sum_axis(Axis(0)); // [O]
     Some([
         shared(dx, &lead),

@@ -1,0 +1,447 @@
+//! NdArray's fused layer ops: bias + GELU, bias + dropout + residual add + LayerNorm, and the
+//! attention's masked softmax + dropout, forward and backward, each as one pass per row on
+//! rayon's threads (what the CubeCL kernels do on a GPU, `cube/`).
+//!
+//! The reference composition (`reference.rs`) computes each of them as five to twelve
+//! whole-tensor Burn ops, and Burn 0.21's NdArray runs every one of those on one thread into a
+//! freshly allocated array: for BERT at batch 8 × 128 on 2 cores the layer's elementwise work
+//! was the largest cost of a step after the GEMMs (README, CPU performance). The arithmetic
+//! here is the reference's, in f32, in the same order per element; reductions over a row
+//! (LayerNorm's mean and variance, softmax's sum) are summed left to right, so results agree
+//! with the reference to f32 rounding (the tests hold each to 1e-5 relative). Dropout masks
+//! are the same keyed masks ([`DropoutSpec::keeps`]), computed per element instead of read.
+//!
+//! Each function returns `None` for what it does not handle (dtypes other than f32, shapes
+//! that do not match); the caller falls back to the reference.
+
+use std::f32::consts::FRAC_1_SQRT_2;
+
+use burn_ndarray::NdArrayTensor;
+use ndarray::{ArrayD, IxDyn};
+use rayon::prelude::*;
+
+use crate::DropoutSpec;
+use crate::dropout::{MaskLayout, keeps};
+
+/// 1/√(2π), as the reference's f64 constant rounded to f32.
+const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
+
+/// Elements per rayon task (whole rows, at least one).
+const TASK_ELEMENTS: usize = 1 << 14;
+
+fn rows_per_task(columns: usize) -> usize {
+    (TASK_ELEMENTS / columns.max(1)).max(1)
+}
+
+fn output(shape: &[usize], values: Vec<f32>) -> NdArrayTensor {
+    let array = ArrayD::from_shape_vec(IxDyn(shape), values).expect("the output has its shape");
+    NdArrayTensor::from(array.into_shared())
+}
+
+/// A tensor's f32 values in row-major order (a copy only when it is not in standard layout),
+/// handed to `f` with its shape; `None` for other dtypes.
+fn with_values<R>(x: &NdArrayTensor, f: impl FnOnce(&[usize], &[f32]) -> Option<R>) -> Option<R> {
+    let NdArrayTensor::F32(storage) = x else {
+        return None;
+    };
+    let view = storage.view();
+    let standard = view.as_standard_layout();
+    f(standard.shape(), standard.as_slice()?)
+}
+
+/// The keyed dropout mask of one row: `Some((row key, threshold, scale))` when enabled.
+#[derive(Clone, Copy)]
+struct RowMask {
+    layout: MaskLayout,
+    key: (u32, u32),
+    threshold: u32,
+    scale: f32,
+}
+
+impl RowMask {
+    fn new(spec: DropoutSpec, shape: &[usize]) -> Option<Self> {
+        spec.enabled().then(|| Self {
+            layout: spec.layout(shape),
+            key: spec.key_halves(),
+            threshold: spec.threshold(),
+            scale: spec.keep_scale() as f32,
+        })
+    }
+
+    /// The factor of element `column` of row `row`: the keep scale or 0.
+    #[inline]
+    fn factor(&self, row_key: u32, column: usize) -> f32 {
+        if keeps(row_key, self.threshold, column as u32) {
+            self.scale
+        } else {
+            0.0
+        }
+    }
+
+    fn row_key(&self, row: usize) -> u32 {
+        self.layout.row_key(self.key.0, self.key.1, row as u32)
+    }
+}
+
+/// `GELU(x + bias)`, the reference's `z · ½(1 + erf(z/√2))`. `x` `[R, N]`, `bias` `[N]`.
+pub(crate) fn bias_gelu(x: &NdArrayTensor, bias: &NdArrayTensor) -> Option<NdArrayTensor> {
+    with_values(x, |shape, x| {
+        with_values(bias, |bias_shape, bias| {
+            let n = *shape.last()?;
+            if bias_shape != [n] || n == 0 {
+                return None;
+            }
+            let mut out = vec![0.0f32; x.len()];
+            out.par_chunks_mut(rows_per_task(n) * n)
+                .zip(x.par_chunks(rows_per_task(n) * n))
+                .for_each(|(out, x)| {
+                    for (out, x) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
+                        for ((o, &x), &b) in out.iter_mut().zip(x).zip(bias) {
+                            let z = x + b;
+                            *o = z * ((libm::erff(z * FRAC_1_SQRT_2) + 1.0) * 0.5);
+                        }
+                    }
+                });
+            Some(output(shape, out))
+        })
+    })
+}
+
+/// `grad · (Φ(z) + z·φ(z))`, `z = x + bias`. `x`, `grad` `[R, N]`, `bias` `[N]`.
+pub(crate) fn bias_gelu_backward(
+    x: &NdArrayTensor,
+    bias: &NdArrayTensor,
+    grad: &NdArrayTensor,
+) -> Option<NdArrayTensor> {
+    with_values(x, |shape, x| {
+        with_values(bias, |bias_shape, bias| {
+            with_values(grad, |grad_shape, grad| {
+                let n = *shape.last()?;
+                if bias_shape != [n] || grad_shape != shape || n == 0 {
+                    return None;
+                }
+                let task = rows_per_task(n) * n;
+                let mut out = vec![0.0f32; x.len()];
+                out.par_chunks_mut(task)
+                    .zip(x.par_chunks(task).zip(grad.par_chunks(task)))
+                    .for_each(|(out, (x, grad))| {
+                        for ((out, x), grad) in out
+                            .chunks_exact_mut(n)
+                            .zip(x.chunks_exact(n))
+                            .zip(grad.chunks_exact(n))
+                        {
+                            for (((o, &x), &b), &g) in out.iter_mut().zip(x).zip(bias).zip(grad) {
+                                let z = x + b;
+                                let cdf = (libm::erff(z * FRAC_1_SQRT_2) + 1.0) * 0.5;
+                                let pdf = (z * z * -0.5).exp() * FRAC_1_SQRT_2PI;
+                                *o = g * (cdf + z * pdf);
+                            }
+                        }
+                    });
+                Some(output(shape, out))
+            })
+        })
+    })
+}
+
+/// The outputs of [`layer_norm`]: output and pre-norm `[R, N]`, mean and rstd `[R]`.
+pub(crate) type LayerNormParts = [NdArrayTensor; 4];
+
+/// `LayerNorm(residual + dropout(x + bias)) · gamma + beta` over rows of `[R, N]`, with what
+/// the backward needs. Mean and variance are summed left to right in f32; `rstd =
+/// 1/√(var + eps)` as the reference.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn layer_norm(
+    x: &NdArrayTensor,
+    bias: &NdArrayTensor,
+    residual: &NdArrayTensor,
+    gamma: &NdArrayTensor,
+    beta: &NdArrayTensor,
+    dropout: DropoutSpec,
+    eps: f64,
+) -> Option<LayerNormParts> {
+    with_values(x, |shape, x| {
+        with_values(residual, |residual_shape, residual| {
+            with_values(bias, |bias_shape, bias| {
+                with_values(gamma, |gamma_shape, gamma| {
+                    with_values(beta, |beta_shape, beta| {
+                        let &[r, n] = shape else { return None };
+                        if residual_shape != shape
+                            || [bias_shape, gamma_shape, beta_shape] != [[n]; 3]
+                            || n == 0
+                        {
+                            return None;
+                        }
+                        let mask = RowMask::new(dropout, shape);
+                        let (eps, inv_n) = (eps as f32, 1.0 / n as f32);
+                        let rows = rows_per_task(n);
+                        let mut out = vec![0.0f32; r * n];
+                        let mut pre = vec![0.0f32; r * n];
+                        let mut mean = vec![0.0f32; r];
+                        let mut rstd = vec![0.0f32; r];
+                        out.par_chunks_mut(rows * n)
+                            .zip(pre.par_chunks_mut(rows * n))
+                            .zip(mean.par_chunks_mut(rows).zip(rstd.par_chunks_mut(rows)))
+                            .enumerate()
+                            .for_each(|(task, ((out, pre), (mean, rstd)))| {
+                                for (i, (out, pre)) in out
+                                    .chunks_exact_mut(n)
+                                    .zip(pre.chunks_exact_mut(n))
+                                    .enumerate()
+                                {
+                                    let row = task * rows + i;
+                                    let x = &x[row * n..(row + 1) * n];
+                                    let residual = &residual[row * n..(row + 1) * n];
+                                    match mask {
+                                        Some(mask) => {
+                                            let key = mask.row_key(row);
+                                            for (c, p) in pre.iter_mut().enumerate() {
+                                                *p = (x[c] + bias[c]) * mask.factor(key, c)
+                                                    + residual[c];
+                                            }
+                                        }
+                                        None => {
+                                            for (c, p) in pre.iter_mut().enumerate() {
+                                                *p = x[c] + bias[c] + residual[c];
+                                            }
+                                        }
+                                    }
+                                    let mu = pre.iter().sum::<f32>() * inv_n;
+                                    let var = pre.iter().map(|&p| (p - mu) * (p - mu)).sum::<f32>()
+                                        * inv_n;
+                                    let rs = 1.0 / (var + eps).sqrt();
+                                    for (((o, &p), &g), &b) in
+                                        out.iter_mut().zip(pre.iter()).zip(gamma).zip(beta)
+                                    {
+                                        *o = (p - mu) * rs * g + b;
+                                    }
+                                    mean[i] = mu;
+                                    rstd[i] = rs;
+                                }
+                            });
+                        Some([
+                            output(shape, out),
+                            output(shape, pre),
+                            output(&[r], mean),
+                            output(&[r], rstd),
+                        ])
+                    })
+                })
+            })
+        })
+    })
+}
+
+/// Backward of [`layer_norm`]: `[grad_pre_norm, grad_x, grad_x_hat]`, each `[R, N]` (see
+/// [`crate::LayerNormBackward`]).
+pub(crate) fn layer_norm_backward(
+    grad: &NdArrayTensor,
+    pre_norm: &NdArrayTensor,
+    mean: &NdArrayTensor,
+    rstd: &NdArrayTensor,
+    gamma: &NdArrayTensor,
+    dropout: DropoutSpec,
+) -> Option<[NdArrayTensor; 3]> {
+    with_values(grad, |shape, grad| {
+        with_values(pre_norm, |pre_shape, pre| {
+            with_values(mean, |mean_shape, mean| {
+                with_values(rstd, |rstd_shape, rstd| {
+                    with_values(gamma, |gamma_shape, gamma| {
+                        let &[r, n] = shape else { return None };
+                        if pre_shape != shape
+                            || mean_shape != [r]
+                            || rstd_shape != [r]
+                            || gamma_shape != [n]
+                            || n == 0
+                        {
+                            return None;
+                        }
+                        let mask = RowMask::new(dropout, shape);
+                        let inv_n = 1.0 / n as f32;
+                        let rows = rows_per_task(n);
+                        let mut grad_pre = vec![0.0f32; r * n];
+                        let mut grad_x_hat = vec![0.0f32; r * n];
+                        grad_pre
+                            .par_chunks_mut(rows * n)
+                            .zip(grad_x_hat.par_chunks_mut(rows * n))
+                            .enumerate()
+                            .for_each(|(t, (grad_pre, grad_x_hat))| {
+                                for (i, (dp, dxh)) in grad_pre
+                                    .chunks_exact_mut(n)
+                                    .zip(grad_x_hat.chunks_exact_mut(n))
+                                    .enumerate()
+                                {
+                                    let row = t * rows + i;
+                                    let (mu, rs) = (mean[row], rstd[row]);
+                                    let grad = &grad[row * n..(row + 1) * n];
+                                    let pre = &pre[row * n..(row + 1) * n];
+                                    // g = grad · γ into dp first; x̂ recomputed per pass.
+                                    let (mut mean_g, mut mean_gx) = (0.0f32, 0.0f32);
+                                    for c in 0..n {
+                                        let x_hat = (pre[c] - mu) * rs;
+                                        let g = grad[c] * gamma[c];
+                                        dp[c] = g;
+                                        mean_g += g;
+                                        mean_gx += g * x_hat;
+                                        dxh[c] = grad[c] * x_hat;
+                                    }
+                                    mean_g *= inv_n;
+                                    mean_gx *= inv_n;
+                                    for c in 0..n {
+                                        let x_hat = (pre[c] - mu) * rs;
+                                        dp[c] = (dp[c] - mean_g - x_hat * mean_gx) * rs;
+                                    }
+                                }
+                            });
+                        let grad_x = mask.map(|mask| {
+                            let mut grad_x = vec![0.0f32; r * n];
+                            grad_x
+                                .par_chunks_mut(rows * n)
+                                .zip(grad_pre.par_chunks(rows * n))
+                                .enumerate()
+                                .for_each(|(t, (gx, dp))| {
+                                    for (i, (gx, dp)) in
+                                        gx.chunks_exact_mut(n).zip(dp.chunks_exact(n)).enumerate()
+                                    {
+                                        let key = mask.row_key(t * rows + i);
+                                        for (c, (gx, &dp)) in gx.iter_mut().zip(dp).enumerate() {
+                                            *gx = dp * mask.factor(key, c);
+                                        }
+                                    }
+                                });
+                            output(shape, grad_x)
+                        });
+                        let grad_pre = output(shape, grad_pre);
+                        let grad_x = grad_x.unwrap_or_else(|| grad_pre.clone());
+                        Some([grad_pre, grad_x, output(shape, grad_x_hat)])
+                    })
+                })
+            })
+        })
+    })
+}
+
+/// `softmax(scores · scale + mask_bias)` over the last dim, then dropout: `[probs, dropped]`
+/// (the same array when dropout is off). `scores` `[B, nh, S, S]`, `mask_bias` `[B, S]`.
+/// Max-shifted as Burn's `softmax`.
+pub(crate) fn masked_softmax(
+    scores: &NdArrayTensor,
+    mask_bias: &NdArrayTensor,
+    scale: f64,
+    dropout: DropoutSpec,
+) -> Option<[NdArrayTensor; 2]> {
+    with_values(scores, |shape, scores| {
+        with_values(mask_bias, |mask_shape, mask_bias| {
+            let &[b, heads, sq, s] = shape else {
+                return None;
+            };
+            if mask_shape != [b, s] || s == 0 {
+                return None;
+            }
+            let per_sample = heads * sq;
+            let scale = scale as f32;
+            let task = rows_per_task(s) * s;
+            let mut probs = vec![0.0f32; scores.len()];
+            probs
+                .par_chunks_mut(task)
+                .enumerate()
+                .for_each(|(t, probs)| {
+                    let rows = task / s;
+                    for (i, p) in probs.chunks_exact_mut(s).enumerate() {
+                        let row = t * rows + i;
+                        let x = &scores[row * s..(row + 1) * s];
+                        let bias = &mask_bias[(row / per_sample) * s..(row / per_sample + 1) * s];
+                        let mut max = f32::NEG_INFINITY;
+                        for ((p, &x), &m) in p.iter_mut().zip(x).zip(bias) {
+                            *p = x * scale + m;
+                            max = max.max(*p);
+                        }
+                        let mut sum = 0.0f32;
+                        for p in p.iter_mut() {
+                            *p = (*p - max).exp();
+                            sum += *p;
+                        }
+                        for p in p.iter_mut() {
+                            *p /= sum;
+                        }
+                    }
+                });
+            let probs_tensor = output(shape, probs);
+            let dropped = match RowMask::new(dropout, shape) {
+                None => probs_tensor.clone(),
+                Some(mask) => {
+                    let NdArrayTensor::F32(storage) = &probs_tensor else {
+                        unreachable!("made as f32 above")
+                    };
+                    let view = storage.view();
+                    let probs = view.as_slice()?;
+                    let mut dropped = vec![0.0f32; probs.len()];
+                    dropped
+                        .par_chunks_mut(task)
+                        .enumerate()
+                        .for_each(|(t, dropped)| {
+                            let rows = task / s;
+                            for (i, d) in dropped.chunks_exact_mut(s).enumerate() {
+                                let row = t * rows + i;
+                                let key = mask.row_key(row);
+                                let p = &probs[row * s..(row + 1) * s];
+                                for (c, d) in d.iter_mut().enumerate() {
+                                    *d = p[c] * mask.factor(key, c);
+                                }
+                            }
+                        });
+                    output(shape, dropped)
+                }
+            };
+            Some([probs_tensor, dropped])
+        })
+    })
+}
+
+/// Gradient of the raw scores of [`masked_softmax`]: `scale · P · (dP − Σ dP·P)` with `dP` the
+/// gradient through the dropout mask. `grad_dropped`, `probs` `[B, nh, S, S]`.
+pub(crate) fn masked_softmax_backward(
+    grad_dropped: &NdArrayTensor,
+    probs: &NdArrayTensor,
+    scale: f64,
+    dropout: DropoutSpec,
+) -> Option<NdArrayTensor> {
+    with_values(grad_dropped, |shape, grad| {
+        with_values(probs, |probs_shape, probs| {
+            if probs_shape != shape || shape.len() != 4 {
+                return None;
+            }
+            let s = shape[3];
+            if s == 0 {
+                return None;
+            }
+            let mask = RowMask::new(dropout, shape);
+            let scale = scale as f32;
+            let task = rows_per_task(s) * s;
+            let mut out = vec![0.0f32; grad.len()];
+            out.par_chunks_mut(task).enumerate().for_each(|(t, out)| {
+                let rows = task / s;
+                for (i, o) in out.chunks_exact_mut(s).enumerate() {
+                    let row = t * rows + i;
+                    let g = &grad[row * s..(row + 1) * s];
+                    let p = &probs[row * s..(row + 1) * s];
+                    // dP into the output row first, then the row's dot product.
+                    match mask {
+                        Some(mask) => {
+                            let key = mask.row_key(row);
+                            for (c, o) in o.iter_mut().enumerate() {
+                                *o = g[c] * mask.factor(key, c);
+                            }
+                        }
+                        None => o.copy_from_slice(g),
+                    }
+                    let dot: f32 = o.iter().zip(p).map(|(&d, &p)| d * p).sum();
+                    for (o, &p) in o.iter_mut().zip(p) {
+                        *o = p * (*o - dot) * scale;
+                    }
+                }
+            });
+            Some(output(shape, out))
+        })
+    })
+}
