@@ -457,8 +457,8 @@ pub struct BertEncoder<B: Backend> {
 impl<B: Backend> BertEncoder<B> {
     /// Chooses the implementation every layer runs: [`Kernels::Fused`] (the fused ops of
     /// `ember-backend-ext`, kernels on CubeCL backends), [`Kernels::Reference`] (Burn ops
-    /// composed module by module) or [`Kernels::Auto`] (fused where the backend has kernels; the
-    /// default).
+    /// composed module by module) or [`Kernels::Auto`] (fused where the backend has kernels or,
+    /// as NdArray, host loops: `FusedOps::FUSED_BY_DEFAULT`; the default).
     pub fn set_kernels(&mut self, kernels: Kernels) {
         for layer in &mut self.layer {
             layer.kernels = kernels;
