@@ -148,6 +148,25 @@ fn untracked<B: FusedOps, C: CheckpointStrategy>(x: FloatTensor<B>) -> FloatTens
     <Autodiff<B, C> as AutodiffBackend>::from_inner(x)
 }
 
+/// Rows of a table at indices: parent the table; state the table (for its shape) and the
+/// indices.
+#[derive(Debug)]
+struct EmbeddingLookupBackward;
+
+impl<B: FusedOps> Backward<B, 1> for EmbeddingLookupBackward {
+    type State = (FloatTensor<B>, IntTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_weights] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (weights, indices) = ops.state;
+        if let Some(node) = node_weights {
+            let grad = B::embedding_lookup_backward(weights, grad, indices);
+            grads.register::<B>(node.id, grad);
+        }
+    }
+}
+
 /// `x · weight + bias`: parents x, weight, bias; state x and weight.
 #[derive(Debug)]
 struct LinearBackward;
@@ -235,6 +254,22 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         CrossEntropyForward {
             loss,
             log_sum_exp: untracked::<B, C>(forward.log_sum_exp),
+        }
+    }
+
+    fn embedding_lookup(weights: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> {
+        match EmbeddingLookupBackward
+            .prepare::<C>([weights.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let output = B::embedding_lookup(weights.primitive.clone(), indices.clone());
+                prep.finish((weights.primitive, indices), output)
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::embedding_lookup(weights.primitive, indices))
+            }
         }
     }
 

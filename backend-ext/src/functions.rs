@@ -20,6 +20,18 @@ pub fn dense<B: FusedOps, const D: usize>(
     float(B::dense(prim(x), prim(weight), bias.map(prim)))
 }
 
+/// Rows of `weights` at `indices` through [`FusedOps::embedding_lookup`] (and its backward
+/// under autodiff): Burn's `embedding`.
+///
+/// # Shapes
+/// `weights` `[V, H]`, `indices` `[B, S]` (values in `0..V`) → `[B, S, H]`
+pub fn embedding<B: FusedOps>(
+    weights: Tensor<B, 2>,
+    indices: Tensor<B, 2, burn::tensor::Int>,
+) -> Tensor<B, 3> {
+    float(B::embedding_lookup(prim(weights), indices.into_primitive()))
+}
+
 /// Mean cross-entropy of `logits` against `labels` through [`FusedOps::cross_entropy`] (and
 /// its backward under autodiff): `mean_i(logsumexp(x_i) − x_i[label_i])`,
 /// `torch.nn.functional.cross_entropy` with mean reduction.

@@ -10,7 +10,7 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use crate::{
     AdamHyper, AdamKind, AdamOutput, AdamTensors, CrossEntropyForward, DropoutSpec, FusedOps,
     LayerNormBackward, LayerNormForward, SoftmaxForward, cross_entropy, float, host_adam,
-    host_layer, host_matmul, linear, prim, reference,
+    host_embedding, host_layer, host_matmul, linear, prim, reference,
 };
 
 impl<E, I, Q> FusedOps for burn_ndarray::NdArray<E, I, Q>
@@ -69,6 +69,19 @@ where
                 Err(t) => reference::adam_tensors::<Self>(t, hyper, kind),
             })
             .collect()
+    }
+
+    fn embedding_lookup_backward(
+        weights: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        match host_embedding::backward(&weights, &grad, &indices) {
+            Some(out) => out,
+            None => <Self as burn::tensor::ops::ModuleOps<Self>>::embedding_backward(
+                weights, grad, indices,
+            ),
+        }
     }
 
     fn batched_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -36,6 +36,7 @@ mod dropout;
 mod functions;
 mod host;
 mod host_adam;
+mod host_embedding;
 mod host_layer;
 mod host_matmul;
 mod linear;
@@ -63,7 +64,7 @@ pub use cross_entropy::CrossEntropyForward;
 pub use dropout::{DropoutScope, DropoutSpec, keep_mask, reseed_dropout};
 pub use functions::{
     attention, bias_dropout_add_layer_norm, bias_gelu, cross_entropy, dense, dense_module, dropout,
-    lamb_multi_tensor,
+    embedding, lamb_multi_tensor,
 };
 
 /// Which implementation of the fused ops a model uses.
@@ -493,6 +494,29 @@ pub trait FusedOps: Backend {
                 ))
             })
             .collect()
+    }
+
+    /// Rows of the table `weights` at `indices` (Burn's `ModuleOps::embedding`, the default
+    /// body), with [`FusedOps::embedding_lookup_backward`] as its backward under autodiff.
+    ///
+    /// # Shapes
+    /// `weights` `[V, H]`, `indices` `[B, S]` (values in `0..V`) → `[B, S, H]`
+    fn embedding_lookup(weights: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> {
+        <Self as burn::tensor::ops::ModuleOps<Self>>::embedding(weights, indices)
+    }
+
+    /// Gradient of the table of [`FusedOps::embedding_lookup`]: zeros with each row of `grad`
+    /// added at its index (Burn's `ModuleOps::embedding_backward`, the default body; NdArray's
+    /// builds the zeros as one buffer, `host_embedding.rs`).
+    ///
+    /// # Shapes
+    /// `weights` `[V, H]` (for its shape), `grad` `[B, S, H]`, `indices` `[B, S]` → `[V, H]`
+    fn embedding_lookup_backward(
+        weights: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        <Self as burn::tensor::ops::ModuleOps<Self>>::embedding_backward(weights, grad, indices)
     }
 
     /// The batched matrix product of the attention, `C[b, h] = A[b, h] · B[b, h]` (Burn's

@@ -139,9 +139,13 @@ impl<B: FusedOps> BertEmbeddings<B> {
         let [_, seq_len] = input_ids.dims();
         let device = input_ids.device();
         let position_ids = Tensor::<B, 1, Int>::arange(0..seq_len as i64, &device).unsqueeze::<2>(); // [1, S]
-        let embeddings = self.word_embeddings.forward(input_ids)
-            + self.position_embeddings.forward(position_ids) // [1, S, H], broadcast over B
-            + self.token_type_embeddings.forward(segment_ids);
+        // Burn's `Embedding::forward` through `FusedOps::embedding_lookup` (NdArray builds the
+        // tables' gradients without Burn's element-by-element zeros).
+        let lookup =
+            |table: &Embedding<B>, ids| ember_backend_ext::embedding(table.weight.val(), ids);
+        let embeddings = lookup(&self.word_embeddings, input_ids)
+            + lookup(&self.position_embeddings, position_ids) // [1, S, H], broadcast over B
+            + lookup(&self.token_type_embeddings, segment_ids);
         let embedded = self.layer_norm.forward(embeddings);
         if training(&embedded) {
             ember_backend_ext::dropout(embedded, DropoutSpec::draw(self.dropout.prob))
