@@ -157,6 +157,14 @@ mod tests {
 
     use crate::{AdamHyper, AdamKind, AdamTensors, FusedOps, reference};
 
+    /// A flat f32 primitive's values.
+    fn data(x: burn::tensor::ops::FloatTensor<NdArray>) -> Vec<f32> {
+        Tensor::<NdArray, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(x))
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap()
+    }
+
     /// The fused loop against the reference composition, AdamW and LAMB's update, with and
     /// without weight decay, at step 1 and a later step (other bias corrections).
     #[test]
@@ -196,12 +204,6 @@ mod tests {
                     hyper,
                     kind,
                 );
-                let data = |x| {
-                    Tensor::<NdArray, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(x))
-                        .into_data()
-                        .to_vec::<f32>()
-                        .unwrap()
-                };
                 for (what, a, b) in [
                     ("param", ours.param, reference.param),
                     ("m", ours.moment_1, reference.moment_1),
@@ -269,12 +271,6 @@ mod tests {
         .remove(0);
         assert_eq!(values(&p), p_before, "a shared parameter keeps its values");
         assert_eq!(values(&m), m_before, "a shared moment keeps its values");
-        let data = |x| {
-            Tensor::<NdArray, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(x))
-                .into_data()
-                .to_vec::<f32>()
-                .unwrap()
-        };
         for (what, a, b) in [
             ("param", out.param, expected.param),
             ("m", out.moment_1, expected.moment_1),
