@@ -66,7 +66,7 @@ where
                     moment_1,
                     moment_2,
                 },
-                Err(t) => reference::adam_tensors::<Self>(t, hyper, kind),
+                Err(t) => reference::adam_tensors::<Self>(*t, hyper, kind),
             })
             .collect()
     }

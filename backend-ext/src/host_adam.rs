@@ -99,19 +99,19 @@ pub(crate) fn adam_step<B>(
     tensors: AdamTensors<B>,
     hyper: &AdamHyper,
     kind: AdamKind,
-) -> Result<[NdArrayTensor; 3], AdamTensors<B>>
+) -> Result<[NdArrayTensor; 3], Box<AdamTensors<B>>>
 where
     B: burn::tensor::backend::Backend<FloatTensorPrimitive = NdArrayTensor>,
 {
     let n = match flat(&tensors.param) {
         Some(p) => p.len(),
-        None => return Err(tensors),
+        None => return Err(Box::new(tensors)),
     };
     let fits = [&tensors.grad, &tensors.moment_1, &tensors.moment_2]
         .iter()
         .all(|x| flat(x).is_some_and(|x| x.len() == n));
     if !fits {
-        return Err(tensors);
+        return Err(Box::new(tensors));
     }
     let AdamTensors {
         param,
