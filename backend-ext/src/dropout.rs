@@ -291,17 +291,54 @@ pub(crate) fn mask_values(spec: DropoutSpec, shape: &[usize]) -> Vec<f32> {
     let n: usize = shape.iter().product();
     assert!(n <= u32::MAX as usize, "dropout indices are 32-bit");
     let columns = shape.last().copied().unwrap_or(1).max(1);
-    let rows = n / columns;
-    let layout = spec.layout(shape);
-    let (lo, hi) = spec.key_halves();
-    let (threshold, scale) = (spec.threshold(), spec.keep_scale() as f32);
+    let mask = RowMask::of(spec, shape);
     let mut values = Vec::with_capacity(n);
-    for row in 0..rows as u32 {
-        let rk = layout.row_key(lo, hi, row);
-        values
-            .extend((0..columns as u32).map(|c| if keeps(rk, threshold, c) { scale } else { 0.0 }));
+    for row in 0..n / columns {
+        let key = mask.row_key(row);
+        values.extend((0..columns).map(|c| mask.factor(key, c)));
     }
     values
+}
+
+/// The keyed mask of a [`DropoutSpec`] for a tensor of one shape, row by row: what
+/// [`mask_values`] materialises and NdArray's host loops (`host_layer.rs`) apply in place.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RowMask {
+    layout: MaskLayout,
+    key: (u32, u32),
+    threshold: u32,
+    scale: f32,
+}
+
+impl RowMask {
+    /// The mask of `spec` for `shape`, `None` when dropout is off.
+    pub(crate) fn new(spec: DropoutSpec, shape: &[usize]) -> Option<Self> {
+        spec.enabled().then(|| Self::of(spec, shape))
+    }
+
+    fn of(spec: DropoutSpec, shape: &[usize]) -> Self {
+        Self {
+            layout: spec.layout(shape),
+            key: spec.key_halves(),
+            threshold: spec.threshold(),
+            scale: spec.keep_scale() as f32,
+        }
+    }
+
+    /// The key of row `row` (row-major rows of the shape).
+    pub(crate) fn row_key(&self, row: usize) -> u32 {
+        self.layout.row_key(self.key.0, self.key.1, row as u32)
+    }
+
+    /// The factor of element `column` of the row keyed `row_key`: `1/(1−p)` or 0.
+    #[inline]
+    pub(crate) fn factor(&self, row_key: u32, column: usize) -> f32 {
+        if keeps(row_key, self.threshold, column as u32) {
+            self.scale
+        } else {
+            0.0
+        }
+    }
 }
 
 #[cfg(test)]

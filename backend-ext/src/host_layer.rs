@@ -24,7 +24,7 @@ use ndarray::{ArrayD, IxDyn};
 use rayon::prelude::*;
 
 use crate::DropoutSpec;
-use crate::dropout::{MaskLayout, keeps};
+use crate::dropout::RowMask;
 
 /// 1/√(2π), as the reference's f64 constant rounded to f32.
 const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
@@ -52,38 +52,26 @@ fn with_values<R>(x: &NdArrayTensor, f: impl FnOnce(&[usize], &[f32]) -> Option<
     f(standard.shape(), standard.as_slice()?)
 }
 
-/// The keyed dropout mask of one row: `Some((row key, threshold, scale))` when enabled.
-#[derive(Clone, Copy)]
-struct RowMask {
-    layout: MaskLayout,
-    key: (u32, u32),
-    threshold: u32,
-    scale: f32,
-}
-
-impl RowMask {
-    fn new(spec: DropoutSpec, shape: &[usize]) -> Option<Self> {
-        spec.enabled().then(|| Self {
-            layout: spec.layout(shape),
-            key: spec.key_halves(),
-            threshold: spec.threshold(),
-            scale: spec.keep_scale() as f32,
-        })
-    }
-
-    /// The factor of element `column` of row `row`: the keep scale or 0.
-    #[inline]
-    fn factor(&self, row_key: u32, column: usize) -> f32 {
-        if keeps(row_key, self.threshold, column as u32) {
-            self.scale
-        } else {
-            0.0
-        }
-    }
-
-    fn row_key(&self, row: usize) -> u32 {
-        self.layout.row_key(self.key.0, self.key.1, row as u32)
-    }
+/// `values` (rows of `n`, row-major) times `mask`, on rayon's threads.
+fn masked(mask: RowMask, values: &[f32], n: usize) -> Vec<f32> {
+    let rows = rows_per_task(n);
+    let mut out = vec![0.0f32; values.len()];
+    out.par_chunks_mut(rows * n)
+        .zip(values.par_chunks(rows * n))
+        .enumerate()
+        .for_each(|(task, (out, values))| {
+            for (i, (out, values)) in out
+                .chunks_exact_mut(n)
+                .zip(values.chunks_exact(n))
+                .enumerate()
+            {
+                let key = mask.row_key(task * rows + i);
+                for (c, (o, &v)) in out.iter_mut().zip(values).enumerate() {
+                    *o = v * mask.factor(key, c);
+                }
+            }
+        });
+    out
 }
 
 /// `GELU(x + bias)`, the reference's `z · ½(1 + erf(z/√2))`. `x` `[R, N]`, `bias` `[N]`.
@@ -296,24 +284,7 @@ pub(crate) fn layer_norm_backward(
                                     }
                                 }
                             });
-                        let grad_x = mask.map(|mask| {
-                            let mut grad_x = vec![0.0f32; r * n];
-                            grad_x
-                                .par_chunks_mut(rows * n)
-                                .zip(grad_pre.par_chunks(rows * n))
-                                .enumerate()
-                                .for_each(|(t, (gx, dp))| {
-                                    for (i, (gx, dp)) in
-                                        gx.chunks_exact_mut(n).zip(dp.chunks_exact(n)).enumerate()
-                                    {
-                                        let key = mask.row_key(t * rows + i);
-                                        for (c, (gx, &dp)) in gx.iter_mut().zip(dp).enumerate() {
-                                            *gx = dp * mask.factor(key, c);
-                                        }
-                                    }
-                                });
-                            output(shape, grad_x)
-                        });
+                        let grad_x = mask.map(|mask| output(shape, masked(mask, &grad_pre, n)));
                         let grad_pre = output(shape, grad_pre);
                         let grad_x = grad_x.unwrap_or_else(|| grad_pre.clone());
                         Some([grad_pre, grad_x, output(shape, grad_x_hat)])
@@ -369,33 +340,10 @@ pub(crate) fn masked_softmax(
                         }
                     }
                 });
+            let dropped =
+                RowMask::new(dropout, shape).map(|mask| output(shape, masked(mask, &probs, s)));
             let probs_tensor = output(shape, probs);
-            let dropped = match RowMask::new(dropout, shape) {
-                None => probs_tensor.clone(),
-                Some(mask) => {
-                    let NdArrayTensor::F32(storage) = &probs_tensor else {
-                        unreachable!("made as f32 above")
-                    };
-                    let view = storage.view();
-                    let probs = view.as_slice()?;
-                    let mut dropped = vec![0.0f32; probs.len()];
-                    dropped
-                        .par_chunks_mut(task)
-                        .enumerate()
-                        .for_each(|(t, dropped)| {
-                            let rows = task / s;
-                            for (i, d) in dropped.chunks_exact_mut(s).enumerate() {
-                                let row = t * rows + i;
-                                let key = mask.row_key(row);
-                                let p = &probs[row * s..(row + 1) * s];
-                                for (c, d) in d.iter_mut().enumerate() {
-                                    *d = p[c] * mask.factor(key, c);
-                                }
-                            }
-                        });
-                    output(shape, dropped)
-                }
-            };
+            let dropped = dropped.unwrap_or_else(|| probs_tensor.clone());
             Some([probs_tensor, dropped])
         })
     })
