@@ -11,10 +11,10 @@
 
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn_ndarray::NdArrayTensor;
-use ndarray::{Array1, Array2, Axis, Ix1, Ix2};
+use ndarray::{Array1, Array2, Ix1, Ix2};
 use rayon::prelude::*;
 
-use crate::FusedOps;
+use crate::{FusedOps, host_math};
 
 /// What [`FusedOps::cross_entropy`] returns: the loss and what its backward needs.
 #[derive(Debug, Clone)]
@@ -55,9 +55,8 @@ pub(crate) fn ndarray_forward(
     let mut lse = vec![0.0f32; n];
     lse.par_iter_mut().enumerate().for_each(|(i, out)| {
         let row = &rows[i * c..(i + 1) * c];
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let sum: f32 = row.iter().map(|&v| (v - max).exp()).sum();
-        *out = sum.ln() + max;
+        let max = host_math::max(row);
+        *out = host_math::sum_exp(row, max).ln() + max;
     });
     let total: f32 = (0..n).map(|i| lse[i] - rows[i * c + labels[i]]).sum();
     let loss = Array1::from(vec![total / n as f32]);
@@ -87,18 +86,16 @@ pub(crate) fn ndarray_backward(
     let labels = labels_of(labels)?;
     let (n, c) = x.dim();
     let scale = grad / n as f32;
-    let mut out = Array2::<f32>::zeros((n, c));
-    out.axis_iter_mut(Axis(0))
-        .into_par_iter()
-        .zip(x.axis_iter(Axis(0)).into_par_iter())
+    let x = x.as_slice()?;
+    let mut out = vec![0.0f32; n * c];
+    out.par_chunks_mut(c)
+        .zip(x.par_chunks(c))
         .enumerate()
-        .for_each(|(i, (mut out, x))| {
-            let l = lse[i];
-            out.iter_mut()
-                .zip(x.iter())
-                .for_each(|(o, &v)| *o = (v - l).exp() * scale);
+        .for_each(|(i, (out, x))| {
+            host_math::exp_scaled(x, lse[i], scale, out);
             out[labels[i]] -= scale;
         });
+    let out = Array2::from_shape_vec((n, c), out).expect("n · c values");
     Some(NdArrayTensor::from(out.into_dyn().into_shared()))
 }
 

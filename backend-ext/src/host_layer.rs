@@ -17,17 +17,13 @@
 //! Each function returns `None` for what it does not handle (dtypes other than f32, shapes
 //! that do not match); the caller falls back to the reference.
 
-use std::f32::consts::FRAC_1_SQRT_2;
-
 use burn_ndarray::NdArrayTensor;
 use ndarray::{ArrayD, IxDyn};
 use rayon::prelude::*;
 
 use crate::DropoutSpec;
 use crate::dropout::RowMask;
-
-/// 1/√(2π), as the reference's f64 constant rounded to f32.
-const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
+use crate::host_math;
 
 /// Elements per rayon task (whole rows, at least one).
 const TASK_ELEMENTS: usize = 1 << 14;
@@ -85,14 +81,7 @@ pub(crate) fn bias_gelu(x: &NdArrayTensor, bias: &NdArrayTensor) -> Option<NdArr
             let mut out = vec![0.0f32; x.len()];
             out.par_chunks_mut(rows_per_task(n) * n)
                 .zip(x.par_chunks(rows_per_task(n) * n))
-                .for_each(|(out, x)| {
-                    for (out, x) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
-                        for ((o, &x), &b) in out.iter_mut().zip(x).zip(bias) {
-                            let z = x + b;
-                            *o = z * ((libm::erff(z * FRAC_1_SQRT_2) + 1.0) * 0.5);
-                        }
-                    }
-                });
+                .for_each(|(out, x)| host_math::bias_gelu_rows(x, bias, out));
             Some(output(shape, out))
         })
     })
@@ -116,18 +105,7 @@ pub(crate) fn bias_gelu_backward(
                 out.par_chunks_mut(task)
                     .zip(x.par_chunks(task).zip(grad.par_chunks(task)))
                     .for_each(|(out, (x, grad))| {
-                        for ((out, x), grad) in out
-                            .chunks_exact_mut(n)
-                            .zip(x.chunks_exact(n))
-                            .zip(grad.chunks_exact(n))
-                        {
-                            for (((o, &x), &b), &g) in out.iter_mut().zip(x).zip(bias).zip(grad) {
-                                let z = x + b;
-                                let cdf = (libm::erff(z * FRAC_1_SQRT_2) + 1.0) * 0.5;
-                                let pdf = (z * z * -0.5).exp() * FRAC_1_SQRT_2PI;
-                                *o = g * (cdf + z * pdf);
-                            }
-                        }
+                        host_math::bias_gelu_backward_rows(x, bias, grad, out)
                     });
                 Some(output(shape, out))
             })
@@ -325,16 +303,11 @@ pub(crate) fn masked_softmax(
                         let row = t * rows + i;
                         let x = &scores[row * s..(row + 1) * s];
                         let bias = &mask_bias[(row / per_sample) * s..(row / per_sample + 1) * s];
-                        let mut max = f32::NEG_INFINITY;
                         for ((p, &x), &m) in p.iter_mut().zip(x).zip(bias) {
                             *p = x * scale + m;
-                            max = max.max(*p);
                         }
-                        let mut sum = 0.0f32;
-                        for p in p.iter_mut() {
-                            *p = (*p - max).exp();
-                            sum += *p;
-                        }
+                        let max = host_math::max(p);
+                        let sum = host_math::exp_in_place_sum(p, max);
                         for p in p.iter_mut() {
                             *p /= sum;
                         }
@@ -386,7 +359,7 @@ pub(crate) fn masked_softmax_backward(
                         }
                         None => o.copy_from_slice(g),
                     }
-                    let dot: f32 = o.iter().zip(p).map(|(&d, &p)| d * p).sum();
+                    let dot = host_math::dot(o, p);
                     for (o, &p) in o.iter_mut().zip(p) {
                         *o = p * (*o - dot) * scale;
                     }

@@ -38,6 +38,7 @@ mod host;
 mod host_adam;
 mod host_embedding;
 mod host_layer;
+mod host_math;
 mod host_matmul;
 mod linear;
 pub mod reference;
