@@ -87,7 +87,7 @@ pub(crate) fn ndarray_backward(
     let (n, c) = x.dim();
     let scale = grad / n as f32;
     let x = x.as_slice()?;
-    let mut out = vec![0.0f32; n * c];
+    let mut out = crate::host_layer::par_zeros(n * c);
     out.par_chunks_mut(c)
         .zip(x.par_chunks(c))
         .enumerate()

@@ -40,7 +40,7 @@ pub(crate) fn backward(
     }
     let grad = grad.as_standard_layout();
     let grad = grad.as_slice()?;
-    let mut out = vec![0.0f32; rows * width];
+    let mut out = crate::host_layer::par_zeros(rows * width);
     for (row, &index) in grad.chunks_exact(width.max(1)).zip(&indices) {
         let start = index as usize * width;
         for (o, g) in out[start..start + width].iter_mut().zip(row) {

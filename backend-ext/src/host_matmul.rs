@@ -34,9 +34,17 @@ pub(crate) fn batched_matmul(a: &NdArrayTensor, b: &NdArrayTensor) -> Option<NdA
     if (batch, heads, k) != (batch_b, heads_b, k_b) {
         return None;
     }
-    let mut out = vec![0.0f32; batch * heads * m * n];
-    if m * n > 0 && k > 0 {
-        out.par_chunks_mut(m * n).enumerate().for_each(|(pair, c)| {
+    let len = batch * heads * m * n;
+    if m * n == 0 || k == 0 {
+        let array = ArrayD::<f32>::zeros(IxDyn(&[batch, heads, m, n]));
+        return Some(NdArrayTensor::from(array.into_shared()));
+    }
+    // Not zeroed: with β = 0 the GEMM writes every element of its output without reading it.
+    let mut out: Vec<f32> = Vec::with_capacity(len);
+    out.spare_capacity_mut()[..len]
+        .par_chunks_mut(m * n)
+        .enumerate()
+        .for_each(|(pair, c)| {
             let (bi, hi) = (pair / heads, pair % heads);
             let (a, b) = (a.slice(s![bi, hi, .., ..]), b.slice(s![bi, hi, .., ..]));
             let ([rsa, csa], [rsb, csb]) = (
@@ -44,7 +52,8 @@ pub(crate) fn batched_matmul(a: &NdArrayTensor, b: &NdArrayTensor) -> Option<NdA
                 [b.strides()[0], b.strides()[1]],
             );
             // SAFETY: `a` and `b` are live views of m × k and k × n elements with these
-            // strides (in elements); `c` is an m × n row-major slice of this task alone.
+            // strides (in elements); `c` is this task's own m × n row-major block, which
+            // `sgemm` with β = 0 writes in full without reading (its documented contract).
             unsafe {
                 matrixmultiply::sgemm(
                     m,
@@ -58,13 +67,14 @@ pub(crate) fn batched_matmul(a: &NdArrayTensor, b: &NdArrayTensor) -> Option<NdA
                     rsb,
                     csb,
                     0.0,
-                    c.as_mut_ptr(),
+                    c.as_mut_ptr().cast::<f32>(),
                     n as isize,
                     1,
                 );
             }
         });
-    }
+    // SAFETY: the blocks cover all `len` elements, each written by its GEMM above.
+    unsafe { out.set_len(len) };
     let array = ArrayD::from_shape_vec(IxDyn(&[batch, heads, m, n]), out)
         .expect("the output has its shape");
     Some(NdArrayTensor::from(array.into_shared()))
