@@ -9,7 +9,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{AutodiffModule, ModuleMapper, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig, GradientsParams, LearningRate, Optimizer, SimpleOptimizer};
 use burn::record::Record;
@@ -176,6 +176,7 @@ pub struct MultiTensorOptimizer<B: AutodiffBackend<InnerBackend: FusedOps>> {
 struct Flat<B: AutodiffBackend> {
     id: ParamId,
     shape: Shape,
+    require_grad: bool,
     param: FloatTensor<B::InnerBackend>,
     grad: FloatTensor<B::InnerBackend>,
 }
@@ -201,29 +202,42 @@ impl<B: AutodiffBackend<InnerBackend: FusedOps>> MultiTensorOptimizer<B> {
         module: M,
         mut grads: GradientsParams,
     ) -> M {
-        struct Collect<'a, B: AutodiffBackend> {
+        // Each parameter with a gradient is moved out of the module (a zero-size stand-in
+        // holds its place until `Replace` below): the step then holds the parameter's only
+        // reference, and NdArray's AdamW writes into its buffer instead of copying it
+        // (`FusedOps::adam_multi_tensor`, copy-on-write). A parameter that something else
+        // still holds (a caller's clone of the module) is copied, as before.
+        struct Take<'a, B: AutodiffBackend> {
             grads: &'a mut GradientsParams,
             out: Vec<Flat<B>>,
         }
-        impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_, B> {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-                if let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) {
-                    let value = param.val().inner();
-                    let shape = value.shape();
-                    self.out.push(Flat {
-                        id: param.id,
-                        shape,
-                        param: value.into_primitive().tensor(),
-                        grad: grad.into_primitive().tensor(),
-                    });
-                }
+        impl<B: AutodiffBackend> ModuleMapper<B> for Take<'_, B> {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: Param<Tensor<B, D>>,
+            ) -> Param<Tensor<B, D>> {
+                let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) else {
+                    return param;
+                };
+                let (id, tensor, mapper) = param.consume();
+                let require_grad = tensor.is_require_grad();
+                let device = tensor.device();
+                let value = tensor.inner();
+                self.out.push(Flat {
+                    id,
+                    shape: value.shape(),
+                    require_grad,
+                    param: value.into_primitive().tensor(),
+                    grad: grad.into_primitive().tensor(),
+                });
+                Param::from_mapped_value(id, Tensor::empty([0; D], &device), mapper)
             }
         }
-        let mut collect = Collect::<B> {
+        let mut collect = Take::<B> {
             grads: &mut grads,
             out: Vec::new(),
         };
-        module.visit(&mut collect);
+        let module = module.map(&mut collect);
         // Flat `[n]` views (NdArray: without copies).
         for flat in collect.out.iter_mut() {
             let n = Shape::new([flat.shape.num_elements()]);
@@ -253,8 +267,8 @@ impl<B: AutodiffBackend<InnerBackend: FusedOps>> MultiTensorOptimizer<B> {
                 ],
                 time,
             );
-            let tensors = group
-                .iter()
+            let (group, tensors): (Vec<_>, Vec<_>) = group
+                .into_iter()
                 .map(|flat| {
                     let (moment_1, moment_2) = match self.state.remove(&flat.id) {
                         Some((m, v, _)) => (m, v),
@@ -270,30 +284,30 @@ impl<B: AutodiffBackend<InnerBackend: FusedOps>> MultiTensorOptimizer<B> {
                             (zeros(), zeros())
                         }
                     };
-                    AdamTensors {
-                        param: flat.param.clone(),
-                        grad: flat.grad.clone(),
+                    let tensors = AdamTensors {
+                        param: flat.param,
+                        grad: flat.grad,
                         moment_1,
                         moment_2,
-                    }
+                    };
+                    ((flat.id, flat.shape, flat.require_grad), tensors)
                 })
-                .collect();
+                .unzip();
             // LAMB without layer adaptation, λ = 0: `w − lr·m̂/(√v̂ + ε)`, AdamW's step.
             let outputs = if self.lamb && (decay || self.nvlamb) {
                 lamb_multi_tensor::<B::InnerBackend>(tensors, hyper)
             } else {
                 B::InnerBackend::adam_multi_tensor(tensors, hyper, AdamKind::AdamW)
             };
-            for (flat, out) in group.into_iter().zip(outputs) {
-                self.state
-                    .insert(flat.id, (out.moment_1, out.moment_2, time));
-                let param = B::InnerBackend::reshape_contiguous(out.param, flat.shape.clone());
-                updated.insert(flat.id, (param, flat.shape));
+            for ((id, shape, require_grad), out) in group.into_iter().zip(outputs) {
+                self.state.insert(id, (out.moment_1, out.moment_2, time));
+                let param = B::InnerBackend::reshape_contiguous(out.param, shape);
+                updated.insert(id, (param, require_grad));
             }
         }
 
         struct Replace<B: AutodiffBackend> {
-            updated: HashMap<ParamId, (FloatTensor<B::InnerBackend>, Shape)>,
+            updated: HashMap<ParamId, (FloatTensor<B::InnerBackend>, bool)>,
         }
         impl<B: AutodiffBackend> ModuleMapper<B> for Replace<B> {
             fn map_float<const D: usize>(
@@ -302,13 +316,13 @@ impl<B: AutodiffBackend<InnerBackend: FusedOps>> MultiTensorOptimizer<B> {
             ) -> Param<Tensor<B, D>> {
                 let (id, tensor, mapper) = param.consume();
                 let tensor = match self.updated.remove(&id) {
-                    Some((value, _)) => {
-                        // Already in the parameter's shape.
+                    Some((value, require_grad)) => {
+                        // Already in the parameter's shape; `tensor` is `Take`'s stand-in.
                         let inner = Tensor::<B::InnerBackend, D>::from_primitive(
                             TensorPrimitive::Float(value),
                         );
                         let new = Tensor::from_inner(inner);
-                        if tensor.is_require_grad() {
+                        if require_grad {
                             new.require_grad()
                         } else {
                             new
