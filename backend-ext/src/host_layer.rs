@@ -154,7 +154,7 @@ pub(crate) fn layer_norm(
                             return None;
                         }
                         let mask = RowMask::new(dropout, shape);
-                        let (eps, inv_n) = (eps as f32, 1.0 / n as f32);
+                        let eps = eps as f32;
                         let rows = rows_per_task(n);
                         let mut out = par_zeros(r * n);
                         let mut pre = par_zeros(r * n);
@@ -187,15 +187,8 @@ pub(crate) fn layer_norm(
                                             }
                                         }
                                     }
-                                    let mu = pre.iter().sum::<f32>() * inv_n;
-                                    let var = pre.iter().map(|&p| (p - mu) * (p - mu)).sum::<f32>()
-                                        * inv_n;
-                                    let rs = 1.0 / (var + eps).sqrt();
-                                    for (((o, &p), &g), &b) in
-                                        out.iter_mut().zip(pre.iter()).zip(gamma).zip(beta)
-                                    {
-                                        *o = (p - mu) * rs * g + b;
-                                    }
+                                    let (mu, rs) =
+                                        host_math::layer_norm_row(pre, gamma, beta, eps, out);
                                     mean[i] = mu;
                                     rstd[i] = rs;
                                 }
@@ -238,7 +231,6 @@ pub(crate) fn layer_norm_backward(
                             return None;
                         }
                         let mask = RowMask::new(dropout, shape);
-                        let inv_n = 1.0 / n as f32;
                         let rows = rows_per_task(n);
                         let mut grad_pre = par_zeros(r * n);
                         let mut grad_x_hat = par_zeros(r * n);
@@ -256,22 +248,9 @@ pub(crate) fn layer_norm_backward(
                                     let (mu, rs) = (mean[row], rstd[row]);
                                     let grad = &grad[row * n..(row + 1) * n];
                                     let pre = &pre[row * n..(row + 1) * n];
-                                    // g = grad · γ into dp first; x̂ recomputed per pass.
-                                    let (mut mean_g, mut mean_gx) = (0.0f32, 0.0f32);
-                                    for c in 0..n {
-                                        let x_hat = (pre[c] - mu) * rs;
-                                        let g = grad[c] * gamma[c];
-                                        dp[c] = g;
-                                        mean_g += g;
-                                        mean_gx += g * x_hat;
-                                        dxh[c] = grad[c] * x_hat;
-                                    }
-                                    mean_g *= inv_n;
-                                    mean_gx *= inv_n;
-                                    for c in 0..n {
-                                        let x_hat = (pre[c] - mu) * rs;
-                                        dp[c] = (dp[c] - mean_g - x_hat * mean_gx) * rs;
-                                    }
+                                    host_math::layer_norm_backward_row(
+                                        grad, pre, gamma, mu, rs, dp, dxh,
+                                    );
                                 }
                             });
                         let grad_x = mask.map(|mask| output(shape, masked(mask, &grad_pre, n)));

@@ -208,6 +208,50 @@ multiversion! {
     }
 }
 
+multiversion! {
+    /// LayerNorm of one row: `out = (pre − μ)·rstd·γ + β`; returns `(μ, rstd)`, with
+    /// `μ = Σ pre / n`, `var = Σ (pre − μ)² / n`, `rstd = 1/√(var + eps)` (biased variance, as
+    /// PyTorch's `layer_norm`).
+    pub(crate) fn layer_norm_row(pre: &[f32], gamma: &[f32], beta: &[f32], eps: f32, out: &mut [f32]) -> (f32, f32) {
+        let inv_n = 1.0 / pre.len() as f32;
+        let mu = lane_sum(pre, pre, |p, _| p) * inv_n;
+        let var = lane_sum(pre, pre, |p, _| (p - mu) * (p - mu)) * inv_n;
+        let rs = 1.0 / (var + eps).sqrt();
+        for (((o, &p), &g), &b) in out.iter_mut().zip(pre).zip(gamma).zip(beta) {
+            *o = (p - mu) * rs * g + b;
+        }
+        (mu, rs)
+    }
+}
+
+multiversion! {
+    /// LayerNorm's backward of one row from the saved `pre`, `μ`, `rstd`:
+    /// `grad_x_hat = grad · x̂` and
+    /// `grad_pre = rstd · (g − mean(g) − x̂ · mean(g · x̂))`, `g = grad · γ`, `x̂ = (pre − μ)·rstd`.
+    pub(crate) fn layer_norm_backward_row(
+        grad: &[f32],
+        pre: &[f32],
+        gamma: &[f32],
+        mu: f32,
+        rs: f32,
+        grad_pre: &mut [f32],
+        grad_x_hat: &mut [f32],
+    ) {
+        let inv_n = 1.0 / pre.len() as f32;
+        for (((dxh, &g), &p), dp) in grad_x_hat.iter_mut().zip(grad).zip(pre).zip(grad_pre.iter_mut()) {
+            *dxh = g * ((p - mu) * rs);
+            *dp = g;
+        }
+        // Σ g = Σ grad·γ and Σ g·x̂ = Σ grad_x_hat·γ, lane-wise.
+        let mean_g = lane_sum(grad, gamma, |g, w| g * w) * inv_n;
+        let mean_gx = lane_sum(grad_x_hat, gamma, |d, w| d * w) * inv_n;
+        for ((dp, &p), &w) in grad_pre.iter_mut().zip(pre).zip(gamma) {
+            let x_hat = (p - mu) * rs;
+            *dp = (*dp * w - mean_g - x_hat * mean_gx) * rs;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
