@@ -7,9 +7,9 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
-use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{Shape, Tensor, TensorMetadata};
 
 use crate::{CrossEntropyForward, DropoutSpec, FusedOps, LayerNormForward, float, prim};
 
@@ -18,6 +18,24 @@ fn sum_rows<B: FusedOps>(x: FloatTensor<B>) -> FloatTensor<B> {
     let t: Tensor<B, 2> = float(x);
     let [_, n] = t.dims();
     prim(t.sum_dim(0).reshape([n]))
+}
+
+/// A reshape: parent x; state x's shape. Both ways through [`FusedOps::reshape_contiguous`],
+/// so that NdArray moves neither a contiguous activation nor its gradient (Burn's autodiff
+/// reshape runs `float_reshape`, which copies on NdArray).
+#[derive(Debug)]
+struct ReshapeBackward;
+
+impl<B: FusedOps> Backward<B, 1> for ReshapeBackward {
+    type State = Shape;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, B::reshape_contiguous(grad, ops.state));
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -234,6 +252,20 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
     const HAS_KERNELS: bool = B::HAS_KERNELS;
     const HAS_MULTI_TENSOR: bool = B::HAS_MULTI_TENSOR;
     const FUSED_BY_DEFAULT: bool = B::FUSED_BY_DEFAULT;
+
+    fn reshape_contiguous(x: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
+        match ReshapeBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let input_shape = x.primitive.shape();
+                prep.finish(input_shape, B::reshape_contiguous(x.primitive, shape))
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::reshape_contiguous(x.primitive, shape)),
+        }
+    }
 
     fn cross_entropy(
         logits: FloatTensor<Self>,

@@ -20,6 +20,29 @@ pub fn dense<B: FusedOps, const D: usize>(
     float(B::dense(prim(x), prim(weight), bias.map(prim)))
 }
 
+/// `x` reshaped to `shape` through [`FusedOps::reshape_contiguous`] (and under autodiff its
+/// gradient reshaped back the same way): Burn's `reshape`, without NdArray's copy of a
+/// contiguous tensor (the attention's head split and merge).
+///
+/// # Shapes
+/// `x` of any shape → `shape` (same number of elements)
+///
+/// # Panics
+/// If `shape` has a different number of elements than `x` (as Burn's `reshape`).
+pub fn reshape<B: FusedOps, const D1: usize, const D2: usize>(
+    x: Tensor<B, D1>,
+    shape: [usize; D2],
+) -> Tensor<B, D2> {
+    let shape = burn::tensor::Shape::new(shape);
+    assert_eq!(
+        x.shape().num_elements(),
+        shape.num_elements(),
+        "reshape of {:?} to {shape:?}: element counts differ",
+        x.dims()
+    );
+    float(B::reshape_contiguous(prim(x), shape))
+}
+
 /// Rows of `weights` at `indices` through [`FusedOps::embedding_lookup`] (and its backward
 /// under autodiff): Burn's `embedding`.
 ///
@@ -172,4 +195,65 @@ pub fn lamb_multi_tensor<B: FusedOps>(
         .zip(new_params)
         .map(|(out, param)| AdamOutput { param, ..out })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::{Autodiff, NdArray};
+    use burn::tensor::{Distribution, Tensor, TensorPrimitive};
+
+    use crate::FusedOps;
+
+    type A = Autodiff<NdArray>;
+
+    fn values<const D: usize>(t: Tensor<NdArray, D>) -> Vec<f32> {
+        t.into_data().to_vec::<f32>().unwrap()
+    }
+
+    /// [`super::reshape`] against Burn's `reshape`, forward and gradient, the attention's way:
+    /// a contiguous split `[B, S, H] → [B, S, nh, hd]` (zero-copy on NdArray) and a merge of
+    /// a permuted (non-contiguous) tensor back to `[B, S, H]` (one copy); a loss that weights
+    /// every element differently. NdArray's zero-copy output shares the input's buffer: the
+    /// input keeps its values.
+    #[test]
+    fn reshape_equals_burns_reshape_forward_and_backward() {
+        let device = Default::default();
+        let x0 = Tensor::<NdArray, 3>::random([2, 5, 6], Distribution::Normal(0.0, 1.0), &device);
+        let probe =
+            Tensor::<NdArray, 3>::random([2, 5, 6], Distribution::Normal(0.0, 1.0), &device);
+        let run = |ours: bool| {
+            let x = Tensor::<A, 3>::from_inner(x0.clone()).require_grad();
+            let split = if ours {
+                super::reshape(x.clone() * 2.0, [2, 5, 3, 2])
+            } else {
+                (x.clone() * 2.0).reshape([2, 5, 3, 2])
+            };
+            let permuted = split.swap_dims(1, 2) * 3.0; // [2, 3, 5, 2], strided
+            let merged = if ours {
+                super::reshape(permuted.swap_dims(1, 2), [2, 5, 6])
+            } else {
+                permuted.swap_dims(1, 2).reshape([2, 5, 6])
+            };
+            let grads = (merged.clone() * Tensor::from_inner(probe.clone()))
+                .sum()
+                .backward();
+            (values(merged.inner()), values(x.grad(&grads).unwrap()))
+        };
+        let (y, dx) = run(true);
+        let (y_ref, dx_ref) = run(false);
+        assert_eq!(y, y_ref, "forward");
+        assert_eq!(dx, dx_ref, "gradient");
+        let expected: Vec<f32> = values(x0.clone()).iter().map(|v| v * 6.0).collect();
+        assert_eq!(y, expected, "reshapes move no element");
+
+        // Zero-copy: the input is not modified through a shared buffer.
+        let before = values(x0.clone());
+        let flat = <NdArray as FusedOps>::reshape_contiguous(
+            x0.clone().into_primitive().tensor(),
+            burn::tensor::Shape::new([60]),
+        );
+        let flat = Tensor::<NdArray, 1>::from_primitive(TensorPrimitive::Float(flat));
+        assert_eq!(values(flat), before);
+        assert_eq!(values(x0), before);
+    }
 }

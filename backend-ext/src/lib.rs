@@ -65,7 +65,7 @@ pub use cross_entropy::CrossEntropyForward;
 pub use dropout::{DropoutScope, DropoutSpec, keep_mask, reseed_dropout};
 pub use functions::{
     attention, bias_dropout_add_layer_norm, bias_gelu, cross_entropy, dense, dense_module, dropout,
-    embedding, lamb_multi_tensor,
+    embedding, lamb_multi_tensor, reshape,
 };
 
 /// Which implementation of the fused ops a model uses.

@@ -69,19 +69,26 @@ fn shared(array: Array2<f32>, lead: &[usize]) -> NdArrayTensor {
     NdArrayTensor::from(array.into_shared())
 }
 
-/// NdArray's zero-copy reshape of a contiguous f32 array; gives `x` back otherwise.
+/// NdArray's reshape of an f32 array: zero-copy when `x` is contiguous, else one copy into
+/// standard layout (Burn 0.21's `float_reshape` copies a contiguous array, and a strided one
+/// twice); gives `x` back for other dtypes or a shape of another size.
 pub(crate) fn ndarray_reshape(
     x: NdArrayTensor,
     shape: &burn::tensor::Shape,
 ) -> Result<NdArrayTensor, NdArrayTensor> {
     match x {
-        NdArrayTensor::F32(storage)
-            if storage.view().is_standard_layout()
-                && storage.view().len() == shape.num_elements() =>
-        {
+        NdArrayTensor::F32(storage) if storage.view().len() == shape.num_elements() => {
             let dims: Vec<usize> = shape.iter().copied().collect();
-            let reshaped = storage
-                .into_shared()
+            let array = if storage.view().is_standard_layout() {
+                storage.into_shared()
+            } else {
+                storage
+                    .view()
+                    .as_standard_layout()
+                    .into_owned()
+                    .into_shared()
+            };
+            let reshaped = array
                 .into_shape_with_order(IxDyn(&dims))
                 .expect("a standard-layout array reshapes to any shape of its size");
             Ok(NdArrayTensor::from(reshaped))

@@ -384,8 +384,11 @@ impl<B: FusedOps> BertLayer<B> {
         let self_attention = &self.attention.self_attention;
         let heads = self_attention.num_attention_heads;
         let head_dim = hidden / heads;
+        // Reshapes through `ember_backend_ext::reshape`: no copies of the contiguous dense
+        // outputs (nor of the merged context's gradient) on NdArray.
         let split_heads = |x: Tensor<B, 3>| {
-            x.reshape([batch, seq_len, heads, head_dim]).swap_dims(1, 2) // [B, nh, S, hd]
+            // [B, nh, S, hd]
+            ember_backend_ext::reshape(x, [batch, seq_len, heads, head_dim]).swap_dims(1, 2)
         };
         let q = split_heads(dense_as(&self_attention.query, hidden_states.clone()));
         let k = split_heads(dense_as(&self_attention.key, hidden_states.clone()));
@@ -398,8 +401,8 @@ impl<B: FusedOps> BertLayer<B> {
             1.0 / (head_dim as f64).sqrt(),
             dropout(self_attention.dropout.prob),
         )
-        .swap_dims(1, 2)
-        .reshape([batch, seq_len, hidden]);
+        .swap_dims(1, 2);
+        let context = ember_backend_ext::reshape(context, [batch, seq_len, hidden]);
 
         let output = &self.attention.output;
         let (gamma, beta) = gamma_beta(&output.layer_norm, dtype);

@@ -153,10 +153,9 @@ impl<B: FusedOps> BertForPreTraining<B> {
             .bert
             .forward_hooked(input_ids, segment_ids, input_mask, hook);
         let [batch, seq_len, hidden] = out.sequence_output.dims();
-        let masked_states = out
-            .sequence_output
-            .reshape([batch * seq_len, hidden])
-            .select(0, masked_lm_flat_positions); // [N, H]
+        let masked_states =
+            ember_backend_ext::reshape(out.sequence_output, [batch * seq_len, hidden])
+                .select(0, masked_lm_flat_positions); // [N, H]
 
         let predictions = &self.cls.predictions;
         let dtype = masked_states.dtype();
