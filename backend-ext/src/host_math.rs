@@ -16,7 +16,8 @@
 //! Every variant runs the same IEEE operations in the same order (`mul_add` is a fused
 //! multiply-add everywhere, the baseline computing it in software), and the row sums use 16
 //! lane-wise partial sums on every variant, so results are bitwise identical whichever variant
-//! a CPU gets: a run stays deterministic across machines.
+//! a CPU gets (NaN's sign aside): a run stays deterministic across machines. The tests run
+//! every variant the CPU has and compare their bits.
 
 use std::f32::consts::{FRAC_1_SQRT_2, LOG2_E};
 
@@ -25,6 +26,23 @@ pub(crate) const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
 
 /// Lanes of the partial sums and maxima (one AVX-512 vector, two AVX2 vectors).
 const LANES: usize = 16;
+
+/// Test hook: which variant the kernels run (0: the best the CPU has; 1: the baseline; 2:
+/// AVX2 + FMA where the CPU has them), so that one machine's tests compare every variant.
+#[cfg(test)]
+static FORCE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+#[inline(always)]
+fn forced() -> u8 {
+    #[cfg(test)]
+    {
+        FORCE.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    #[cfg(not(test))]
+    {
+        0
+    }
+}
 
 /// Defines `fn $name` that runs `$body` compiled for AVX-512 (`avx512f`), for AVX2 + FMA, or
 /// for the baseline, whichever the CPU has (`is_x86_feature_detected!`, cached by std). The
@@ -41,12 +59,14 @@ macro_rules! multiversion {
                 fn avx512($($arg: $ty),*) $(-> $ret)? { body($($arg),*) }
                 #[target_feature(enable = "avx2,fma")]
                 fn avx2($($arg: $ty),*) $(-> $ret)? { body($($arg),*) }
-                if std::arch::is_x86_feature_detected!("avx512f") {
+                let force = $crate::host_math::forced();
+                if force == 0 && std::arch::is_x86_feature_detected!("avx512f") {
                     // SAFETY: the CPU has the features `avx512` is compiled for (AVX-512F
                     // implies AVX2 and FMA on every CPU that has it).
                     return unsafe { avx512($($arg),*) };
                 }
-                if std::arch::is_x86_feature_detected!("avx2")
+                if force != 1
+                    && std::arch::is_x86_feature_detected!("avx2")
                     && std::arch::is_x86_feature_detected!("fma")
                 {
                     // SAFETY: the CPU has the features `avx2` is compiled for.
@@ -263,6 +283,61 @@ mod tests {
             .collect();
         v.extend([0.0, -0.0, 1e-30, -1e-30, 1e-7, -1e-7, 87.9, 88.0, -87.0]);
         v
+    }
+
+    /// Every variant this CPU can run (AVX-512, AVX2 + FMA, baseline) gives the same bits for
+    /// every kernel: a run does not depend on the machine's vector width.
+    #[test]
+    fn every_variant_gives_the_same_bits() {
+        use std::sync::atomic::Ordering;
+        let n = 771; // 48 lanes of 16 and a tail
+        let x: Vec<f32> = (0..2 * n)
+            .map(|i| ((i * 7919 % 2003) as f32 - 1001.0) * 0.0123)
+            .chain([0.0, -0.0, 88.5, -90.0, 1e-30, f32::NAN])
+            .collect();
+        let g: Vec<f32> = x.iter().map(|v| (v * 1.7).sin()).collect();
+        let bias: Vec<f32> = (0..x.len() / 2).map(|i| (i as f32 * 0.37).cos()).collect();
+        let rows = 2 * (x.len() / 2);
+        let (x2, g2) = (&x[..rows], &g[..rows]);
+        let gamma: Vec<f32> = bias.iter().map(|b| 1.0 + b * 0.5).collect();
+        let run = || {
+            let mut gelu = vec![0.0; rows];
+            bias_gelu_rows(x2, &bias, &mut gelu);
+            let mut gelu_grad = vec![0.0; rows];
+            bias_gelu_backward_rows(x2, &bias, g2, &mut gelu_grad);
+            let finite = &x[..x.len() - 1];
+            let m = max(finite);
+            let mut exps = finite.to_vec();
+            let s = exp_in_place_sum(&mut exps, m);
+            let mut scaled = vec![0.0; finite.len()];
+            exp_scaled(finite, m, 0.25, &mut scaled);
+            let row = &x2[..bias.len()];
+            let mut normed = vec![0.0; row.len()];
+            let (mu, rs) = layer_norm_row(row, &gamma, &bias, 1e-12, &mut normed);
+            let (mut dp, mut dxh) = (vec![0.0; row.len()], vec![0.0; row.len()]);
+            layer_norm_backward_row(&g2[..row.len()], row, &gamma, mu, rs, &mut dp, &mut dxh);
+            let scalars = vec![m, s, sum_exp(finite, m), dot(&x, &g), max(&x), mu, rs];
+            // Bits, with every NaN as one value (a NaN's sign differs between x86's vector
+            // and scalar instructions, and means nothing).
+            [gelu, gelu_grad, exps, scaled, normed, dp, dxh, scalars].map(|v| {
+                v.iter()
+                    .map(|f| if f.is_nan() { u32::MAX } else { f.to_bits() })
+                    .collect::<Vec<u32>>()
+            })
+        };
+        let best = run();
+        for force in [2, 1] {
+            FORCE.store(force, Ordering::Relaxed);
+            let other = run();
+            FORCE.store(0, Ordering::Relaxed);
+            for (k, (a, b)) in best.iter().zip(&other).enumerate() {
+                let first = a.iter().zip(b).position(|(a, b)| a != b);
+                assert!(
+                    first.is_none(),
+                    "output {k} differs between the best variant and variant {force} at {first:?}"
+                );
+            }
+        }
     }
 
     #[test]
