@@ -3,7 +3,6 @@
 //! backward).
 
 use burn::tensor::Tensor;
-use burn::tensor::backend::Backend;
 
 use crate::{AdamHyper, AdamKind, AdamOutput, AdamTensors, DropoutSpec, FusedOps, float, prim};
 
@@ -80,11 +79,13 @@ pub fn dense_module<B: FusedOps, const D: usize>(
     )
 }
 
-fn rows<B: Backend, const D: usize>(x: Tensor<B, D>) -> (Tensor<B, 2>, [usize; D]) {
+/// `x` `[.., N]` as `[R, N]` rows, with `x`'s shape (for [`reshape`]ing the output back):
+/// zero-copy on NdArray for a contiguous `x`, as the dense layers' outputs are.
+fn rows<B: FusedOps, const D: usize>(x: Tensor<B, D>) -> (Tensor<B, 2>, [usize; D]) {
     let dims = x.dims();
     let n = dims[D - 1];
     (
-        x.reshape([dims.iter().product::<usize>() / n.max(1), n]),
+        reshape(x, [dims.iter().product::<usize>() / n.max(1), n]),
         dims,
     )
 }
@@ -95,7 +96,7 @@ fn rows<B: Backend, const D: usize>(x: Tensor<B, D>) -> (Tensor<B, 2>, [usize; D
 /// `x` `[.., N]`, `bias` `[N]` → the shape of `x`
 pub fn bias_gelu<B: FusedOps, const D: usize>(x: Tensor<B, D>, bias: Tensor<B, 1>) -> Tensor<B, D> {
     let (x, dims) = rows(x);
-    float::<B, 2>(B::bias_gelu(prim(x), prim(bias))).reshape(dims)
+    reshape(float::<B, 2>(B::bias_gelu(prim(x), prim(bias))), dims)
 }
 
 /// `LayerNorm(residual + dropout(x + bias))` through [`FusedOps::bias_dropout_add_layer_norm`].
@@ -129,7 +130,7 @@ pub fn bias_dropout_add_layer_norm<B: FusedOps, const D: usize>(
         dropout,
         eps,
     );
-    float::<B, 2>(forward.output).reshape(dims)
+    reshape(float::<B, 2>(forward.output), dims)
 }
 
 /// Dropout through [`FusedOps::dropout`] (its own backward under autodiff), keyed per sample
