@@ -58,8 +58,9 @@ pub struct TrainStepArgs {
     /// Tokens per sequence, no padding (each value is a row per model)
     #[arg(long, value_delimiter = ',', default_value = "128")]
     seq_len: Vec<usize>,
-    /// Backend: cpu (NdArray); cuda needs the `cuda` feature
-    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    /// Backend: cpu (NdArray); cuda needs the `cuda` feature; wgpu (the default adapter: a
+    /// GPU, else Mesa's lavapipe) needs the `wgpu` feature and times PyTorch on the CPU
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda", "wgpu"])]
     device: String,
     /// Masked positions per sequence
     #[arg(long, default_value_t = 20)]
@@ -138,8 +139,35 @@ pub fn run(args: TrainStepArgs) -> Result<()> {
             threads,
         ),
         "cuda" => bench_cuda(&args, python.as_deref(), threads),
+        "wgpu" => bench_wgpu(&args, python.as_deref(), threads),
         other => bail!("unknown device {other}"),
     }
+}
+
+/// The device PyTorch runs on for ember's `device`: the same one, except for wgpu, which
+/// PyTorch has no backend for (its CPU step is the reference there).
+fn reference_device(device: &str) -> &str {
+    match device {
+        "wgpu" => "cpu",
+        other => other,
+    }
+}
+
+#[cfg(feature = "wgpu")]
+fn bench_wgpu(args: &TrainStepArgs, python: Option<&Path>, threads: usize) -> Result<()> {
+    bench::<burn::backend::Autodiff<burn::backend::Wgpu>>(
+        args,
+        &Default::default(),
+        python,
+        threads,
+    )
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn bench_wgpu(_: &TrainStepArgs, _: Option<&Path>, _: usize) -> Result<()> {
+    bail!(
+        "--device wgpu needs the wgpu feature: cargo run --release -p xtask --features wgpu -- bench train-step ..."
+    )
 }
 
 #[cfg(feature = "cuda")]
@@ -314,7 +342,7 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
                         threads,
                         &optimizer_config,
                         compile,
-                        &args.device,
+                        reference_device(&args.device),
                     )?;
                     if reference.ready["parameters"].as_u64() != Some(parameters as u64) {
                         bail!(
@@ -377,6 +405,11 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     }
     let ember_gemm = ember_gemm_gflops::<B::InnerBackend>(args.gemm_size, &Default::default());
     let peak = reference_gemm.map_or(ember_gemm, |r| r.max(ember_gemm));
+    let ember_gemm_name = if args.device == "cpu" {
+        ember_trainer::blas::describe()
+    } else {
+        format!("{}'s GEMMs", args.device)
+    };
     let mut markdown = format!(
         "Training step, {} on {threads} thread(s): ember ({}, {}) against {}; fp32 GEMM {n}³: ember {ember_gemm:.0} GFLOP/s{}; MFU against the peak {peak:.0} GFLOP/s.\n\n",
         args.device,
@@ -384,15 +417,16 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
             .rsplit("::")
             .next()
             .unwrap_or("backend"),
-        ember_trainer::blas::describe(),
+        ember_gemm_name,
         if references.is_empty() {
             "no reference".to_string()
         } else {
             format!(
-                "PyTorch {} + transformers {} ({} attention)",
+                "PyTorch {} + transformers {} ({} attention) on {}",
                 versions["torch"].as_str().unwrap_or("?"),
                 versions["transformers"].as_str().unwrap_or("?"),
-                versions["attn_implementation"].as_str().unwrap_or("?")
+                versions["attn_implementation"].as_str().unwrap_or("?"),
+                reference_device(&args.device)
             )
         },
         reference_gemm.map_or(String::new(), |r| format!(", PyTorch {r:.0} GFLOP/s")),
@@ -433,7 +467,7 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     let summary = json!({
         "device": args.device,
         "threads": threads,
-        "ember_gemm": ember_trainer::blas::describe(),
+        "ember_gemm": ember_gemm_name,
         "gemm_size": args.gemm_size,
         "gemm_gflops": {"ember": ember_gemm, "pytorch": reference_gemm},
         "reference": versions,

@@ -1,0 +1,115 @@
+//! `cargo xtask bench train-step` as a user runs it, without the PyTorch reference (CI has no
+//! torch): the step runs, and the JSON it writes holds the configuration's model FLOPs
+//! (`BertConfig::train_step_flops`), phases that add up to the step, and an untrained model's
+//! loss. On the CPU always; on wgpu (Mesa's lavapipe in CI) with the `wgpu` feature, and
+//! without it `--device wgpu` is a clear error.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use ember_model::{BertConfig, Preset};
+use serde_json::Value;
+
+const BATCH: usize = 2;
+const SEQ_LEN: usize = 32;
+const MAX_PREDICTIONS: usize = 4;
+
+fn bench(device: &str, out: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args([
+            "bench",
+            "train-step",
+            "--reference",
+            "none",
+            "--presets",
+            "tiny",
+        ])
+        .args([
+            "--batch-size",
+            &BATCH.to_string(),
+            "--seq-len",
+            &SEQ_LEN.to_string(),
+        ])
+        .args(["--max-predictions", &MAX_PREDICTIONS.to_string()])
+        .args(["--steps", "2", "--rounds", "1", "--gemm-size", "128"])
+        .args(["--device", device, "--out"])
+        .arg(out)
+        .output()
+        .expect("running xtask")
+}
+
+/// The run's JSON, checked: one row for tiny at the requested shape, its FLOPs the formula's,
+/// its phases summing to the step, its first loss that of a model that predicts uniformly
+/// (ln 30522 + ln 2 ≈ 11.0 for MLM + NSP).
+fn check_results(device: &str, out: &Path, output: &Output) {
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "bench on {device} failed: {stderr}"
+    );
+    let json = std::fs::read_dir(out)
+        .expect("the results folder")
+        .map(|entry| entry.expect("an entry").path())
+        .find(|path| path.extension().is_some_and(|e| e == "json"))
+        .expect("a JSON result");
+    let markdown = std::fs::read_to_string(json.with_extension("md")).expect("the markdown table");
+    assert!(markdown.contains("| tiny |"), "{markdown}");
+    let results: Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).expect("valid JSON");
+    assert_eq!(results["device"], device);
+    let rows = results["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 1, "one preset × batch × seq: {rows:?}");
+    let row = &rows[0];
+    assert_eq!(row["preset"], "tiny");
+    assert_eq!(row["batch_size"], BATCH);
+    assert_eq!(row["seq_len"], SEQ_LEN);
+    let flops =
+        BertConfig::preset(Preset::Tiny).train_step_flops(BATCH, SEQ_LEN, BATCH * MAX_PREDICTIONS);
+    assert_eq!(row["step_flops"].as_f64(), Some(flops));
+    let ember = &row["ember"];
+    let number = |key: &str| {
+        ember[key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{key}: {ember}"))
+    };
+    let step = number("step_s");
+    let phases = number("forward_s") + number("backward_s") + number("optimizer_s");
+    assert!(step > 0.0);
+    // Medians of each phase and of the whole step over two steps: the sums agree to rounding.
+    assert!(
+        (phases - step).abs() <= 1e-6 * step + 1e-9,
+        "phases {phases} s, step {step} s"
+    );
+    assert!((number("samples_per_s") - BATCH as f64 / step).abs() < 1e-9 * number("samples_per_s"));
+    assert!(number("mfu") > 0.0);
+    let loss = number("first_loss");
+    assert!((10.5..11.5).contains(&loss), "untrained first loss {loss}");
+}
+
+#[test]
+fn train_step_bench_on_the_cpu_writes_its_results() {
+    let out = tempfile::tempdir().unwrap();
+    let output = bench("cpu", out.path());
+    check_results("cpu", out.path(), &output);
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn train_step_bench_on_wgpu_writes_its_results() {
+    let out = tempfile::tempdir().unwrap();
+    let output = bench("wgpu", out.path());
+    check_results("wgpu", out.path(), &output);
+}
+
+#[cfg(not(feature = "wgpu"))]
+#[test]
+fn train_step_bench_on_wgpu_without_the_feature_says_so() {
+    let out = tempfile::tempdir().unwrap();
+    let output = bench("wgpu", out.path());
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--device wgpu needs the wgpu feature"),
+        "{stderr}"
+    );
+}
