@@ -56,8 +56,10 @@ struct Measured {
     peak_mib: f64,
 }
 
-/// The number after `key` in `text` (digits, `.`, `,` thousands separators dropped).
-fn number_after(text: &str, key: &str) -> Option<f64> {
+/// The number after `key` in `text` (digits, `.`, `,` thousands separators dropped). Public for
+/// `xtask/tests/data_cli.rs`, which reads a real `prepare-data` summary with it.
+#[doc(hidden)]
+pub fn number_after(text: &str, key: &str) -> Option<f64> {
     let rest = &text[text.find(key)? + key.len()..];
     let digits: String = rest
         .trim_start()
@@ -242,20 +244,4 @@ pub fn run(args: DataBenchArgs) -> Result<()> {
     )?;
     println!("ember: results in {}.{{md,json}}", base.display());
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The numbers of `prepare-data`'s summary lines, as the bench reads them.
-    #[test]
-    fn reads_prepare_datas_summary() {
-        let text = "prepare-data: 2000 documents (0 held out) → 3559 samples, 326417 tokens in 4 shards under eb1 (S = 128, P = 20)\nthroughput: 1608210 tokens/s (0.2 s, 1 worker(s)); peak memory 63 MiB\n";
-        assert_eq!(number_after(text, "→"), Some(3559.0));
-        assert_eq!(number_after(text, "samples,"), Some(326417.0));
-        assert_eq!(number_after(text, "throughput:"), Some(1608210.0));
-        assert_eq!(number_after(text, "peak memory"), Some(63.0));
-        assert_eq!(number_after(text, "missing"), None);
-    }
 }

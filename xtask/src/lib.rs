@@ -16,6 +16,8 @@
 mod bench;
 mod bench_checkpoint;
 mod bench_data;
+#[doc(hidden)]
+pub use bench_data::number_after;
 mod bench_kernels;
 mod bench_onebit;
 mod bench_reference;

@@ -61,6 +61,17 @@ fn prepare_stratify_and_report_from_the_command_line() {
         out.contains("tokens/s") && out.contains("peak memory"),
         "{out}"
     );
+    // `bench data` reads these numbers from this summary (xtask/src/bench_data.rs).
+    let number = |key| xtask::number_after(&out, key);
+    assert!(number("→").is_some_and(|n| n >= 1.0), "{out}");
+    assert!(number("samples,").is_some_and(|t| t > 0.0), "{out}");
+    assert!(number("throughput:").is_some_and(|r| r > 0.0), "{out}");
+    assert!(number("peak memory").is_some_and(|m| m > 0.0), "{out}");
+    assert_eq!(number("missing"), None);
+    let text = "prepare-data: 2000 documents (0 held out) → 3559 samples, 326417 tokens in 4 shards under eb1 (S = 128, P = 20)\nthroughput: 1,608,210 tokens/s (0.2 s, 1 worker(s)); peak memory 63 MiB\n";
+    assert_eq!(xtask::number_after(text, "samples,"), Some(326417.0));
+    assert_eq!(xtask::number_after(text, "throughput:"), Some(1608210.0));
+    assert_eq!(xtask::number_after(text, "peak memory"), Some(63.0));
     assert_eq!(std::fs::read_dir(&shards).unwrap().count(), 4);
 
     let o = xtask(&[
