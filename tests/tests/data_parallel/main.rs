@@ -2,10 +2,12 @@
 //! from bit-identical initial weights): in-process ranks against one rank with the whole batch
 //! and gradient accumulation (here), hooks (`hooks.rs`), clipping (`clipping.rs`), loss
 //! normalisation and dropout keys (`details.rs`), start-up agreement and failing ranks
-//! (`failures.rs`), 1-bit Adam and LAMB (`onebit.rs`).
+//! (`failures.rs`), 1-bit Adam and LAMB (`onebit.rs`), mixed precision (`precision.rs`); and
+//! same seed, same run (`determinism.rs`), which needs the generator to itself too.
 
 mod clipping;
 mod details;
+mod determinism;
 mod failures;
 mod hooks;
 mod onebit;

@@ -1,11 +1,13 @@
-//! Same seed, same run. Alone in its test binary (its own process) because NdArray's random
+//! Same seed, same run. It holds the binary's lock (`serial()`) because NdArray's random
 //! generator is process-wide: a test running in parallel would draw from it between steps.
 
-use burn::backend::{Autodiff, NdArray};
 use ember_trainer::{RunOptions, TrainConfig, train};
+
+use super::{B, serial};
 
 #[test]
 fn same_seed_gives_the_same_loss_sequence() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let run = |name: &str, seed: u64| {
         let mut config = TrainConfig::default();
@@ -17,7 +19,7 @@ fn same_seed_gives_the_same_loss_sequence() {
         config.train.eval_samples = 8;
         config.train.seed = seed;
         config.train.out = dir.path().join(name);
-        train::<Autodiff<NdArray>>(&config, &Default::default(), RunOptions::default()).unwrap()
+        train::<B>(&config, &Default::default(), RunOptions::default()).unwrap()
     };
     let (a, b, c) = (run("a", 1), run("b", 1), run("c", 2));
     // Dropout is on (0.1), so this also checks that dropout masks come from the seed.
