@@ -13,9 +13,10 @@
 #                  tiny model (NCCL with a world of one, 3 steps, weights within 1e-5), then
 #                  BERT-base and BERT-large training steps at sequence length 128: step time,
 #                  backward time and host synchronisations per step, device vs host buckets.
-#   kernels        the kernel tests on CUDA (backend-ext/tests/kernels.rs, its `cuda::` module):
+#   kernels        the kernel tests on CUDA (backend-ext/tests/kernels/, the tests named `cuda`):
 #                  every fused op against the reference, the dropout masks keyed by sample and
-#                  position (kernels = host masks, with a sample offset) and the dropout op.
+#                  position (kernels = host masks, with a sample offset) and the dropout op; the
+#                  kernels with bf16 storage against the f32 reference (`half_precision.rs`).
 #   bench-kernels  `xtask bench kernels`, f32 then bf16.
 #   resume         checkpoints on CUDA (fused optimizer, device tensors): the tiny model with
 #                  dropout on, 12 steps straight against `--resume` from that run's step-6
@@ -91,7 +92,7 @@ run)
             ;;
         kernels)
             echo "== kernel tests on CUDA (f32): forward and backward vs the reference composition"
-            timeout 200 "$dir/kernels" cuda:: --test-threads 1 2>&1 | tee "$out/kernels.log" || status=$?
+            timeout 200 "$dir/kernels" cuda --test-threads 1 2>&1 | tee "$out/kernels.log" || status=$?
             grep -E "^test |test result" "$out/kernels.log" || true
             ;;
         bench-kernels)

@@ -1,5 +1,4 @@
-//! Helpers shared by the kernel test binaries.
-#![allow(dead_code)] // each test binary uses its own subset
+//! Helpers shared by the kernel tests.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor, TensorData};

@@ -1,38 +1,41 @@
-//! The kernels with half-precision storage against the f32 reference composition, in a test
-//! binary of their own: Burn keeps per-device settings (the default float type among them), so
-//! an f16 backend must not share a device with the f32 tests running in parallel threads.
+//! The kernels with half-precision storage against the f32 reference composition. The inputs
+//! are cast to the half type on the f32 backend, as the trainer's mixed precision casts its
+//! activations (Note [Autocast] in `ember_model`'s `precision.rs`): the kernels take their
+//! element type from the tensors' dtype at launch (`#[define(F)]`, `src/cube/kernels.rs`), so
+//! these are the kernels a mixed-precision run launches, and no second backend type (nor a
+//! device whose default float type changed) is involved.
 
-use burn::tensor::{Distribution, Tensor};
+use burn::backend::NdArray;
+use burn::tensor::{DType, Distribution, Tensor};
 use ember_backend_ext::{DropoutSpec, FusedOps, reference};
 
-mod common;
-use common::{assert_close, mask_bias};
+use super::common::{assert_close, mask_bias};
 
 /// The kernels with half-precision storage (f16 on wgpu, where WGSL has no bf16; bf16 on CUDA
 /// through `scripts/gpu-check.sh`): forward outputs against the f32 reference composition on
 /// NdArray from the same rounded inputs. Tolerance: the half type's rounding of inputs and
 /// output (f16: 2⁻¹¹, bf16: 2⁻⁸ relative), 1e-2 absolute + 1e-2 relative for f16 (3e-2
 /// absolute for LayerNorm, whose outputs reach ±4), 8× that for bf16.
-fn check_half_precision<H: FusedOps, E: burn::tensor::Element>(device: &H::Device, scale: f32) {
-    use burn::backend::NdArray;
+fn check_half_precision<H: FusedOps>(device: &H::Device, dtype: DType, scale: f32) {
     let tol = (1e-2 * scale, 1e-2 * scale);
     let cpu = Default::default();
-    // A random f32 tensor rounded through E: on NdArray as f32, and on H.
+    // A random tensor cast to `dtype` on H, and the same rounded values in f32 on NdArray.
     let pair = |shape: &[usize]| {
         let x = Tensor::<NdArray, 1>::random(
             [shape.iter().product::<usize>()],
             Distribution::Normal(0.0, 1.0),
             &cpu,
         );
-        let data = x.into_data().convert::<E>();
-        let half = Tensor::<H, 1>::from_data(data.clone(), device);
-        (
-            Tensor::<NdArray, 1>::from_data(data.convert::<f32>(), &cpu),
-            half,
-        )
+        let half = Tensor::<H, 1>::from_data(x.into_data(), device).cast(dtype);
+        assert_eq!(half.dtype(), dtype);
+        let rounded = half.clone().cast(DType::F32).into_data();
+        (Tensor::<NdArray, 1>::from_data(rounded, &cpu), half)
     };
-    let to_f32 =
-        |t: Tensor<H, 1>| Tensor::<NdArray, 1>::from_data(t.into_data().convert::<f32>(), &cpu);
+    // The fused op's output, which must still be in `dtype`, in f32 on NdArray.
+    let to_f32 = |t: Tensor<H, 1>| {
+        assert_eq!(t.dtype(), dtype, "a fused op changed the dtype");
+        Tensor::<NdArray, 1>::from_data(t.into_data().convert::<f32>(), &cpu)
+    };
 
     let (x, xh) = pair(&[231, 300]);
     let (x, xh) = (x.reshape([231, 300]), xh.reshape([231, 300]));
@@ -71,7 +74,7 @@ fn check_half_precision<H: FusedOps, E: burn::tensor::Element>(device: &H::Devic
         qh.reshape(shape),
         kh.reshape(shape),
         vh.reshape(shape),
-        mask_bias::<H>(&mask, device),
+        mask_bias::<H>(&mask, device).cast(dtype),
         0.25,
         dropout,
     );
@@ -93,28 +96,11 @@ fn check_half_precision<H: FusedOps, E: burn::tensor::Element>(device: &H::Devic
 
 #[test]
 fn f16_kernels_on_wgpu_match_the_f32_reference() {
-    type H = burn::backend::wgpu::CubeBackend<
-        burn::backend::wgpu::WgpuRuntime,
-        burn::tensor::f16,
-        i32,
-        u32,
-    >;
-    check_half_precision::<H, burn::tensor::f16>(
-        &burn::backend::wgpu::WgpuDevice::DefaultDevice,
-        1.0,
-    );
+    check_half_precision::<super::wgpu::Backend>(&super::wgpu::device(), DType::F16, 1.0);
 }
 
 #[cfg(feature = "cuda")]
-mod cuda {
-    use super::*;
-
-    #[test]
-    fn bf16_kernels_match_the_f32_reference() {
-        type H = burn::backend::Cuda<burn::tensor::bf16, i32>;
-        check_half_precision::<H, burn::tensor::bf16>(
-            &burn::backend::cuda::CudaDevice::new(0),
-            8.0,
-        );
-    }
+#[test]
+fn bf16_kernels_on_cuda_match_the_f32_reference() {
+    check_half_precision::<super::cuda::Backend>(&super::cuda::device(), DType::BF16, 8.0);
 }

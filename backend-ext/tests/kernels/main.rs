@@ -6,7 +6,11 @@
 //! (the CubeCL kernels; Mesa's lavapipe in CI) and, built with `--features cuda`, `cuda`.
 //!
 //! Tolerances (f32): forward ≤ 2e-5 absolute + 2e-5 relative (reductions in a different order,
-//! the GPU's erf/exp), backward ≤ 1e-4 + 1e-4 relative.
+//! the GPU's erf/exp), backward ≤ 1e-4 + 1e-4 relative. The kernels with half-precision
+//! storage: `half_precision.rs`.
+//!
+//! One test binary: each binary monomorphises Burn's and the kernels' generic code for every
+//! backend it names again (minutes of a 2-core build apiece at opt-level 3).
 
 use burn::backend::Autodiff;
 use burn::tensor::Tensor;
@@ -14,6 +18,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use ember_backend_ext::{DropoutSpec, FusedOps, keep_mask, reference};
 
 mod common;
+mod half_precision;
 use common::{assert_close, mask_bias, random, values};
 
 const FWD: (f32, f32) = (2e-5, 2e-5);
@@ -520,20 +525,23 @@ mod ndarray {
 /// The CubeCL kernels on wgpu's WGSL path. In CI this is Mesa's lavapipe; a machine without
 /// any adapter fails here, loudly (`.ci/run` installs `mesa-vulkan-drivers`).
 mod wgpu {
-    kernel_tests!(
-        burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>,
-        wgpu_device()
-    );
+    pub type Backend =
+        burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
 
-    fn wgpu_device() -> burn::backend::wgpu::WgpuDevice {
+    kernel_tests!(Backend, device());
+
+    pub fn device() -> burn::backend::wgpu::WgpuDevice {
         burn::backend::wgpu::WgpuDevice::DefaultDevice
     }
 }
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    kernel_tests!(
-        burn::backend::Cuda<f32, i32>,
+    pub type Backend = burn::backend::Cuda<f32, i32>;
+
+    kernel_tests!(Backend, device());
+
+    pub fn device() -> burn::backend::cuda::CudaDevice {
         burn::backend::cuda::CudaDevice::new(0)
-    );
+    }
 }
