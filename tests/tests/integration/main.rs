@@ -1,9 +1,9 @@
 //! Most of the workspace's integration tests, as one test binary: each binary links (and, at
 //! opt-level 3, monomorphises) Burn, the model and the trainer again, about 1.5 minutes of a
-//! 2-core build apiece. Two stay binaries of their own because they need NdArray's
-//! process-wide random generator to themselves: `determinism.rs`, and `data_parallel.rs`,
-//! whose runs must start from bit-identical initial weights (a concurrent test with dropout
-//! draws from the generator while a run initialises).
+//! 2-core build apiece. One other binary, `data_parallel`, holds the tests that need NdArray's
+//! process-wide random generator to themselves, one at a time: data-parallel runs must start
+//! from bit-identical initial weights, and same-seed runs must draw the same dropout masks (a
+//! concurrent test with dropout draws from the generator while a run initialises).
 
 mod device_reducer;
 mod embed;
@@ -11,6 +11,7 @@ mod eval_shards;
 mod fused_training;
 mod hf_parity;
 mod mixed_precision;
+mod model;
 mod pretrained;
 mod shard_training;
 mod train;

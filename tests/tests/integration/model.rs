@@ -1,5 +1,6 @@
 //! Model tests on the CPU (NdArray): shapes, the loss of a fresh model, gradient flow, padding
-//! invariance, overfitting one batch.
+//! invariance, overfitting one batch. In this binary, not in `model/tests/`, so that Burn and
+//! the model are monomorphised for NdArray once for both (main.rs).
 
 use burn::backend::{Autodiff, NdArray};
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
@@ -9,6 +10,13 @@ use burn::tensor::{Int, Tensor, TensorData};
 use ember_model::{BertConfig, BertForPreTraining, Preset};
 
 type B = Autodiff<NdArray>;
+
+/// NdArray's generator is the process's: each test here seeds it and draws its model's weights
+/// (lazily, at first use), so it holds the trainer's initialisation lock throughout, and no
+/// other test's run initialises in between.
+fn init_lock() -> std::sync::MutexGuard<'static, ()> {
+    ember_trainer::initialisation_lock()
+}
 
 /// A small config with a real-sized vocabulary, so that ln(V) is BERT's.
 fn small_config() -> BertConfig {
@@ -84,6 +92,7 @@ fn scalar(t: Tensor<B, 1>) -> f64 {
 
 #[test]
 fn forward_shapes() {
+    let _init = init_lock();
     let device = Default::default();
     B::seed(&device, 1);
     let config = small_config();
@@ -114,6 +123,7 @@ fn forward_shapes() {
 /// logits varies by ≈ 0.07: hence 0.2.
 #[test]
 fn fresh_model_loss_is_uniform_cross_entropy() {
+    let _init = init_lock();
     let device = Default::default();
     B::seed(&device, 2);
     let config = small_config();
@@ -130,6 +140,7 @@ fn fresh_model_loss_is_uniform_cross_entropy() {
 /// bias, the pooler and both layers.
 #[test]
 fn gradients_reach_every_parameter() {
+    let _init = init_lock();
     let device = Default::default();
     B::seed(&device, 3);
     let model: BertForPreTraining<B> = small_config().init_for_pretraining(&device);
@@ -174,6 +185,7 @@ fn gradients_reach_every_parameter() {
 /// Changing the tokens at padded positions changes no real output (the padding mask works).
 #[test]
 fn padding_does_not_change_real_outputs() {
+    let _init = init_lock();
     let device = Default::default();
     NdArray::<f32>::seed(&device, 4);
     let model = small_config().init_for_pretraining::<B>(&device).valid();
@@ -209,6 +221,7 @@ fn padding_does_not_change_real_outputs() {
 /// A tiny model memorises one batch: the loss falls from ≈ 11 to below 0.5 in 60 AdamW steps.
 #[test]
 fn tiny_model_overfits_one_batch() {
+    let _init = init_lock();
     let device = Default::default();
     B::seed(&device, 5);
     let config = BertConfig {
