@@ -1,8 +1,10 @@
 //! Device-resident gradient buckets on wgpu (Mesa's lavapipe in CI), through the real training
-//! loop: two in-process ranks with device buckets end three steps with the weights of two
-//! ranks with host buckets, for every clip mode, and of one rank with the whole batch where the
-//! clip mode makes that exact (`none`, `global`); and a step with device buckets never makes
-//! the host wait for the device, counted by the CubeCL runtime wrapper of `ember-backend-ext`.
+//! loop: two in-process ranks with device buckets end three steps with the weights of one rank
+//! with the whole batch where the clip mode makes that exact (`none`, `global`; host buckets
+//! equal one rank there in `tests/tests/data_parallel/main.rs`), and with the weights of two
+//! ranks with host buckets where it does not (`local-global`, `bucket`); and a step with device
+//! buckets never makes the host wait for the device, counted by the CubeCL runtime wrapper of
+//! `ember-backend-ext`.
 //!
 //! Tolerance: weights within 1e-5 (relative to the tensor's largest entry, at least 1): the
 //! device path sums the ranks' buckets and the norms in f32 on the device, the host path in
@@ -70,7 +72,7 @@ fn train_records(records: &[serde_json::Value]) -> Vec<&serde_json::Value> {
 }
 
 #[test]
-fn device_buckets_equal_host_buckets_and_one_rank_for_every_clip_mode() {
+fn device_buckets_equal_one_rank_or_host_buckets_for_every_clip_mode() {
     let dir = tempfile::tempdir().unwrap();
     for clip in [
         ClipMode::None,
@@ -96,21 +98,23 @@ fn device_buckets_equal_host_buckets_and_one_rank_for_every_clip_mode() {
             );
         }
 
-        let mut host = two.clone();
-        host.parallel.buckets = BucketStorage::Host;
-        host.train.out = dir.path().join(format!("{clip}-host"));
-        let (host_checkpoint, records) = run(&host, 2);
-        assert_eq!(records[0]["bucket_storage"], "host");
-        let worst = assert_same_weights(&host_checkpoint, &device, 1e-5);
-        eprintln!("{clip}: device vs host buckets, largest difference {worst:e}");
-
         if matches!(clip, ClipMode::None | ClipMode::Global) {
+            // Exact splits of one batch: the reference is one rank (one run fewer on lavapipe
+            // than host buckets and one rank both).
             let mut one = two.clone();
             one.train.batch_size = 4;
             one.train.out = dir.path().join(format!("{clip}-one"));
             let (reference, _) = run(&one, 1);
             let worst = assert_same_weights(&reference, &device, 1e-5);
             eprintln!("{clip}: 2 ranks vs 1 rank, largest difference {worst:e}");
+        } else {
+            let mut host = two.clone();
+            host.parallel.buckets = BucketStorage::Host;
+            host.train.out = dir.path().join(format!("{clip}-host"));
+            let (host_checkpoint, records) = run(&host, 2);
+            assert_eq!(records[0]["bucket_storage"], "host");
+            let worst = assert_same_weights(&host_checkpoint, &device, 1e-5);
+            eprintln!("{clip}: device vs host buckets, largest difference {worst:e}");
         }
     }
 }
