@@ -427,7 +427,8 @@ mod tests {
             env!("CARGO_MANIFEST_DIR"),
             "/tests/fixtures/lamb_golden.json"
         );
-        let golden: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let golden: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
         let device = Default::default();
         let hyper = |k: &str| golden[k].as_f64().unwrap();
         for fused in [false, true] {
@@ -456,7 +457,10 @@ mod tests {
                     let mut grads = burn::optim::GradientsParams::new();
                     grads.register::<NdArray, 2>(
                         model.weight.id,
-                        Tensor::from_data(TensorData::new(floats(&step["weight"]), [4, 3]), &device),
+                        Tensor::from_data(
+                            TensorData::new(floats(&step["weight"]), [4, 3]),
+                            &device,
+                        ),
                     );
                     grads.register::<NdArray, 1>(
                         model.bias.as_ref().unwrap().id,
