@@ -1,7 +1,7 @@
 //! Same seed, same run. It holds the binary's lock (`serial()`) because NdArray's random
 //! generator is process-wide: a test running in parallel would draw from it between steps.
 
-use ember_trainer::{RunOptions, TrainConfig, train};
+use ember_trainer::{RunOptions, train};
 
 use super::{B, serial};
 
@@ -10,15 +10,12 @@ fn same_seed_gives_the_same_loss_sequence() {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let run = |name: &str, seed: u64| {
-        let mut config = TrainConfig::default();
-        config.instances.max_seq_length = 64;
-        config.instances.dupe_factor = 1;
+        let mut config = ember_tests::dropout_and_masks_config(&dir.path().join(name));
         config.train.steps = 6;
         config.train.batch_size = 4;
         config.train.eval_every = 6;
         config.train.eval_samples = 8;
         config.train.seed = seed;
-        config.train.out = dir.path().join(name);
         train::<B>(&config, &Default::default(), RunOptions::default()).unwrap()
     };
     let (a, b, c) = (run("a", 1), run("b", 1), run("c", 2));
