@@ -13,7 +13,8 @@
 #                  tiny model (NCCL with a world of one, 3 steps, weights within 1e-5), then
 #                  BERT-base and BERT-large training steps at sequence length 128: step time,
 #                  backward time and host synchronisations per step, device vs host buckets.
-#   kernels        the kernel tests on CUDA (backend-ext/tests/kernels/, the tests named `cuda`):
+#   kernels        the kernel tests on CUDA (tests/tests/integration/kernels/, module
+#                  `kernels::cuda` of the integration test binary built with `--features cuda`):
 #                  every fused op against the reference, the dropout masks keyed by sample and
 #                  position (kernels = host masks, with a sample offset) and the dropout op; the
 #                  kernels with bf16 storage against the f32 reference (`half_precision.rs`).
@@ -54,8 +55,10 @@ dir=gpu-check
 case "${1:-}" in
 build)
     mkdir -p "$dir"
-    cargo test -p ember-backend-ext --features cuda --test kernels --no-run --message-format=json 2>/dev/null \
-        | grep -o '"executable":"[^"]*kernels-[^"]*"' | head -1 | cut -d'"' -f4 > "$dir/.kernels-path"
+    # The kernel tests are a module of the integration test binary (one build of CubeCL's
+    # generics for its tests); built with CUDA, it is carried as `kernels`.
+    cargo test -p ember-tests --features cuda --test integration --no-run --message-format=json 2>/dev/null \
+        | grep -o '"executable":"[^"]*integration-[^"]*"' | head -1 | cut -d'"' -f4 > "$dir/.kernels-path"
     cp "$(cat "$dir/.kernels-path")" "$dir/kernels"
     cargo build -p xtask --features cuda --bin xtask
     cp target/debug/xtask "$dir/xtask"
@@ -92,7 +95,7 @@ run)
             ;;
         kernels)
             echo "== kernel tests on CUDA (f32): forward and backward vs the reference composition"
-            timeout 200 "$dir/kernels" cuda --test-threads 1 2>&1 | tee "$out/kernels.log" || status=$?
+            timeout 200 "$dir/kernels" kernels::cuda:: --test-threads 1 2>&1 | tee "$out/kernels.log" || status=$?
             grep -E "^test |test result" "$out/kernels.log" || true
             ;;
         bench-kernels)

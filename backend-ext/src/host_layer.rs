@@ -8,8 +8,9 @@
 //! was the largest cost of a step after the GEMMs (README, CPU performance). The arithmetic
 //! here is the reference's, in f32, in the same order per element; reductions over a row
 //! (LayerNorm's mean and variance, softmax's sum) are summed left to right, so results agree
-//! with the reference to f32 rounding (`tests/kernels/main.rs`, module `ndarray`, holds the forward
-//! to 2e-5 absolute + 2e-5 relative and the backward to 1e-4 + 1e-4, as for the kernels;
+//! with the reference to f32 rounding (`tests/tests/integration/kernels/mod.rs`, module
+//! `ndarray`, holds the forward to 2e-5 absolute + 2e-5 relative and the backward to 1e-4 +
+//! 1e-4, as for the kernels;
 //! since the host loops became the default the training step's gain was small on its own:
 //! OpenBLAS's worker spins on the other core while they run, README's CPU performance). Dropout masks
 //! are the same keyed masks ([`DropoutSpec::keeps`]), computed per element instead of read.

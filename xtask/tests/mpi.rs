@@ -1,8 +1,7 @@
 //! Multi-process data parallelism through MPI: `mpirun -np 2` ends with the same parameters
-//! as two in-process ranks. Needs the `mpi` feature and OpenMPI (`.ci/run` installs Debian's
-//! libopenmpi-dev, openmpi-bin and libclang-dev):
-//! `cargo test --locked -p xtask --features mpi --test mpi`.
-#![cfg(feature = "mpi")]
+//! as two in-process ranks. The test build enables xtask's `mpi` feature (xtask/Cargo.toml's
+//! dev-dependencies); it needs OpenMPI (Debian: libopenmpi-dev, openmpi-bin and libclang-dev,
+//! which `.ci/run` installs).
 
 use std::path::Path;
 use std::process::Command;

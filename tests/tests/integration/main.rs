@@ -3,13 +3,15 @@
 //! 2-core build apiece. One other binary, `data_parallel`, holds the tests that need NdArray's
 //! process-wide random generator to themselves, one at a time: data-parallel runs must start
 //! from bit-identical initial weights, and same-seed runs must draw the same dropout masks (a
-//! concurrent test with dropout draws from the generator while a run initialises).
+//! concurrent test with dropout draws from the generator while a run initialises). The fused
+//! kernels' own tests (`kernels/`) are here too, on this binary's wgpu backend type.
 
 mod device_reducer;
 mod embed;
 mod eval_shards;
 mod fused_training;
 mod hf_parity;
+mod kernels;
 mod mixed_precision;
 mod model;
 mod pretrained;

@@ -96,11 +96,12 @@ fn check_half_precision<H: FusedOps>(device: &H::Device, dtype: DType, scale: f3
 
 #[test]
 fn f16_kernels_on_wgpu_match_the_f32_reference() {
-    check_half_precision::<super::wgpu::Backend>(&super::wgpu::device(), DType::F16, 1.0);
+    check_half_precision::<crate::Wgpu>(&super::wgpu::device(), DType::F16, 1.0);
 }
 
+/// In `kernels::cuda` with the other CUDA tests (`scripts/gpu-check.sh run kernels` runs that
+/// module).
 #[cfg(feature = "cuda")]
-#[test]
-fn bf16_kernels_on_cuda_match_the_f32_reference() {
-    check_half_precision::<super::cuda::Backend>(&super::cuda::device(), DType::BF16, 8.0);
+pub(super) fn check_bf16<H: FusedOps>(device: &H::Device) {
+    check_half_precision::<H>(device, DType::BF16, 8.0);
 }

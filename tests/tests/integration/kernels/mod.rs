@@ -3,14 +3,17 @@
 //! against the host's counter-based mask.
 //!
 //! Backends: `ndarray` (the trait's reference bodies under the custom autodiff ops), `wgpu`
-//! (the CubeCL kernels; Mesa's lavapipe in CI) and, built with `--features cuda`, `cuda`.
+//! (the CubeCL kernels on this binary's wgpu backend, [`crate::Wgpu`]; Mesa's lavapipe in CI)
+//! and, built with the `cuda` feature, `cuda` (`scripts/gpu-check.sh` builds and runs it).
 //!
 //! Tolerances (f32): forward ≤ 2e-5 absolute + 2e-5 relative (reductions in a different order,
 //! the GPU's erf/exp), backward ≤ 1e-4 + 1e-4 relative. The kernels with half-precision
 //! storage: `half_precision.rs`.
 //!
-//! One test binary: each binary monomorphises Burn's and the kernels' generic code for every
-//! backend it names again (minutes of a 2-core build apiece at opt-level 3).
+//! These tests live in the integration binary, on the wgpu backend type its training tests
+//! use: each test binary monomorphises Burn's and the kernels' generic code for every backend
+//! type it names again (CubeCL's alone is minutes of a 2-core build), so a separate kernel-test
+//! binary, or a second wgpu backend type, would compile all of it twice.
 
 use burn::backend::Autodiff;
 use burn::tensor::Tensor;
@@ -525,10 +528,7 @@ mod ndarray {
 /// The CubeCL kernels on wgpu's WGSL path. In CI this is Mesa's lavapipe; a machine without
 /// any adapter fails here, loudly (`.ci/run` installs `mesa-vulkan-drivers`).
 mod wgpu {
-    pub type Backend =
-        burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
-
-    kernel_tests!(Backend, device());
+    kernel_tests!(crate::Wgpu, device());
 
     pub fn device() -> burn::backend::wgpu::WgpuDevice {
         burn::backend::wgpu::WgpuDevice::DefaultDevice
@@ -540,6 +540,11 @@ mod cuda {
     pub type Backend = burn::backend::Cuda<f32, i32>;
 
     kernel_tests!(Backend, device());
+
+    #[test]
+    fn bf16_kernels_match_the_f32_reference() {
+        super::half_precision::check_bf16::<Backend>(&device());
+    }
 
     pub fn device() -> burn::backend::cuda::CudaDevice {
         burn::backend::cuda::CudaDevice::new(0)
