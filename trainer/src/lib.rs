@@ -12,6 +12,7 @@ pub mod config;
 mod error;
 pub mod eval;
 pub mod grads;
+pub mod host_norm;
 pub mod loss_scale;
 pub mod mllog;
 pub mod onebit;

@@ -11,13 +11,9 @@ use ember_backend_ext::FusedOps;
 
 use super::allreduce::BytesSent;
 use super::optimizer::{OnebitKind, OnebitOptimizer, OnebitStep, ReadHost, WriteHost};
+use crate::host_norm::norm;
 use crate::onebit::{OnebitLambCoeff, OnebitVariance};
 use crate::parallel::CommError;
-
-/// ‖x‖₂, accumulated in f64.
-fn norm(x: &[f32]) -> f64 {
-    x.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt()
-}
 
 impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOptimizer<M, B> {
     /// The compression stage's step (see the module docs of `optimizer.rs`).
@@ -166,10 +162,20 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
             };
             let fresh_or_zero = |i: usize| p.v_fresh.get(i).copied().unwrap_or(0.0);
             if !lamb {
-                // Adam: one pass, no temporaries.
-                for (i, (w, &m)) in w.iter_mut().zip(&p.m).enumerate() {
-                    let u = (m / bc1) / denom(p.v[i], fresh_or_zero(i), m) + decay * *w;
+                // Adam: one pass, no temporaries; zipped slices without an index (bounds
+                // checks kept the loop scalar), the same operations in the same order.
+                let apply = |w: &mut f32, m: f32, v: f32, f: f32| {
+                    let u = (m / bc1) / denom(v, f, m) + decay * *w;
                     *w -= lr * u;
+                };
+                if p.v_fresh.is_empty() {
+                    for ((w, &m), &v) in w.iter_mut().zip(&p.m).zip(&p.v) {
+                        apply(w, m, v, 0.0);
+                    }
+                } else {
+                    for (((w, &m), &v), &f) in w.iter_mut().zip(&p.m).zip(&p.v).zip(&p.v_fresh) {
+                        apply(w, m, v, f);
+                    }
                 }
                 updated.insert(p.id, w.clone());
                 continue;
@@ -193,8 +199,9 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
                 .zip(&denom)
                 .map(|(&f, &d)| d / ((f / bc2_fresh).sqrt() + eps))
                 .fold(f32::MIN, f32::max);
+            // ‖u‖ once: the weight decay's share below and the trust ratio use it.
+            let update_norm = norm(&update);
             if decay > 0.0 {
-                let update_norm = norm(&update);
                 let ratio = if update_norm > 0.0 {
                     (norm(&prelim) / update_norm).min(1.0) as f32
                 } else {
@@ -208,7 +215,7 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
             );
             p.last_factor = factor;
             let coeff = if s.lamb_coeff == OnebitLambCoeff::Computed {
-                let (w_norm, u_norm) = (norm(w), norm(&update));
+                let (w_norm, u_norm) = (norm(w), update_norm);
                 if w_norm > 0.0 && u_norm > 0.0 {
                     (w_norm / u_norm) as f32
                 } else {
