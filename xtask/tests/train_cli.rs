@@ -120,9 +120,11 @@ fn kill_when(mut child: Child, log: &Path, what: &str, ready: impl Fn() -> bool)
     assert!(!status.success(), "the child was killed: {status}");
 }
 
-fn assert_same_run(full: &Path, resumed: &Path, what: &str) {
+/// The runs of `steps` steps in `full` and `resumed` logged the same losses and ended with the
+/// same weights, optimizer state and 1-bit error feedback, bit for bit.
+fn assert_same_run(full: &Path, resumed: &Path, what: &str, steps: u64) {
     let (a, b) = (losses(full), losses(resumed));
-    assert!(a.len() >= 30, "{what}: {} logged steps", a.len());
+    assert!(a.len() as u64 >= steps, "{what}: {} logged steps", a.len());
     assert_eq!(a, b, "{what}: losses of the resumed run differ");
     assert!(
         std::fs::read(full.join("model.safetensors")).unwrap()
@@ -130,7 +132,7 @@ fn assert_same_run(full: &Path, resumed: &Path, what: &str) {
         "{what}: model.safetensors differs from the uninterrupted run's"
     );
     let last = |out: &Path, name: &str| {
-        let dir = out.join("checkpoints/step-0000030");
+        let dir = out.join(format!("checkpoints/step-{steps:07}"));
         std::fs::read(dir.join(name)).ok()
     };
     assert!(
@@ -154,8 +156,10 @@ fn assert_same_run(full: &Path, resumed: &Path, what: &str) {
 /// and moments as a run never interrupted.
 #[test]
 fn killed_between_checkpoints_resumes_bit_for_bit() {
+    // 20 steps, a checkpoint every 5: the kill (steps 6-9) leaves 10 or more steps to resume.
+    const STEPS: u64 = 20;
     let dir = tempfile::tempdir().unwrap();
-    let config = config(dir.path(), 30, 5);
+    let config = config(dir.path(), STEPS, 5);
     // 1-bit Adam/LAMB freezing at step 3: the kill (steps 6-9) resumes from step 5's
     // checkpoint in the compression stage (error feedback, LAMB's fresh variance and
     // factors); freezing at step 7: from the warm-up (LAMB's averaged trust ratios).
@@ -202,10 +206,10 @@ fn killed_between_checkpoints_resumes_bit_for_bit() {
             "{what}: no resume record"
         );
         assert!(
-            String::from_utf8_lossy(&output.stdout).contains("step-0000030"),
+            String::from_utf8_lossy(&output.stdout).contains(&format!("step-{STEPS:07}")),
             "{what}"
         );
-        assert_same_run(&full, &cut, &what);
+        assert_same_run(&full, &cut, &what, STEPS);
         std::fs::remove_dir_all(&full).unwrap();
         std::fs::remove_dir_all(&cut).unwrap();
     }
@@ -233,7 +237,7 @@ fn killed_while_writing_a_checkpoint_resumes_from_the_one_before() {
     });
     let cut_str = cut.to_str().unwrap().to_string();
     run(&config, &cut, &["--resume", &cut_str]);
-    assert_same_run(&full, &cut, "killed mid-checkpoint");
+    assert_same_run(&full, &cut, "killed mid-checkpoint", 30);
 }
 
 /// SIGTERM: the step ends, a checkpoint of that step is written, the process exits 0 and says
