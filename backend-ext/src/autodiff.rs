@@ -9,15 +9,37 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{Shape, Tensor, TensorMetadata};
+use burn::tensor::{Shape, TensorMetadata};
 
-use crate::{CrossEntropyForward, DropoutSpec, FusedOps, LayerNormForward, float, prim};
+use crate::{CrossEntropyForward, DropoutSpec, FusedOps, LayerNormForward};
 
-/// Sum over rows: `[R, N]` → `[N]`, the gradient of a bias broadcast over rows.
-fn sum_rows<B: FusedOps>(x: FloatTensor<B>) -> FloatTensor<B> {
-    let t: Tensor<B, 2> = float(x);
-    let [_, n] = t.dims();
-    prim(t.sum_dim(0).reshape([n]))
+/// Takes the gradient registered so far for the parent `$node` (a `NodeRef`) out of `$grads`,
+/// if any. `Gradients` finds a gradient by autodiff tensor (or consumes it by node, panicking
+/// where there is none), so the key is an untracked autodiff tensor of `$like` (a primitive
+/// that is not read) given `$node`'s identity, dropped before this returns.
+macro_rules! take_gradient {
+    ($grads:expr, $node:expr, $like:expr) => {{
+        let (grads, node): (&mut Gradients, _) = ($grads, $node);
+        let mut key = <Autodiff<B> as AutodiffBackend>::from_inner($like);
+        key.node = std::sync::Arc::clone(node);
+        key.rc = std::sync::Arc::new(node.id);
+        grads.remove::<B>(&key)
+    }};
+}
+
+/// Registers `$value` as a gradient of the parent `$node`: summed into the gradient already
+/// there through [`FusedOps::accumulate`] (NdArray: in place, on rayon's threads) rather than
+/// by `Gradients::register` (a new tensor from `float_add`, on one thread).
+macro_rules! register_sum {
+    ($grads:expr, $node:expr, $value:expr) => {{
+        let (grads, node, value): (&mut Gradients, _, FloatTensor<B>) = ($grads, $node, $value);
+        // The key's primitive is `value` itself, dropped again before the sum.
+        let value = match take_gradient!(&mut *grads, node, value.clone()) {
+            Some(sum) => B::accumulate(sum, value),
+            None => value,
+        };
+        grads.register::<B>(node.id, value);
+    }};
 }
 
 /// A reshape: parent x; state x's shape. Both ways through [`FusedOps::reshape_contiguous`],
@@ -33,7 +55,7 @@ impl<B: FusedOps> Backward<B, 1> for ReshapeBackward {
         let [node_x] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         if let Some(node) = node_x {
-            grads.register::<B>(node.id, B::reshape_contiguous(grad, ops.state));
+            register_sum!(grads, &node, B::reshape_contiguous(grad, ops.state));
         }
     }
 }
@@ -50,10 +72,10 @@ impl<B: FusedOps> Backward<B, 2> for BiasGeluBackward {
         let (x, bias) = ops.state;
         let grad_z = B::bias_gelu_backward(x, bias, grad);
         if let Some(node) = node_bias {
-            grads.register::<B>(node.id, sum_rows::<B>(grad_z.clone()));
+            register_sum!(grads, &node, B::sum_rows(grad_z.clone()));
         }
         if let Some(node) = node_x {
-            grads.register::<B>(node.id, grad_z);
+            register_sum!(grads, &node, grad_z);
         }
     }
 }
@@ -69,7 +91,7 @@ impl<B: FusedOps> Backward<B, 1> for DropoutBackward {
         let grad = grads.consume::<B>(&ops.node);
         if let Some(node) = node_x {
             // y = x · mask  ⇒  dx = grad · mask: dropout with the same key.
-            grads.register::<B>(node.id, B::dropout(grad, ops.state));
+            register_sum!(grads, &node, B::dropout(grad, ops.state));
         }
     }
 }
@@ -102,19 +124,19 @@ impl<B: FusedOps> Backward<B, 5> for LayerNormBackwardOp {
             dropout,
         );
         if let Some(node) = node_beta {
-            grads.register::<B>(node.id, sum_rows::<B>(grad));
+            register_sum!(grads, &node, B::sum_rows(grad));
         }
         if let Some(node) = node_gamma {
-            grads.register::<B>(node.id, sum_rows::<B>(back.grad_x_hat));
+            register_sum!(grads, &node, B::sum_rows(back.grad_x_hat));
         }
         if let Some(node) = node_bias {
-            grads.register::<B>(node.id, sum_rows::<B>(back.grad_x.clone()));
+            register_sum!(grads, &node, B::sum_rows(back.grad_x.clone()));
         }
         if let Some(node) = node_x {
-            grads.register::<B>(node.id, back.grad_x);
+            register_sum!(grads, &node, back.grad_x);
         }
         if let Some(node) = node_residual {
-            grads.register::<B>(node.id, back.grad_pre_norm);
+            register_sum!(grads, &node, back.grad_pre_norm);
         }
     }
 }
@@ -143,7 +165,7 @@ impl<B: FusedOps> Backward<B, 3> for AttentionBackward {
         if let Some(node) = node_v {
             // context = dropped · V  ⇒  dV = droppedᵀ · grad
             let grad_v = B::batched_matmul(B::float_swap_dims(dropped, 2, 3), grad.clone());
-            grads.register::<B>(node.id, grad_v);
+            register_sum!(grads, &node, grad_v);
         }
         if node_q.is_none() && node_k.is_none() {
             return;
@@ -152,11 +174,11 @@ impl<B: FusedOps> Backward<B, 3> for AttentionBackward {
         let grad_scores = B::masked_softmax_dropout_backward(grad_dropped, probs, scale, dropout);
         if let Some(node) = node_q {
             // scores = Q · Kᵀ  ⇒  dQ = dS · K, dK = dSᵀ · Q
-            grads.register::<B>(node.id, B::batched_matmul(grad_scores.clone(), k));
+            register_sum!(grads, &node, B::batched_matmul(grad_scores.clone(), k));
         }
         if let Some(node) = node_k {
             let grad_k = B::batched_matmul(B::float_swap_dims(grad_scores, 2, 3), q);
-            grads.register::<B>(node.id, grad_k);
+            register_sum!(grads, &node, grad_k);
         }
     }
 }
@@ -179,8 +201,30 @@ impl<B: FusedOps> Backward<B, 1> for EmbeddingLookupBackward {
         let grad = grads.consume::<B>(&ops.node);
         let (weights, indices) = ops.state;
         if let Some(node) = node_weights {
-            let grad = B::embedding_lookup_backward(weights, grad, indices);
+            // The decoder's share of a tied table is there already
+            // (FusedOps::tied_decoder_weight): this share is added into it.
+            let grad = match take_gradient!(&mut *grads, &node, weights.clone()) {
+                Some(sum) => B::embedding_lookup_backward_into(sum, grad, indices),
+                None => B::embedding_lookup_backward(weights, grad, indices),
+            };
             grads.register::<B>(node.id, grad);
+        }
+    }
+}
+
+/// The tied MLM decoder's matrix (the table transposed): parents the table and the op's
+/// `after` (a parent for the order of backward only: it gets no gradient).
+#[derive(Debug)]
+struct TiedDecoderBackward;
+
+impl<B: FusedOps> Backward<B, 2> for TiedDecoderBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_table, _after] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node); // [H, V]
+        if let Some(node) = node_table {
+            register_sum!(grads, &node, B::float_swap_dims(grad, 0, 1));
         }
     }
 }
@@ -198,13 +242,13 @@ impl<B: FusedOps> Backward<B, 3> for LinearBackward {
         let (x, weight) = ops.state;
         let [dx, dweight, dbias] = B::dense_backward(x, weight, grad);
         if let Some(node) = node_x {
-            grads.register::<B>(node.id, dx);
+            register_sum!(grads, &node, dx);
         }
         if let Some(node) = node_weight {
-            grads.register::<B>(node.id, dweight);
+            register_sum!(grads, &node, dweight);
         }
         if let Some(node) = node_bias {
-            grads.register::<B>(node.id, dbias);
+            register_sum!(grads, &node, dbias);
         }
     }
 }
@@ -222,10 +266,10 @@ impl<B: FusedOps> Backward<B, 2> for LinearNoBiasBackward {
         let (x, weight) = ops.state;
         let [dx, dweight, _] = B::dense_backward(x, weight, grad);
         if let Some(node) = node_x {
-            grads.register::<B>(node.id, dx);
+            register_sum!(grads, &node, dx);
         }
         if let Some(node) = node_weight {
-            grads.register::<B>(node.id, dweight);
+            register_sum!(grads, &node, dweight);
         }
     }
 }
@@ -243,7 +287,7 @@ impl<B: FusedOps> Backward<B, 1> for CrossEntropyBackward {
         let (logits, labels, log_sum_exp) = ops.state;
         if let Some(node) = node_logits {
             let d_logits = B::cross_entropy_backward(logits, labels, log_sum_exp, grad);
-            grads.register::<B>(node.id, d_logits);
+            register_sum!(grads, &node, d_logits);
         }
     }
 }
@@ -302,6 +346,21 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
             OpsKind::UnTracked(prep) => {
                 prep.finish(B::embedding_lookup(weights.primitive, indices))
             }
+        }
+    }
+
+    fn tied_decoder_weight(
+        table: FloatTensor<Self>,
+        after: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let transposed = B::float_swap_dims(table.primitive, 0, 1);
+        match TiedDecoderBackward
+            .prepare::<C>([table.node.clone(), after.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((), transposed),
+            OpsKind::UnTracked(prep) => prep.finish(transposed),
         }
     }
 

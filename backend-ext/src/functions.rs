@@ -54,6 +54,17 @@ pub fn embedding<B: FusedOps>(
     float(B::embedding_lookup(prim(weights), indices.into_primitive()))
 }
 
+/// The MLM decoder's matrix, the tied word-embedding table transposed, through
+/// [`FusedOps::tied_decoder_weight`]: under autodiff the decoder's share of the table's
+/// gradient reaches the table right after the decoder's own backward (`after`, the MLM
+/// transform's output, orders it), and the lookup's share is then added into it.
+///
+/// # Shapes
+/// `table` `[V, H]`, `after` `[N, H]` → `[H, V]`
+pub fn tied_decoder_weight<B: FusedOps>(table: Tensor<B, 2>, after: &Tensor<B, 2>) -> Tensor<B, 2> {
+    float(B::tied_decoder_weight(prim(table), prim(after.clone())))
+}
+
 /// Mean cross-entropy of `logits` against `labels` through [`FusedOps::cross_entropy`] (and
 /// its backward under autodiff): `mean_i(logsumexp(x_i) − x_i[label_i])`,
 /// `torch.nn.functional.cross_entropy` with mean reduction.

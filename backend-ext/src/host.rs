@@ -10,7 +10,7 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use crate::{
     AdamHyper, AdamKind, AdamOutput, AdamTensors, CrossEntropyForward, DropoutSpec, FusedOps,
     LayerNormBackward, LayerNormForward, SoftmaxForward, cross_entropy, float, host_adam,
-    host_embedding, host_layer, host_matmul, linear, prim, reference,
+    host_embedding, host_layer, host_matmul, host_sum, linear, prim, reference,
 };
 
 impl<E, I, Q> FusedOps for burn_ndarray::NdArray<E, I, Q>
@@ -81,6 +81,34 @@ where
             None => <Self as burn::tensor::ops::ModuleOps<Self>>::embedding_backward(
                 weights, grad, indices,
             ),
+        }
+    }
+
+    fn embedding_lookup_backward_into(
+        sum: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        match host_embedding::backward_into(sum, &grad, &indices) {
+            Ok(out) => out,
+            Err(sum) => {
+                let rows = Self::embedding_lookup_backward(sum.clone(), grad, indices);
+                Self::accumulate(sum, rows)
+            }
+        }
+    }
+
+    fn accumulate(sum: FloatTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
+        match host_sum::accumulate(sum, &value) {
+            Ok(out) => out,
+            Err(sum) => <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_add(sum, value),
+        }
+    }
+
+    fn sum_rows(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        match host_sum::sum_rows(&x) {
+            Some(out) => out,
+            None => reference::sum_rows::<Self>(x),
         }
     }
 

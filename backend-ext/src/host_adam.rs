@@ -79,7 +79,7 @@ fn flat(x: &NdArrayTensor) -> Option<ArrayView1<'_, f32>> {
 /// `x`'s f32 array to write the step's result into: `x`'s own buffer when nothing else holds
 /// it (the optimizer's moments, a parameter whose module copy was dropped), else a copy
 /// (copy-on-write), so that no other tensor sees the update.
-fn writable(x: NdArrayTensor) -> Option<ArcArray<f32, IxDyn>> {
+pub(crate) fn writable(x: NdArrayTensor) -> Option<ArcArray<f32, IxDyn>> {
     match x {
         NdArrayTensor::F32(storage) => {
             let mut array = storage.into_owned();

@@ -28,6 +28,7 @@
 //! trait methods work on rows: the letters in `# Shapes` are R rows, N the row length (hidden or
 //! intermediate size), B batch, nh heads, S sequence, hd head dim.
 
+mod adam;
 mod autodiff;
 mod cross_entropy;
 #[cfg(feature = "cube")]
@@ -40,6 +41,7 @@ mod host_embedding;
 mod host_layer;
 mod host_math;
 mod host_matmul;
+mod host_sum;
 mod linear;
 pub mod reference;
 
@@ -61,11 +63,12 @@ pub type CountingCuda<F = f32, I = i32> =
 #[cfg(feature = "wgpu")]
 pub type CountingWgpu<F = f32, I = i32> =
     burn_cubecl::CubeBackend<CountingRuntime<cubecl::wgpu::WgpuRuntime>, F, I, u32>;
+pub use adam::{AdamHyper, AdamKind, AdamOutput, AdamTensors};
 pub use cross_entropy::CrossEntropyForward;
 pub use dropout::{DropoutScope, DropoutSpec, keep_mask, reseed_dropout};
 pub use functions::{
     attention, bias_dropout_add_layer_norm, bias_gelu, cross_entropy, dense, dense_module, dropout,
-    embedding, lamb_multi_tensor, reshape,
+    embedding, lamb_multi_tensor, reshape, tied_decoder_weight,
 };
 
 /// Which implementation of the fused ops a model uses.
@@ -151,60 +154,6 @@ pub struct SoftmaxForward<B: Backend> {
     pub probs: FloatTensor<B>,
     /// `probs` after dropout (kept values scaled by `1 / (1 − p)`), `[B, nh, S, S]`.
     pub dropped: FloatTensor<B>,
-}
-
-/// Hyper-parameters of one Adam-family step (Kingma & Ba 2015; Loshchilov & Hutter 2019;
-/// You et al. 2020), PyTorch's names.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamHyper {
-    /// Learning rate of this step.
-    pub lr: f64,
-    pub beta_1: f64,
-    pub beta_2: f64,
-    /// Added to `sqrt(v̂)`.
-    pub epsilon: f64,
-    /// Decoupled weight decay λ.
-    pub weight_decay: f64,
-    /// Step number t, from 1 (bias corrections `1 − βᵗ`).
-    pub step: u32,
-}
-
-impl AdamHyper {
-    fn corrections(&self) -> (f64, f64) {
-        (
-            1.0 - self.beta_1.powi(self.step as i32),
-            1.0 - self.beta_2.powi(self.step as i32),
-        )
-    }
-}
-
-/// Which Adam-family step [`FusedOps::adam_multi_tensor`] takes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AdamKind {
-    /// Burn's `AdamW` (PyTorch's formula): the new parameter
-    /// `w·(1 − lr·λ) − lr · m̂ / (sqrt(v̂) + ε)`.
-    AdamW,
-    /// The first half of a LAMB step (You et al. 2020, Algorithm 2; MLPerf's reference): the
-    /// update `u = m̂ / (sqrt(v̂) + ε) + λ·w`; [`FusedOps::lamb_apply_multi_tensor`] applies it.
-    LambUpdate,
-}
-
-/// One tensor of a multi-tensor Adam-family step, all flat `[n]` (`n ≥ 1`).
-#[derive(Debug, Clone)]
-pub struct AdamTensors<B: Backend> {
-    pub param: FloatTensor<B>,
-    pub grad: FloatTensor<B>,
-    pub moment_1: FloatTensor<B>,
-    pub moment_2: FloatTensor<B>,
-}
-
-/// What an Adam-family step returns for one tensor, all flat `[n]`: the new parameter (for
-/// [`AdamKind::LambUpdate`]: the update direction) and both moments.
-#[derive(Debug, Clone)]
-pub struct AdamOutput<B: Backend> {
-    pub param: FloatTensor<B>,
-    pub moment_1: FloatTensor<B>,
-    pub moment_2: FloatTensor<B>,
 }
 
 fn float<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
@@ -518,6 +467,66 @@ pub trait FusedOps: Backend {
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
         <Self as burn::tensor::ops::ModuleOps<Self>>::embedding_backward(weights, grad, indices)
+    }
+
+    /// `sum` plus the table gradient of [`FusedOps::embedding_lookup`] (what
+    /// [`FusedOps::embedding_lookup_backward`] returns): the lookup's share of a tied table's
+    /// gradient added into the share already there (the MLM decoder's, see
+    /// [`FusedOps::tied_decoder_weight`]). The default body adds the two tables
+    /// ([`FusedOps::accumulate`]); NdArray adds each looked-up row into `sum` in place, the
+    /// rows of one index summed first in index order as the default's table holds them
+    /// (`host_embedding.rs`), so that the result is the default's.
+    ///
+    /// # Shapes
+    /// `sum` `[V, H]`, `grad` `[B, S, H]`, `indices` `[B, S]` → `[V, H]`
+    fn embedding_lookup_backward_into(
+        sum: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let rows = Self::embedding_lookup_backward(sum.clone(), grad, indices);
+        Self::accumulate(sum, rows)
+    }
+
+    /// A second gradient of one tensor added to the first, `sum + value` (Burn's
+    /// `Gradients::register` adds them with `float_add`, the default body, into a new tensor on
+    /// one thread). NdArray adds in `sum`'s buffer when nothing else holds it (copy-on-write
+    /// otherwise), on rayon's threads (`host_sum.rs`); the sum is elementwise, so the result
+    /// is the default's.
+    ///
+    /// # Shapes
+    /// `sum`, `value` of one shape → that shape
+    fn accumulate(sum: FloatTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_add(sum, value)
+    }
+
+    /// `Σ_r x[r, ..]`: the gradient of a bias broadcast over rows (Burn's `sum_dim(0)`, the
+    /// default body). NdArray sums blocks of columns on rayon's threads, each row by row in
+    /// row order (`sum_dim`'s order on NdArray, so the same result; `host_sum.rs`).
+    ///
+    /// # Shapes
+    /// `x` `[R, N]` → `[N]`
+    fn sum_rows(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::sum_rows::<Self>(x)
+    }
+
+    /// The MLM decoder's matrix: the word-embedding table `table` `[V, H]` (tied) transposed,
+    /// `[H, V]` (Burn's `swap_dims`, a view; the default body). Under autodiff, its backward
+    /// hands the table the decoder's share of its gradient right after the decoder's matmul:
+    /// `after` (the MLM transform's output, `[N, H]`) is a parent only for that order (Burn
+    /// runs backward by graph depth). The lookup's share, whose backward is the last of the
+    /// step, is then added into it ([`FusedOps::embedding_lookup_backward_into`]) instead of
+    /// the two shares being summed as whole tables (with Burn's `transpose`, the decoder's
+    /// share came last and was added to the lookup's zero-filled `[V, H]` table).
+    ///
+    /// # Shapes
+    /// `table` `[V, H]`, `after` any → `[H, V]`
+    fn tied_decoder_weight(
+        table: FloatTensor<Self>,
+        after: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let _ = after;
+        Self::float_swap_dims(table, 0, 1)
     }
 
     /// The batched matrix product of the attention, `C[b, h] = A[b, h] · B[b, h]` (Burn's

@@ -13,7 +13,7 @@
 
 use burn::tensor::ops::FloatTensor;
 use burn_ndarray::NdArrayTensor;
-use ndarray::{Array1, Array2, ArrayView2, Axis, Ix2, IxDyn};
+use ndarray::{Array2, ArrayView2, Ix2, IxDyn};
 use rayon::prelude::*;
 
 use crate::FusedOps;
@@ -115,8 +115,27 @@ pub(crate) fn ndarray_linear(
         Some(NdArrayTensor::F32(b)) => {
             let b = b.view();
             let b = b.into_dimensionality::<ndarray::Ix1>().ok()?;
-            // The bias in every row, then the product added onto it.
-            let mut out: Array2<f32> = b.broadcast((m, n))?.to_owned();
+            // The bias in every row (copied by rayon's threads: ndarray's broadcast
+            // `to_owned` ran on one), then the product added onto it.
+            let b = b.as_standard_layout();
+            let b = b.as_slice()?;
+            if b.len() != n {
+                return None;
+            }
+            let rows_per_task = ((1 << 14) / n.max(1)).max(1);
+            let mut values = Vec::with_capacity(m * n);
+            values.spare_capacity_mut()[..m * n]
+                .par_chunks_mut(n.max(1) * rows_per_task)
+                .for_each(|rows| {
+                    for row in rows.chunks_exact_mut(n.max(1)) {
+                        for (o, &v) in row.iter_mut().zip(b) {
+                            o.write(v);
+                        }
+                    }
+                });
+            // SAFETY: the rows cover the first m · n elements, all written above.
+            unsafe { values.set_len(m * n) };
+            let mut out = Array2::from_shape_vec((m, n), values).expect("m · n elements");
             ndarray::linalg::general_mat_mul(1.0, &x2, &w2, 1.0, &mut out);
             out
         }
@@ -124,29 +143,6 @@ pub(crate) fn ndarray_linear(
         None => x2.dot(&w2),
     };
     Some(shared(out, &lead))
-}
-
-/// `Σ_r g[r, ..]` `[O]` of `g` `[R, O]`: blocks of columns on rayon's threads, each summed row
-/// by row in row order (the order of ndarray's `sum_axis(Axis(0))`, which ran on one thread:
-/// ~1% of a BERT-base step).
-fn column_sums(g: &ArrayView2<f32>) -> Array1<f32> {
-    const BLOCK: usize = 512;
-    let Some(values) = g.as_slice() else {
-        return g.sum_axis(Axis(0));
-    };
-    let cols = g.ncols();
-    let mut out = vec![0.0f32; cols];
-    out.par_chunks_mut(BLOCK)
-        .enumerate()
-        .for_each(|(block, out)| {
-            let columns = block * BLOCK..block * BLOCK + out.len();
-            for row in values.chunks_exact(cols.max(1)) {
-                for (o, &v) in out.iter_mut().zip(&row[columns.clone()]) {
-                    *o += v;
-                }
-            }
-        });
-    Array1::from(out)
 }
 
 /// NdArray's backward: `[dx, dweight, dbias]`, `None` for dtypes other than f32.
@@ -173,7 +169,7 @@ pub(crate) fn ndarray_linear_backward(
     } else {
         x2.t().dot(&g2) // [I, R] · [R, O]
     };
-    let db = column_sums(&g2.view()); // [O]
+    let db = crate::host_sum::column_sums(&g2.view()); // [O]
     Some([
         shared(dx, &lead),
         NdArrayTensor::from(dw.into_dyn().into_shared()),

@@ -197,6 +197,17 @@ pub fn dropout_primitive<B: Backend>(x: FloatTensor<B>, dropout: DropoutSpec) ->
     B::float_mul(x, mask)
 }
 
+/// `Σ_r x[r, ..]` (Burn's `sum_dim(0)`): the default body of
+/// [`FusedOps::sum_rows`](crate::FusedOps::sum_rows), a bias's gradient.
+///
+/// # Shapes
+/// `x` `[R, N]` → `[N]`
+pub fn sum_rows<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    let t: Tensor<B, 2> = Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(x));
+    let [_, n] = t.dims();
+    prim(t.sum_dim(0).reshape([n]))
+}
+
 /// The default body of [`FusedOps::masked_softmax_dropout`](crate::FusedOps).
 pub fn masked_softmax_dropout_forward<B: Backend>(
     scores: Tensor<B, 4>,

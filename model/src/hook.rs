@@ -7,7 +7,7 @@
 //! what goes there (an identity, an autodiff op with a callback) is the trainer's business.
 
 use burn::tensor::Tensor;
-use burn::tensor::backend::Backend;
+use ember_backend_ext::FusedOps;
 
 /// Called at the layer boundaries of [`BertForPreTraining::forward_hooked`]
 /// (and [`BertModel::forward_hooked`]). Every method defaults to what the plain forward does.
@@ -18,7 +18,7 @@ use burn::tensor::backend::Backend;
 ///
 /// [`BertForPreTraining::forward_hooked`]: crate::BertForPreTraining::forward_hooked
 /// [`BertModel::forward_hooked`]: crate::BertModel::forward_hooked
-pub trait ForwardHook<B: Backend> {
+pub trait ForwardHook<B: FusedOps> {
     /// The input of encoder layer `layer` (0-based), `[B, S, H]`; returns what the layer
     /// consumes.
     fn layer_input(&self, layer: usize, hidden_states: Tensor<B, 3>) -> Tensor<B, 3> {
@@ -36,14 +36,15 @@ pub trait ForwardHook<B: Backend> {
     /// transposed. `transformed` (`[N, H]`) is the MLM transform's output, which the decoder
     /// multiplies; a trainer's op can take it as a parent so that its backward runs right
     /// after the decoder's (Burn orders backward by graph depth), which is when the decoder's
-    /// share of the tied gradient is complete.
+    /// share of the tied gradient is complete. The default,
+    /// [`ember_backend_ext::tied_decoder_weight`], does that: it hands that share to the
+    /// table there, and the lookup's share is added into it at the end of backward.
     fn decoder_weight(
         &self,
         word_embeddings: Tensor<B, 2>,
         transformed: &Tensor<B, 2>,
     ) -> Tensor<B, 2> {
-        let _ = transformed;
-        word_embeddings.transpose()
+        ember_backend_ext::tied_decoder_weight(word_embeddings, transformed)
     }
 }
 
@@ -51,4 +52,4 @@ pub trait ForwardHook<B: Backend> {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NoHook;
 
-impl<B: Backend> ForwardHook<B> for NoHook {}
+impl<B: FusedOps> ForwardHook<B> for NoHook {}

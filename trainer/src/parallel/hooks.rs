@@ -329,7 +329,7 @@ impl<B: GradHookBackend> ForwardHook<B> for GradHooks<B> {
         transformed: &Tensor<B, 2>,
     ) -> Tensor<B, 2> {
         let Some(decoder) = self.decoder else {
-            return word_embeddings.transpose();
+            return ember_backend_ext::tied_decoder_weight(word_embeddings, transformed);
         };
         let out = B::decoder_hook(
             word_embeddings.into_primitive().tensor(),
