@@ -57,7 +57,7 @@ fn with_values<R>(x: &NdArrayTensor, f: impl FnOnce(&[usize], &[f32]) -> Option<
         return None;
     };
     let view = storage.view();
-    let standard = view.as_standard_layout();
+    let standard = crate::linear::standard_layout(view);
     f(standard.shape(), standard.as_slice()?)
 }
 

@@ -13,7 +13,7 @@
 
 use burn::tensor::ops::FloatTensor;
 use burn_ndarray::NdArrayTensor;
-use ndarray::{Array2, ArrayView2, Ix2, IxDyn};
+use ndarray::{Array2, ArrayD, ArrayView2, ArrayViewD, Axis, CowArray, Ix2, IxDyn};
 use rayon::prelude::*;
 
 use crate::FusedOps;
@@ -46,7 +46,7 @@ fn rows<'a>(x: &'a ndarray::ArrayViewD<'a, f32>) -> (ndarray::CowArray<'a, f32, 
     let shape = x.shape().to_vec();
     let cols = *shape.last().expect("linear: x has at least one dimension");
     let rows = shape.iter().rev().skip(1).product::<usize>();
-    let x = x.as_standard_layout();
+    let x = standard_layout(x.view());
     let viewed = x
         .into_shape_with_order((rows, cols))
         .expect("a standard-layout array reshapes to [rows, cols]");
@@ -69,6 +69,51 @@ fn shared(array: Array2<f32>, lead: &[usize]) -> NdArrayTensor {
     NdArrayTensor::from(array.into_shared())
 }
 
+/// `x` in standard (row-major) layout: `x` itself when it is, else a copy written by rayon's
+/// threads over `x`'s first axis, one slice copy per contiguous run of the last axis
+/// (ndarray's `as_standard_layout` copied element by element on one thread: the heads'
+/// merge and its gradient, `[B, S, nh, hd]` views of `[B, nh, S, hd]` buffers, were ~1.5% of
+/// a mini step).
+pub(crate) fn standard_layout<'a>(x: ArrayViewD<'a, f32>) -> CowArray<'a, f32, IxDyn> {
+    if x.is_standard_layout() || x.ndim() < 2 || x.is_empty() {
+        return if x.is_standard_layout() {
+            CowArray::from(x)
+        } else {
+            CowArray::from(x.as_standard_layout().into_owned())
+        };
+    }
+    let shape = x.shape().to_vec();
+    let len = x.len();
+    let block = len / shape[0];
+    let outer: Vec<ArrayViewD<'_, f32>> = x.axis_iter(Axis(0)).collect();
+    let mut values = Vec::with_capacity(len);
+    values.spare_capacity_mut()[..len]
+        .par_chunks_mut(block)
+        .zip(outer.into_par_iter())
+        .for_each(|(out, sub)| {
+            let width = *sub.shape().last().expect("rank ≥ 1");
+            let mut out = out.chunks_exact_mut(width.max(1));
+            for lane in sub.lanes(Axis(sub.ndim() - 1)) {
+                let o = out.next().expect("one output run per lane");
+                match lane.as_slice() {
+                    Some(run) => {
+                        for (o, &v) in o.iter_mut().zip(run) {
+                            o.write(v);
+                        }
+                    }
+                    None => {
+                        for (o, &v) in o.iter_mut().zip(lane.iter()) {
+                            o.write(v);
+                        }
+                    }
+                }
+            }
+        });
+    // SAFETY: the blocks cover all `len` elements: every lane of every block written above.
+    unsafe { values.set_len(len) };
+    CowArray::from(ArrayD::from_shape_vec(IxDyn(&shape), values).expect("x's shape"))
+}
+
 /// NdArray's reshape of an f32 array: zero-copy when `x` is contiguous, else one copy into
 /// standard layout (Burn 0.21's `float_reshape` copies a contiguous array, and a strided one
 /// twice); gives `x` back for other dtypes or a shape of another size.
@@ -82,11 +127,7 @@ pub(crate) fn ndarray_reshape(
             let array = if storage.view().is_standard_layout() {
                 storage.into_shared()
             } else {
-                storage
-                    .view()
-                    .as_standard_layout()
-                    .into_owned()
-                    .into_shared()
+                standard_layout(storage.view()).into_owned().into_shared()
             };
             let reshaped = array
                 .into_shape_with_order(IxDyn(&dims))
@@ -196,6 +237,40 @@ mod tests {
                 "{what}[{i}]: {x} vs {y}"
             );
         }
+    }
+
+    /// The parallel standard-layout copy against ndarray's, bit for bit: the heads' merge
+    /// (`[B, nh, S, hd]` with axes 1 and 2 swapped), a view whose last axis is strided (a
+    /// transpose), one that is already standard (no copy), and a first axis of one.
+    #[test]
+    fn standard_layout_copies_as_ndarray_does() {
+        use ndarray::{Array, IxDyn};
+
+        let values = |n: usize| (0..n).map(|i| i as f32 * 0.5 - 3.0).collect::<Vec<f32>>();
+        let heads = Array::from_shape_vec(IxDyn(&[3, 4, 5, 6]), values(360)).unwrap();
+        let merged = heads.view().permuted_axes(IxDyn(&[0, 2, 1, 3]));
+        let transposed = Array::from_shape_vec(IxDyn(&[7, 9]), values(63)).unwrap();
+        let transposed = transposed.view().reversed_axes();
+        let single = Array::from_shape_vec(IxDyn(&[1, 5, 6]), values(30)).unwrap();
+        let single = single.view().permuted_axes(IxDyn(&[0, 2, 1]));
+        for (what, view) in [
+            ("merge", merged),
+            ("transpose", transposed),
+            ("one", single),
+        ] {
+            assert!(!view.is_standard_layout(), "{what}: a strided view");
+            let ours = super::standard_layout(view.view());
+            assert!(ours.is_standard_layout(), "{what}");
+            assert_eq!(ours.shape(), view.shape(), "{what}");
+            assert_eq!(
+                ours.as_slice().unwrap(),
+                view.as_standard_layout().as_slice().unwrap(),
+                "{what}"
+            );
+        }
+        let standard = heads.view();
+        let same = super::standard_layout(standard.view());
+        assert!(same.is_view(), "a standard-layout array is not copied");
     }
 
     /// NdArray's GEMM on views against Burn's `linear` (forward) and Burn's autodiff of it

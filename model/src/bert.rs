@@ -97,6 +97,9 @@ pub struct BertEmbeddings<B: Backend> {
     /// Hugging Face key `LayerNorm`.
     pub layer_norm: LayerNorm<B>,
     pub dropout: Dropout,
+    /// ε of the LayerNorm (Burn's `LayerNorm` keeps its own private), for the fused op.
+    #[module(skip)]
+    pub layer_norm_eps: f64,
 }
 
 impl<B: Backend> BertEmbeddings<B> {
@@ -120,6 +123,7 @@ impl<B: Backend> BertEmbeddings<B> {
             token_type_embeddings: embedding(config.type_vocab_size, config, device),
             layer_norm: layer_norm(config, device),
             dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
+            layer_norm_eps: config.layer_norm_eps,
         }
     }
 }
@@ -136,6 +140,24 @@ impl<B: FusedOps> BertEmbeddings<B> {
         input_ids: Tensor<B, 2, Int>,
         segment_ids: Tensor<B, 2, Int>,
     ) -> Tensor<B, 3> {
+        self.forward_with(input_ids, segment_ids, Kernels::Reference)
+    }
+
+    /// [`BertEmbeddings::forward`], with the LayerNorm as the fused
+    /// [`ember_backend_ext::bias_dropout_add_layer_norm`] (a zero bias, no dropout inside:
+    /// `LayerNorm(token_type + (word + position))`, the same sum in the same order) when
+    /// `kernels` says so for this backend, else Burn's `LayerNorm` (composed ops: on NdArray
+    /// each a pass on one thread).
+    ///
+    /// # Shapes
+    /// - `input_ids`, `segment_ids`: `[B, S]`
+    /// - output: `[B, S, H]`
+    pub fn forward_with(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        segment_ids: Tensor<B, 2, Int>,
+        kernels: Kernels,
+    ) -> Tensor<B, 3> {
         let [_, seq_len] = input_ids.dims();
         let device = input_ids.device();
         let position_ids = Tensor::<B, 1, Int>::arange(0..seq_len as i64, &device).unsqueeze::<2>(); // [1, S]
@@ -143,10 +165,23 @@ impl<B: FusedOps> BertEmbeddings<B> {
         // tables' gradients without Burn's element-by-element zeros).
         let lookup =
             |table: &Embedding<B>, ids| ember_backend_ext::embedding(table.weight.val(), ids);
-        let embeddings = lookup(&self.word_embeddings, input_ids)
-            + lookup(&self.position_embeddings, position_ids) // [1, S, H], broadcast over B
-            + lookup(&self.token_type_embeddings, segment_ids);
-        let embedded = self.layer_norm.forward(embeddings);
+        let words = lookup(&self.word_embeddings, input_ids)
+            + lookup(&self.position_embeddings, position_ids); // [1, S, H], broadcast over B
+        let token_types = lookup(&self.token_type_embeddings, segment_ids);
+        let embedded = if kernels.fused::<B>() {
+            let (gamma, beta) = gamma_beta(&self.layer_norm, words.dtype());
+            ember_backend_ext::bias_dropout_add_layer_norm(
+                words,
+                gamma.zeros_like(),
+                token_types,
+                gamma,
+                beta,
+                DropoutSpec::NONE,
+                self.layer_norm_eps,
+            )
+        } else {
+            self.layer_norm.forward(words + token_types)
+        };
         if training(&embedded) {
             ember_backend_ext::dropout(embedded, DropoutSpec::draw(self.dropout.prob))
         } else {
@@ -335,7 +370,7 @@ fn dense_no_bias<B: FusedOps>(x: Tensor<B, 3>, linear: &Linear<B>) -> Tensor<B, 
 }
 
 /// The bias of `linear` (zeros without one), in `dtype`.
-fn bias_of<B: Backend>(linear: &Linear<B>, dtype: DType) -> Tensor<B, 1> {
+pub(crate) fn bias_of<B: Backend>(linear: &Linear<B>, dtype: DType) -> Tensor<B, 1> {
     let bias = linear.bias.as_ref().map(|b| b.val());
     let bias =
         bias.unwrap_or_else(|| Tensor::zeros([linear.weight.dims()[1]], &linear.weight.device()));
@@ -344,7 +379,10 @@ fn bias_of<B: Backend>(linear: &Linear<B>, dtype: DType) -> Tensor<B, 1> {
 
 /// γ and β of `norm` (β zeros without one), in `dtype`: the fused LayerNorm takes them in its
 /// input's storage type and accumulates in f32.
-fn gamma_beta<B: Backend>(norm: &LayerNorm<B>, dtype: DType) -> (Tensor<B, 1>, Tensor<B, 1>) {
+pub(crate) fn gamma_beta<B: Backend>(
+    norm: &LayerNorm<B>,
+    dtype: DType,
+) -> (Tensor<B, 1>, Tensor<B, 1>) {
     let gamma = norm.gamma.val();
     let beta = norm.beta.as_ref().map(|b| b.val());
     let beta = beta.unwrap_or_else(|| gamma.zeros_like());
@@ -638,7 +676,9 @@ impl<B: FusedOps> BertModel<B> {
         input_mask: Tensor<B, 2, Int>,
         hook: &dyn ForwardHook<B>,
     ) -> BertModelOutput<B> {
-        let embedded = self.embeddings.forward(input_ids, segment_ids);
+        let embedded = self
+            .embeddings
+            .forward_with(input_ids, segment_ids, self.encoder.kernels());
         let embedded = cast_to(embedded, self.precision.dtype().into());
         let encoded = self.encoder.forward_hooked(embedded, input_mask, hook);
         let sequence_output = hook.heads_input(encoded);

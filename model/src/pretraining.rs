@@ -7,10 +7,10 @@ use burn::module::{Module, Param};
 use burn::nn::{LayerNorm, Linear};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor};
-use ember_backend_ext::{FusedOps, Kernels};
+use ember_backend_ext::{DropoutSpec, FusedOps, Kernels};
 
 use crate::BertConfig;
-use crate::bert::{BertModel, dense, gelu, layer_norm};
+use crate::bert::{BertModel, bias_of, dense, gamma_beta, gelu, layer_norm};
 use crate::hook::{ForwardHook, NoHook};
 use crate::precision::{Precision, cast_to, dense_as, layer_norm_f32};
 
@@ -159,10 +159,34 @@ impl<B: FusedOps> BertForPreTraining<B> {
 
         let predictions = &self.cls.predictions;
         let dtype = masked_states.dtype();
-        let transformed = layer_norm_f32(
-            &predictions.transform.layer_norm,
-            gelu(dense_as(&predictions.transform.dense, masked_states)),
-        );
+        let transform = &predictions.transform;
+        let transformed = if self.bert.encoder.kernels().fused::<B>() {
+            // GELU(x·W + b) and LayerNorm as the encoder's fused ops (zero bias and residual,
+            // no dropout inside: LayerNorm(0 + (h + 0)) is LayerNorm(h)).
+            let hidden = ember_backend_ext::bias_gelu(
+                ember_backend_ext::dense(
+                    masked_states,
+                    cast_to(transform.dense.weight.val(), dtype),
+                    None,
+                ),
+                bias_of(&transform.dense, dtype),
+            );
+            let (gamma, beta) = gamma_beta(&transform.layer_norm, dtype);
+            ember_backend_ext::bias_dropout_add_layer_norm(
+                hidden.clone(),
+                gamma.zeros_like(),
+                hidden.zeros_like(),
+                gamma,
+                beta,
+                DropoutSpec::NONE,
+                self.bert.embeddings.layer_norm_eps,
+            )
+        } else {
+            layer_norm_f32(
+                &transform.layer_norm,
+                gelu(dense_as(&transform.dense, masked_states)),
+            )
+        };
         // [H, V]: the word embeddings (tied), transposed; in the heads' dtype after the hook.
         let decoder = cast_to(
             hook.decoder_weight(

@@ -68,12 +68,13 @@ fn hooks_fire_deepest_layer_first_with_final_gradients() {
                 continue;
             }
             // Note [Late gradients]: LayerNorm parameters reach their layer through a reshape
-            // that Burn differentiates last, except the encoder layers' under the fused ops
-            // (Kernels::Auto on NdArray too), whose LayerNorm op has gamma and beta as direct
-            // parents. (The MLM output bias was late too until the decoder became one `dense`
-            // op with the bias as a direct parent.)
-            let late =
-                name.contains("layer_norm") && !(fused && name.starts_with("bert.encoder.layer."));
+            // that Burn differentiates last, except under the fused ops (Kernels::Auto on
+            // NdArray too), whose LayerNorm op has gamma and beta as direct parents: the
+            // encoder layers' and the MLM transform's. (The MLM output bias was late too until
+            // the decoder became one `dense` op with the bias as a direct parent.)
+            let fused_norm = name.starts_with("bert.encoder.layer.")
+                || name.starts_with("cls.predictions.transform.");
+            let late = name.contains("layer_norm") && !(fused && fused_norm);
             match (late, delivered.get(name.as_str())) {
                 (true, None) => {}
                 (true, Some(_)) => {

@@ -231,8 +231,9 @@ pub fn hook_group(path: &str, num_layers: usize) -> usize {
 /// Note [Late gradients]: Burn 0.21 runs backward by graph depth (a node's depth is its
 /// deepest parent's plus one), not by reverse creation order. A parameter that reaches its
 /// layer through a reshape (LayerNorm's gamma and beta, `unsqueeze`d, where the LayerNorm is
-/// composed of Burn ops: the embeddings', the MLM head's, and the encoder's under
-/// `Kernels::Reference`; the MLM output bias until the decoder became one `FusedOps::dense`
+/// composed of Burn ops: the embeddings', the MLM transform's and the encoder's under
+/// `Kernels::Reference`, which the fused ops replace with one op taking gamma and beta as
+/// direct parents; the MLM output bias until the decoder became one `FusedOps::dense`
 /// op with the bias as a direct parent) sits
 /// behind a depth-1 node, whose backward runs at the very end: at the layer's hook its
 /// gradient does not exist yet. [`ready_order`] finds out which parameters a hook can
