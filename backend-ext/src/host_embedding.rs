@@ -35,12 +35,7 @@ fn looked_up<'a>(
     if indices.iter().any(|&i| i < 0 || i as usize >= rows) {
         return None;
     }
-    let grad = if grad.is_standard_layout() {
-        ndarray::CowArray::from(grad)
-    } else {
-        ndarray::CowArray::from(grad.as_standard_layout().into_owned())
-    };
-    Some((grad, indices))
+    Some((crate::linear::standard_layout(grad), indices))
 }
 
 fn table_shape(x: &NdArrayTensor) -> Option<(usize, usize)> {
@@ -93,29 +88,24 @@ pub(crate) fn backward_into(
     let Some(grad) = grad.as_slice() else {
         return Err(sum);
     };
-    let Some(mut table) = crate::host_adam::writable(sum) else {
-        unreachable!("an f32 tensor is writable");
-    };
-    let out = table
-        .as_slice_mut()
-        .expect("a writable array is in standard layout");
-    // Occurrences grouped by index, each group in occurrence order.
-    let mut order: Vec<usize> = (0..indices.len()).collect();
-    order.sort_by_key(|&i| indices[i]);
-    let mut acc = vec![0.0f32; width];
-    for group in order.chunk_by(|&a, &b| indices[a] == indices[b]) {
-        acc.fill(0.0);
-        for &i in group {
-            for (a, g) in acc.iter_mut().zip(&grad[i * width..(i + 1) * width]) {
-                *a += g;
+    crate::host_sum::update_in_place(sum, |out| {
+        // Occurrences grouped by index, each group in occurrence order.
+        let mut order: Vec<usize> = (0..indices.len()).collect();
+        order.sort_by_key(|&i| indices[i]);
+        let mut acc = vec![0.0f32; width];
+        for group in order.chunk_by(|&a, &b| indices[a] == indices[b]) {
+            acc.fill(0.0);
+            for &i in group {
+                for (a, g) in acc.iter_mut().zip(&grad[i * width..(i + 1) * width]) {
+                    *a += g;
+                }
+            }
+            let start = indices[group[0]] as usize * width;
+            for (o, a) in out[start..start + width].iter_mut().zip(&acc) {
+                *o += a;
             }
         }
-        let start = indices[group[0]] as usize * width;
-        for (o, a) in out[start..start + width].iter_mut().zip(&acc) {
-            *o += a;
-        }
-    }
-    Ok(NdArrayTensor::from(table))
+    })
 }
 
 #[cfg(test)]

@@ -29,24 +29,35 @@ pub(crate) fn accumulate(
     if storage.shape() != value.shape() {
         return Err(sum);
     }
-    let value = value.view();
-    let value = value.as_standard_layout();
+    let value = crate::linear::standard_layout(value.view());
     let Some(value) = value.as_slice() else {
         return Err(sum);
     };
-    let Some(mut array) = crate::host_adam::writable(sum) else {
-        unreachable!("an f32 tensor is writable");
-    };
-    let out = array
+    update_in_place(sum, |out| {
+        out.par_chunks_mut(TASK_ELEMENTS)
+            .zip(value.par_chunks(TASK_ELEMENTS))
+            .for_each(|(o, v)| {
+                for (o, v) in o.iter_mut().zip(v) {
+                    *o += v;
+                }
+            });
+    })
+}
+
+/// `x`'s f32 values, in standard layout, handed to `f` to update in place: `x`'s own buffer
+/// when nothing else holds it, else a copy (copy-on-write, `host_adam::writable`); `Err(x)` for
+/// other dtypes.
+pub(crate) fn update_in_place(
+    x: NdArrayTensor,
+    f: impl FnOnce(&mut [f32]),
+) -> Result<NdArrayTensor, NdArrayTensor> {
+    if !matches!(x, NdArrayTensor::F32(_)) {
+        return Err(x);
+    }
+    let mut array = crate::host_adam::writable(x).expect("an f32 tensor is writable");
+    f(array
         .as_slice_mut()
-        .expect("a writable array is in standard layout");
-    out.par_chunks_mut(TASK_ELEMENTS)
-        .zip(value.par_chunks(TASK_ELEMENTS))
-        .for_each(|(o, v)| {
-            for (o, v) in o.iter_mut().zip(v) {
-                *o += v;
-            }
-        });
+        .expect("a writable array is in standard layout"));
     Ok(NdArrayTensor::from(array))
 }
 

@@ -75,12 +75,11 @@ fn shared(array: Array2<f32>, lead: &[usize]) -> NdArrayTensor {
 /// merge and its gradient, `[B, S, nh, hd]` views of `[B, nh, S, hd]` buffers, were ~1.5% of
 /// a mini step).
 pub(crate) fn standard_layout<'a>(x: ArrayViewD<'a, f32>) -> CowArray<'a, f32, IxDyn> {
-    if x.is_standard_layout() || x.ndim() < 2 || x.is_empty() {
-        return if x.is_standard_layout() {
-            CowArray::from(x)
-        } else {
-            CowArray::from(x.as_standard_layout().into_owned())
-        };
+    if x.is_standard_layout() {
+        return CowArray::from(x);
+    }
+    if x.ndim() < 2 || x.is_empty() {
+        return CowArray::from(x.as_standard_layout().into_owned());
     }
     let shape = x.shape().to_vec();
     let len = x.len();
