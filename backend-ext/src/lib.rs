@@ -38,6 +38,7 @@ mod functions;
 mod host;
 mod host_adam;
 mod host_embedding;
+mod host_gemm;
 mod host_layer;
 mod host_math;
 mod host_matmul;
@@ -70,6 +71,7 @@ pub use functions::{
     attention, bias_dropout_add_layer_norm, bias_gelu, cross_entropy, dense, dense_module, dropout,
     embedding, lamb_multi_tensor, reshape, tied_decoder_weight,
 };
+pub use host_gemm::{gemm_parts, set_gemm_parts};
 
 /// Which implementation of the fused ops a model uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]

@@ -9,7 +9,8 @@
 //! performance section). Here NdArray multiplies views: one GEMM into a new output (the bias
 //! broadcast into it first, then `C = 1·A·B + 1·C`), transposes passed to the GEMM as strides
 //! (ndarray's `general_mat_mul`: BLAS `sgemm` with the transpose flags when the `blas` feature
-//! is on, matrixmultiply otherwise). Every other backend runs Burn's own `linear` ops.
+//! is on, matrixmultiply otherwise), split over rayon's threads when [`crate::gemm_parts`] says
+//! so (`host_gemm.rs`). Every other backend runs Burn's own `linear` ops.
 
 use burn::tensor::ops::FloatTensor;
 use burn_ndarray::NdArrayTensor;
@@ -17,6 +18,7 @@ use ndarray::{Array2, ArrayD, ArrayView2, ArrayViewD, Axis, CowArray, Ix2, IxDyn
 use rayon::prelude::*;
 
 use crate::FusedOps;
+use crate::host_gemm::product;
 
 /// Burn's composition: the default body of [`FusedOps::dense`].
 pub(crate) fn reference_linear<B: FusedOps>(
@@ -176,11 +178,11 @@ pub(crate) fn ndarray_linear(
             // SAFETY: the rows cover the first m · n elements, all written above.
             unsafe { values.set_len(m * n) };
             let mut out = Array2::from_shape_vec((m, n), values).expect("m · n elements");
-            ndarray::linalg::general_mat_mul(1.0, &x2, &w2, 1.0, &mut out);
+            crate::host_gemm::gemm(1.0, &x2.view(), &w2, 1.0, &mut out.view_mut());
             out
         }
         Some(_) => return None,
-        None => x2.dot(&w2),
+        None => product(&x2.view(), &w2),
     };
     Some(shared(out, &lead))
 }
@@ -199,15 +201,15 @@ pub(crate) fn ndarray_linear_backward(
     let (x2, lead) = rows(&x);
     let (g2, _) = rows(&g);
     let w2 = matrix(&w);
-    let dx = g2.dot(&w2.t()); // [R, O] · [O, I]
+    let dx = product(&g2.view(), &w2.t()); // [R, O] · [O, I]
     // A weight that is the transposed view of an [O, I] table (the tied decoder's word
     // embeddings) gets its gradient in that table's layout, as the same view: computed as
     // (gᵀ·x)ᵀ, so that the transpose's backward hands the table a standard-layout gradient
     // instead of a transposed one that the embedding's gradient sum must copy.
     let dw = if !w2.is_standard_layout() && w2.t().is_standard_layout() {
-        g2.t().dot(&x2).reversed_axes() // ([O, R] · [R, I])ᵀ
+        product(&g2.t(), &x2.view()).reversed_axes() // ([O, R] · [R, I])ᵀ
     } else {
-        x2.t().dot(&g2) // [I, R] · [R, O]
+        product(&x2.t(), &g2.view()) // [I, R] · [R, O]
     };
     let db = crate::host_sum::column_sums(&g2.view()); // [O]
     Some([
