@@ -73,6 +73,11 @@ pub struct ModelSection {
     /// Encoder implementation: `auto` (fused where the backend has kernels), `fused` or
     /// `reference` (see `ember_model::Kernels`). Default: auto.
     pub kernels: Kernels,
+    /// Whose threads run the dense layers' GEMMs on the CPU (NdArray with OpenBLAS): `rayon`
+    /// (each GEMM split over rayon's pool, which also runs the fused ops, OpenBLAS at one
+    /// thread per call) or `blas` (OpenBLAS's own threads); see `crate::blas::GemmThreads`.
+    /// Other backends ignore it. Default: rayon.
+    pub gemm_threads: crate::blas::GemmThreads,
 }
 
 impl Default for ModelSection {
@@ -82,6 +87,7 @@ impl Default for ModelSection {
             hidden_dropout_prob: None,
             attention_probs_dropout_prob: None,
             kernels: Kernels::Auto,
+            gemm_threads: crate::blas::GemmThreads::Rayon,
         }
     }
 }

@@ -36,6 +36,7 @@ use clap::Args;
 use ember_backend_ext::FusedOps;
 use ember_data::Batch;
 use ember_model::{BertConfig, BertForPreTraining, Preset};
+use ember_trainer::blas::GemmThreads;
 use ember_trainer::config::OptimizerConfig;
 use ember_trainer::eval::forward_loss;
 use ember_trainer::optim::PreTrainingOptimizer;
@@ -71,6 +72,10 @@ pub struct TrainStepArgs {
     /// Rounds, alternating ember and the reference
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Whose threads run ember's CPU GEMMs (model.gemm_threads): rayon, blas, or both
+    /// (`rayon,blas`: a row each, their steps alternating with the reference's in every round)
+    #[arg(long, value_delimiter = ',', default_value = "rayon")]
+    gemm_threads: Vec<GemmThreads>,
     /// Compute threads of both sides [default: the available cores]. ember's are rayon's
     /// (`RAYON_NUM_THREADS`), read once per process: this flag sets it before the first use.
     #[arg(long)]
@@ -96,6 +101,8 @@ pub struct TrainStepArgs {
 /// One timed configuration.
 struct Row {
     preset: Preset,
+    /// The CPU's GEMM threads of ember's step (`None` on GPUs).
+    gemm_threads: Option<GemmThreads>,
     batch_size: usize,
     seq_len: usize,
     parameters: usize,
@@ -114,6 +121,9 @@ pub fn run(args: TrainStepArgs) -> Result<()> {
     if args.steps == 0 || args.rounds == 0 {
         bail!("--steps and --rounds must be at least 1");
     }
+    if args.gemm_threads.is_empty() {
+        bail!("--gemm-threads needs at least one value (rayon, blas)");
+    }
     let threads = match args.threads {
         Some(0) => bail!("--threads must be at least 1"),
         Some(n) => n,
@@ -126,7 +136,7 @@ pub fn run(args: TrainStepArgs) -> Result<()> {
         // SAFETY: as above; OpenBLAS reads it at its first GEMM's thread-pool start-up.
         unsafe { std::env::set_var("OPENBLAS_NUM_THREADS", threads.to_string()) };
     }
-    ember_trainer::blas::share_cores(1);
+    ember_trainer::blas::share_cores(1, args.gemm_threads[0]);
     let python = match args.reference.as_str() {
         "pytorch" => Some(reference_python(args.python.as_deref())?),
         _ => None,
@@ -262,16 +272,19 @@ fn median(mut values: Vec<f64>) -> f64 {
     }
 }
 
-/// Best of 5 fp32 `[n, n] × [n, n]` products on `device`, in GFLOP/s.
-fn ember_gemm_gflops<B: burn::tensor::backend::Backend>(n: usize, device: &B::Device) -> f64 {
+/// Best of 5 fp32 `[n, n] × [n, n]` products on `device`, in GFLOP/s, through
+/// [`ember_backend_ext::dense`], the path of the model's dense layers (on NdArray split over
+/// rayon's threads as `model.gemm_threads` says; Burn's matmul elsewhere).
+fn ember_gemm_gflops<B: FusedOps>(n: usize, device: &B::Device) -> f64 {
     use burn::tensor::Distribution;
     let a = Tensor::<B, 2>::random([n, n], Distribution::Default, device);
     let b = Tensor::<B, 2>::random([n, n], Distribution::Default, device);
-    let _ = a.clone().matmul(b.clone()).into_data();
+    let product = || ember_backend_ext::dense(a.clone(), b.clone(), None).into_data();
+    let _ = product();
     let best = (0..5)
         .map(|_| {
             let start = Instant::now();
-            let _ = a.clone().matmul(b.clone()).into_data();
+            let _ = product();
             start.elapsed().as_secs_f64()
         })
         .fold(f64::INFINITY, f64::min);
@@ -295,6 +308,17 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
             references.push(("torch.compile", true));
         }
     }
+    // The CPU's GEMM settings to time, each a row (GPUs: one row, the setting does not apply).
+    let modes: Vec<Option<GemmThreads>> = if args.device == "cpu" {
+        args.gemm_threads.iter().copied().map(Some).collect()
+    } else {
+        vec![None]
+    };
+    let set_mode = |mode: Option<GemmThreads>| {
+        if let Some(mode) = mode {
+            ember_trainer::blas::set_gemm_threads(1, mode);
+        }
+    };
     let mut rows = Vec::new();
     let mut versions = Value::Null;
     let mut reference_gemm: Option<f64> = None;
@@ -359,19 +383,25 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
                     versions = reference.ready.clone();
                     procs.push((name.to_string(), reference, loss, Vec::new()));
                 }
-                // Warm-up (excluded): one step each.
-                ember.step();
+                // Warm-up (excluded): one step each (ember one per GEMM setting).
+                for mode in &modes {
+                    set_mode(*mode);
+                    ember.step();
+                }
                 for (_, reference, _, _) in procs.iter_mut() {
                     reference.steps(1)?;
                 }
-                let mut ember_times = Vec::new();
+                let mut ember_times = vec![Vec::new(); modes.len()];
                 // A pause before each side's round: both sides' thread pools spin for a while
                 // after their last op (OpenBLAS ~0.1 s, OpenMP up to 0.2 s) and would otherwise
                 // take cores from the other side's first steps.
                 let settle = || std::thread::sleep(std::time::Duration::from_millis(500));
                 for _ in 0..args.rounds {
-                    settle();
-                    ember_times.extend(ember.timed_steps(args.steps));
+                    for (mode, times) in modes.iter().zip(ember_times.iter_mut()) {
+                        set_mode(*mode);
+                        settle();
+                        times.extend(ember.timed_steps(args.steps));
+                    }
                     for (_, reference, _, times) in procs.iter_mut() {
                         settle();
                         times.extend(reference.steps(args.steps)?);
@@ -383,35 +413,57 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
                         .ask(json!({"cmd": "gemm", "n": args.gemm_size, "reps": 5}))?;
                     reference_gemm = Some(Reference::number(&reply, "gflops")?);
                 }
-                let row = Row {
-                    preset,
-                    batch_size,
-                    seq_len,
-                    parameters,
-                    flops: config.train_step_flops(batch_size, seq_len, inputs.predictions()),
-                    ember_s: median(ember_times.iter().map(|p| p.iter().sum()).collect()),
-                    ember_phases: [0, 1, 2]
-                        .map(|i| median(ember_times.iter().map(|p| p[i]).collect())),
-                    ember_loss,
-                    references: procs
-                        .into_iter()
-                        .map(|(name, _, loss, times)| (name, median(times), loss))
-                        .collect(),
-                };
-                eprintln!("{}", row_line(&row, None));
-                rows.push(row);
+                let references: Vec<(String, f64, f64)> = procs
+                    .into_iter()
+                    .map(|(name, _, loss, times)| (name, median(times), loss))
+                    .collect();
+                for (mode, times) in modes.iter().zip(ember_times) {
+                    let row = Row {
+                        preset,
+                        gemm_threads: *mode,
+                        batch_size,
+                        seq_len,
+                        parameters,
+                        flops: config.train_step_flops(batch_size, seq_len, inputs.predictions()),
+                        ember_s: median(times.iter().map(|p| p.iter().sum()).collect()),
+                        ember_phases: [0, 1, 2]
+                            .map(|i| median(times.iter().map(|p| p[i]).collect())),
+                        ember_loss,
+                        references: references.clone(),
+                    };
+                    eprintln!("{}", row_line(&row, None));
+                    rows.push(row);
+                }
             }
         }
     }
-    let ember_gemm = ember_gemm_gflops::<B::InnerBackend>(args.gemm_size, &Default::default());
+    // ember's GEMM under each setting: its rate, and what runs it.
+    let ember_gemms: Vec<(f64, String)> = modes
+        .iter()
+        .map(|&mode| {
+            set_mode(mode);
+            let gflops = ember_gemm_gflops::<B::InnerBackend>(args.gemm_size, &Default::default());
+            let name = match mode {
+                Some(mode) => format!("{mode}: {}", ember_trainer::blas::describe()),
+                None => format!("{}'s GEMMs", args.device),
+            };
+            (gflops, name)
+        })
+        .collect();
+    let ember_gemm = ember_gemms.iter().map(|(g, _)| *g).fold(0.0, f64::max);
     let peak = reference_gemm.map_or(ember_gemm, |r| r.max(ember_gemm));
-    let ember_gemm_name = if args.device == "cpu" {
-        ember_trainer::blas::describe()
-    } else {
-        format!("{}'s GEMMs", args.device)
-    };
+    let ember_gemm_name = ember_gemms
+        .iter()
+        .map(|(_, name)| name.as_str())
+        .collect::<Vec<_>>()
+        .join("; ");
+    let ember_gemm_rates = ember_gemms
+        .iter()
+        .map(|(g, _)| format!("{g:.0}"))
+        .collect::<Vec<_>>()
+        .join(" / ");
     let mut markdown = format!(
-        "Training step, {} on {threads} thread(s): ember ({}, {}) against {}; fp32 GEMM {n}³: ember {ember_gemm:.0} GFLOP/s{}; MFU against the peak {peak:.0} GFLOP/s.\n\n",
+        "Training step, {} on {threads} thread(s): ember ({}, {}) against {}; fp32 GEMM {n}³: ember {ember_gemm_rates} GFLOP/s{}; MFU against the peak {peak:.0} GFLOP/s.\n\n",
         args.device,
         std::any::type_name::<B::InnerBackend>()
             .rsplit("::")
@@ -437,12 +489,15 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
         markdown.push_str(&row_line(row, Some(peak)));
         markdown.push('\n');
     }
-    markdown.push_str("\nember's step by phase (medians, ms): forward and losses / backward / optimizer\n\n| model | batch × seq | forward | backward | optimizer |\n|---|---|---|---|---|\n");
+    markdown.push_str("\nember's step by phase (medians, ms): forward and losses / backward / optimizer\n\n| model | batch × seq | GEMM threads | forward | backward | optimizer |\n|---|---|---|---|---|---|\n");
     for row in &rows {
         let [f, b, o] = row.ember_phases.map(|s| s * 1e3);
         markdown.push_str(&format!(
-            "| {} | {} × {} | {f:.1} | {b:.1} | {o:.1} |\n",
-            row.preset, row.batch_size, row.seq_len
+            "| {} | {} × {} | {} | {f:.1} | {b:.1} | {o:.1} |\n",
+            row.preset,
+            row.batch_size,
+            row.seq_len,
+            gemm_label(row)
         ));
     }
     println!("\n{markdown}");
@@ -455,6 +510,7 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
         .map(|row| {
             json!({
                 "preset": row.preset.name(),
+                "gemm_threads": row.gemm_threads.map(|m| m.to_string()),
                 "batch_size": row.batch_size,
                 "seq_len": row.seq_len,
                 "parameters": row.parameters,
@@ -469,7 +525,7 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
         "threads": threads,
         "ember_gemm": ember_gemm_name,
         "gemm_size": args.gemm_size,
-        "gemm_gflops": {"ember": ember_gemm, "pytorch": reference_gemm},
+        "gemm_gflops": {"ember": ember_gemm, "ember_by_setting": ember_gemms.iter().map(|(g, name)| json!({"gemm": name, "gflops": g})).collect::<Vec<_>>(), "pytorch": reference_gemm},
         "reference": versions,
         "rows": json_rows,
     });
@@ -491,8 +547,9 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
 
 fn header(references: &[(&str, bool)]) -> String {
     let mut head =
-        "| model | params | batch × seq | step GFLOP | ember samples/s | ember MFU |".to_string();
-    let mut rule = "|---|---|---|---|---|---|".to_string();
+        "| model | params | batch × seq | GEMM threads | step GFLOP | ember samples/s | ember MFU |"
+            .to_string();
+    let mut rule = "|---|---|---|---|---|---|---|".to_string();
     for (name, _) in references {
         head.push_str(&format!(
             " {name} samples/s | {name} MFU | ember / {name} |"
@@ -502,6 +559,11 @@ fn header(references: &[(&str, bool)]) -> String {
     format!("{head}\n{rule}\n")
 }
 
+/// The row's GEMM setting for the tables (`–` on GPUs).
+fn gemm_label(row: &Row) -> String {
+    row.gemm_threads.map_or("–".to_string(), |m| m.to_string())
+}
+
 fn row_line(row: &Row, peak: Option<f64>) -> String {
     let mfu = |s: f64| {
         peak.map_or("–".to_string(), |p| {
@@ -509,11 +571,12 @@ fn row_line(row: &Row, peak: Option<f64>) -> String {
         })
     };
     let mut line = format!(
-        "| {} | {:.1} M | {} × {} | {:.1} | {:.2} | {} |",
+        "| {} | {:.1} M | {} × {} | {} | {:.1} | {:.2} | {} |",
         row.preset,
         row.parameters as f64 / 1e6,
         row.batch_size,
         row.seq_len,
+        gemm_label(row),
         row.flops / 1e9,
         row.batch_size as f64 / row.ember_s,
         mfu(row.ember_s)

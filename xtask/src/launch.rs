@@ -171,7 +171,7 @@ pub fn train_launched(
         .ok()
         .and_then(|n| n.parse().ok())
         .unwrap_or(1);
-    ember_trainer::blas::share_cores(local_ranks);
+    ember_trainer::blas::share_cores(local_ranks, config.model.gemm_threads);
     let comm = ember_trainer::parallel::mpi::Mpi::init(std::time::Duration::from_secs_f64(
         config.parallel.timeout_s,
     ))?;

@@ -62,11 +62,16 @@ pub struct TrainArgs {
     /// Model size: tiny, mini, small, base or large (model.preset)
     #[arg(long)]
     preset: Option<Preset>,
-    /// Encoder implementation: fused (ember-backend-ext's ops: CubeCL kernels on cuda/wgpu),
-    /// reference (Burn ops composed module by module) or auto (fused where the backend has
-    /// kernels: cuda and wgpu, not cpu) (model.kernels)
+    /// Encoder implementation: fused (ember-backend-ext's ops: CubeCL kernels on cuda/wgpu,
+    /// host loops on cpu), reference (Burn ops composed module by module) or auto (fused where
+    /// the backend has them: cuda, wgpu and cpu) (model.kernels)
     #[arg(long)]
     kernels: Option<ember_model::Kernels>,
+    /// Whose threads run the CPU's dense-layer GEMMs: rayon (each GEMM split over the pool
+    /// that runs the fused ops, OpenBLAS at one thread per call) or blas (OpenBLAS's own
+    /// threads) (model.gemm_threads)
+    #[arg(long)]
+    gemm_threads: Option<ember_trainer::blas::GemmThreads>,
     /// Corpus file or folder of .txt files: one sentence per line, blank line between
     /// documents (data.corpus) [default: the embedded Wikipedia corpus]
     #[arg(long)]
@@ -318,6 +323,9 @@ impl TrainArgs {
         }
         if let Some(v) = self.kernels {
             config.model.kernels = v;
+        }
+        if let Some(v) = self.gemm_threads {
+            config.model.gemm_threads = v;
         }
         if let Some(v) = &self.corpus {
             config.data.corpus = Some(v.clone());

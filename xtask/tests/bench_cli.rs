@@ -1,8 +1,8 @@
 //! `cargo xtask bench train-step` as a user runs it, without the PyTorch reference (CI has no
 //! torch): the step runs, and the JSON it writes holds the configuration's model FLOPs
 //! (`BertConfig::train_step_flops`), phases that add up to the step, and an untrained model's
-//! loss. On the CPU always; on wgpu (Mesa's lavapipe in CI) with the `wgpu` feature, and
-//! without it `--device wgpu` is a clear error.
+//! loss. On the CPU always, under both GEMM settings (a row each); on wgpu (Mesa's lavapipe in
+//! CI) with the `wgpu` feature, and without it `--device wgpu` is a clear error.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -14,7 +14,7 @@ const BATCH: usize = 2;
 const SEQ_LEN: usize = 32;
 const MAX_PREDICTIONS: usize = 4;
 
-fn bench(device: &str, out: &Path) -> Output {
+fn bench(device: &str, out: &Path, extra: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_xtask"))
         .args([
             "bench",
@@ -32,16 +32,19 @@ fn bench(device: &str, out: &Path) -> Output {
         ])
         .args(["--max-predictions", &MAX_PREDICTIONS.to_string()])
         .args(["--steps", "2", "--rounds", "1", "--gemm-size", "128"])
-        .args(["--device", device, "--out"])
+        .args(["--device", device])
+        .args(extra)
+        .arg("--out")
         .arg(out)
         .output()
         .expect("running xtask")
 }
 
-/// The run's JSON, checked: one row for tiny at the requested shape, its FLOPs the formula's,
-/// its phases summing to the step, its first loss that of a model that predicts uniformly
-/// (ln 30522 + ln 2 ≈ 11.0 for MLM + NSP).
-fn check_results(device: &str, out: &Path, output: &Output) {
+/// The run's JSON, checked: one row for tiny at the requested shape per GEMM setting
+/// (`gemm_threads`, `None` on GPUs), its FLOPs the formula's, its phases summing to the step,
+/// its first loss that of a model that predicts uniformly (ln 30522 + ln 2 ≈ 11.0 for MLM +
+/// NSP).
+fn check_results(device: &str, out: &Path, output: &Output, gemm_threads: &[Option<&str>]) {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
         output.status.success(),
@@ -58,8 +61,31 @@ fn check_results(device: &str, out: &Path, output: &Output) {
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).expect("valid JSON");
     assert_eq!(results["device"], device);
     let rows = results["rows"].as_array().expect("rows");
-    assert_eq!(rows.len(), 1, "one preset × batch × seq: {rows:?}");
-    let row = &rows[0];
+    assert_eq!(
+        rows.len(),
+        gemm_threads.len(),
+        "one preset × batch × seq per GEMM setting: {rows:?}"
+    );
+    let rates = results["gemm_gflops"]["ember_by_setting"]
+        .as_array()
+        .expect("ember's GEMM rate per setting");
+    assert_eq!(rates.len(), gemm_threads.len(), "{rates:?}");
+    assert!(
+        rates
+            .iter()
+            .all(|r| r["gflops"].as_f64().is_some_and(|g| g > 0.0)),
+        "{rates:?}"
+    );
+    for (row, setting) in rows.iter().zip(gemm_threads) {
+        assert_eq!(row["gemm_threads"].as_str(), *setting, "{row}");
+        if let Some(setting) = setting {
+            assert!(markdown.contains(&format!("| {setting} |")), "{markdown}");
+        }
+        check_row(row);
+    }
+}
+
+fn check_row(row: &Value) {
     assert_eq!(row["preset"], "tiny");
     assert_eq!(row["batch_size"], BATCH);
     assert_eq!(row["seq_len"], SEQ_LEN);
@@ -89,23 +115,23 @@ fn check_results(device: &str, out: &Path, output: &Output) {
 #[test]
 fn train_step_bench_on_the_cpu_writes_its_results() {
     let out = tempfile::tempdir().unwrap();
-    let output = bench("cpu", out.path());
-    check_results("cpu", out.path(), &output);
+    let output = bench("cpu", out.path(), &["--gemm-threads", "rayon,blas"]);
+    check_results("cpu", out.path(), &output, &[Some("rayon"), Some("blas")]);
 }
 
 #[cfg(feature = "wgpu")]
 #[test]
 fn train_step_bench_on_wgpu_writes_its_results() {
     let out = tempfile::tempdir().unwrap();
-    let output = bench("wgpu", out.path());
-    check_results("wgpu", out.path(), &output);
+    let output = bench("wgpu", out.path(), &[]);
+    check_results("wgpu", out.path(), &output, &[None]);
 }
 
 #[cfg(not(feature = "wgpu"))]
 #[test]
 fn train_step_bench_on_wgpu_without_the_feature_says_so() {
     let out = tempfile::tempdir().unwrap();
-    let output = bench("wgpu", out.path());
+    let output = bench("wgpu", out.path(), &[]);
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(

@@ -50,3 +50,37 @@ fn same_seed_gives_the_same_loss_sequence() {
     );
     ember_tests::assert_same_weights(&a, &b, 1e-6);
 }
+
+/// The CPU's GEMM setting does not change the run beyond f32 rounding: with each dense GEMM
+/// split over rayon's threads (`model.gemm_threads = "rayon"`, the default) or run as one
+/// call on OpenBLAS's threads (`blas`), the same seed gives the same losses and weights to the
+/// tolerances of Note [Bitwise determinism] above (the split products agree with the whole
+/// ones to rounding, `backend-ext/src/host_gemm.rs`).
+#[test]
+fn gemm_threads_do_not_change_the_run() {
+    use ember_trainer::blas::GemmThreads;
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let run = |threads: GemmThreads| {
+        let mut config =
+            ember_tests::dropout_and_masks_config(&dir.path().join(threads.to_string()));
+        config.model.gemm_threads = threads;
+        config.train.steps = 6;
+        config.train.batch_size = 4;
+        config.train.eval_every = 6;
+        config.train.eval_samples = 8;
+        train::<B>(&config, &Default::default(), RunOptions::default()).unwrap()
+    };
+    let (rayon, blas) = (run(GemmThreads::Rayon), run(GemmThreads::Blas));
+    let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * x.abs().max(y.abs());
+    assert_eq!(rayon.losses.len(), 6);
+    for (step, (x, y)) in rayon.losses.iter().zip(&blas.losses).enumerate() {
+        assert!(close(*x, *y), "step {step}: rayon {x}, blas {y}");
+    }
+    assert_eq!(rayon.eval.mlm_accuracy, blas.eval.mlm_accuracy);
+    ember_tests::assert_same_weights(
+        &dir.path().join("rayon/model.safetensors"),
+        &dir.path().join("blas/model.safetensors"),
+        1e-6,
+    );
+}

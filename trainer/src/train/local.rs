@@ -49,7 +49,7 @@ pub fn train<B: GradHookBackend>(
     device: &B::Device,
     options: RunOptions,
 ) -> Result<TrainSummary, TrainError> {
-    crate::blas::share_cores(1);
+    crate::blas::share_cores(1, config.model.gemm_threads);
     let comm = local_communicator::<B, _>(config, SingleRank);
     train_rank::<B>(config, device, options, comm, None)
 }
@@ -94,7 +94,7 @@ pub fn train_in_process_with_data<B: GradHookBackend>(
         Some(data) => data,
         None => Arc::new(prepare_data(config)?),
     };
-    crate::blas::share_cores(world_size);
+    crate::blas::share_cores(world_size, config.model.gemm_threads);
     let timeout = Duration::from_secs_f64(config.parallel.timeout_s);
     let results: Vec<Result<TrainSummary, TrainError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = InProcess::group(world_size, timeout)
