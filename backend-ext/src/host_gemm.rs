@@ -22,7 +22,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use ndarray::{Array2, ArrayView2, ArrayViewMut2, Axis};
+use ndarray::{Array2, ArrayView2, ArrayViewMut2, Axis, Slice};
 use rayon::prelude::*;
 
 /// How many parts each GEMM is split into (1: one BLAS call, threaded as the BLAS library is).
@@ -84,27 +84,20 @@ fn gemm_in(
         ndarray::linalg::general_mat_mul(alpha, a, b, beta, c);
         return 1;
     }
-    if split_rows {
-        let blocks: Vec<_> = c
-            .axis_chunks_iter_mut(Axis(0), block)
-            .zip(a.axis_chunks_iter(Axis(0), block))
-            .collect();
-        let calls = blocks.len();
-        blocks.into_par_iter().for_each(|(mut c, a)| {
-            ndarray::linalg::general_mat_mul(alpha, &a, b, beta, &mut c);
-        });
-        calls
-    } else {
-        let blocks: Vec<_> = c
-            .axis_chunks_iter_mut(Axis(1), block)
-            .zip(b.axis_chunks_iter(Axis(1), block))
-            .collect();
-        let calls = blocks.len();
-        blocks.into_par_iter().for_each(|(mut c, b)| {
-            ndarray::linalg::general_mat_mul(alpha, a, &b, beta, &mut c);
-        });
-        calls
-    }
+    // Part `i` is rows (or columns) `i · block ..` of `c` and of `a` (or `b`).
+    let axis = Axis(if split_rows { 0 } else { 1 });
+    let blocks: Vec<_> = c.axis_chunks_iter_mut(axis, block).enumerate().collect();
+    let calls = blocks.len();
+    blocks.into_par_iter().for_each(|(i, mut c)| {
+        let range = Slice::from(i * block..i * block + c.len_of(axis));
+        let (a, b) = if split_rows {
+            (a.slice_axis(axis, range), b.view())
+        } else {
+            (a.view(), b.slice_axis(axis, range))
+        };
+        ndarray::linalg::general_mat_mul(alpha, &a, &b, beta, &mut c);
+    });
+    calls
 }
 
 /// `a · b` into a new row-major array: ndarray's `dot` when GEMMs are not split; else zeros
