@@ -2,26 +2,29 @@
 """Build ember's embedded default corpus from Wikipedia lead sections.
 
 Input:  shared/data/wiki_vital_summaries_en.json  ({title: {title, extract, description, topic}})
-Output: data/corpus/wiki_vital_en.txt              (one sentence per line, a blank line between
-                                                    documents, one document per article)
+Output: data/corpus/wiki_vital_en.txt.zst          (one sentence per line, a blank line between
+                                                    documents, one document per article;
+                                                    zstd level 19, compiled into ember's binary)
 
 The format is the one Google's BERT `create_pretraining_data.py` reads. Articles are shuffled with a
 fixed seed so that the held-out slice (the last documents; see ember_data::corpus) mixes topics
 instead of being the end of the alphabet. Text: Wikipedia, CC BY-SA 4.0 (see ATTRIBUTION.md).
 
-Usage: python3 data/corpus/build_corpus.py [SRC_JSON] [OUT_TXT]
-Only the standard library is used, so the output is reproducible byte for byte.
+Usage: python3 data/corpus/build_corpus.py [SRC_JSON] [OUT_ZST]
+Only the standard library and the `zstd` command (Debian: zstd) are used, so the output is
+reproducible byte for byte.
 """
 import json
 import random
 import re
+import subprocess
 import sys
 import unicodedata
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_SRC = HERE.parent.parent.parent / "shared" / "data" / "wiki_vital_summaries_en.json"
-DEFAULT_OUT = HERE / "wiki_vital_en.txt"
+DEFAULT_OUT = HERE / "wiki_vital_en.txt.zst"
 SEED = 12345
 
 # Tokens that end in a period but do not end a sentence (checked case-insensitively).
@@ -75,8 +78,10 @@ def main() -> None:
             sentences.extend(split_sentences(paragraph))
         if sentences:
             documents.append("\n".join(sentences))
+    text = ("\n\n".join(documents) + "\n").encode("utf-8")
     tmp = out.with_suffix(".tmp")
-    tmp.write_text("\n\n".join(documents) + "\n", encoding="utf-8")
+    tmp.write_bytes(subprocess.run(["zstd", "-19", "-q", "-c"], input=text, check=True,
+                                   capture_output=True).stdout)
     tmp.replace(out)
     n_sentences = sum(d.count("\n") + 1 for d in documents)
     print(f"wrote {out}: {len(documents)} documents, {n_sentences} sentences")

@@ -17,6 +17,7 @@ pub mod balance;
 pub mod batch;
 pub mod corpus;
 pub mod dataset;
+pub mod embedded;
 mod error;
 pub mod instances;
 pub mod loader;
@@ -46,18 +47,4 @@ pub use shard_loader::{
 };
 pub use tokenizer::{SpecialTokens, WordPieceTokenizer};
 
-use std::path::PathBuf;
-
-/// The embedded default corpus: lead sections of 10,033 Wikipedia vital articles, one sentence
-/// per line, a blank line between documents (CC BY-SA 4.0; see `corpus/ATTRIBUTION.md`).
-pub fn default_corpus_path() -> PathBuf {
-    PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/corpus/wiki_vital_en.txt"
-    ))
-}
-
-/// The BERT-base uncased WordPiece vocabulary (30,522 tokens, Apache-2.0) shipped with ember.
-pub fn default_vocab_path() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/corpus/vocab.txt"))
-}
+pub use embedded::{default_corpus_path, default_vocab_path};

@@ -48,7 +48,7 @@ fn a_dirty_corpus_reads_as_if_clean_and_strict_names_the_bad_line() {
     assert_eq!(corpus.documents[3], ["Clean document number 0."]);
 
     // The tokenizer drops the control characters, as BERT's `_clean_text`.
-    let tokenizer = WordPieceTokenizer::from_vocab_file(&default_vocab_path()).unwrap();
+    let tokenizer = WordPieceTokenizer::from_vocab_file(&default_vocab_path().unwrap()).unwrap();
     let tokens = tokenize_documents(&tokenizer, &corpus.documents).unwrap();
     let clean = tokenize_documents(
         &tokenizer,

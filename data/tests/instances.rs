@@ -12,14 +12,16 @@ use ember_data::{
 
 fn tokenizer() -> &'static WordPieceTokenizer {
     static TOKENIZER: OnceLock<WordPieceTokenizer> = OnceLock::new();
-    TOKENIZER.get_or_init(|| WordPieceTokenizer::from_vocab_file(&default_vocab_path()).unwrap())
+    TOKENIZER.get_or_init(|| {
+        WordPieceTokenizer::from_vocab_file(&default_vocab_path().unwrap()).unwrap()
+    })
 }
 
 /// The first 1500 documents of the embedded corpus, tokenised.
 fn documents() -> &'static Vec<Document> {
     static DOCS: OnceLock<Vec<Document>> = OnceLock::new();
     DOCS.get_or_init(|| {
-        let mut raw = read_documents(&default_corpus_path()).unwrap();
+        let mut raw = read_documents(&default_corpus_path().unwrap()).unwrap();
         raw.truncate(1500);
         tokenize_documents(tokenizer(), &raw).unwrap()
     })
@@ -82,10 +84,10 @@ fn tokenizer_matches_bert_base_uncased() {
 
 #[test]
 fn corpus_has_documents_of_sentences() {
-    let raw = read_documents(&default_corpus_path()).unwrap();
+    let raw = read_documents(&default_corpus_path().unwrap()).unwrap();
     assert_eq!(raw.len(), 10033, "one document per Wikipedia article");
     assert!(raw.iter().all(|d| !d.is_empty()));
-    let (train, eval) = split_held_out(raw, 300, &default_corpus_path()).unwrap();
+    let (train, eval) = split_held_out(raw, 300, &default_corpus_path().unwrap()).unwrap();
     assert_eq!((train.len(), eval.len()), (9733, 300));
 }
 

@@ -10,12 +10,12 @@ use ember_data::shard::{self, Compression};
 use ember_data::stratify::stratify;
 use ember_data::{
     DataError, PretrainingConfig, ShardedDataset, TrainingInstance, WordPieceTokenizer,
-    default_corpus_path, default_vocab_path,
+    default_vocab_path,
 };
 
 /// The first `documents` documents of the embedded corpus, as a corpus file in `dir`.
 fn corpus_slice(dir: &Path, documents: usize) -> std::path::PathBuf {
-    let text = std::fs::read_to_string(default_corpus_path()).unwrap();
+    let text = ember_data::embedded::corpus_text();
     let slice: Vec<&str> = text.split("\n\n").take(documents).collect();
     let path = dir.join("corpus.txt");
     std::fs::write(&path, slice.join("\n\n")).unwrap();
@@ -58,7 +58,7 @@ fn key(s: &TrainingInstance) -> (Vec<u32>, Vec<u32>, u8) {
 fn prepare_is_deterministic_stratify_loses_nothing_and_presort_balances() {
     let dir = tempfile::tempdir().unwrap();
     let corpus = corpus_slice(dir.path(), 600);
-    let tokenizer = WordPieceTokenizer::from_vocab_file(&default_vocab_path()).unwrap();
+    let tokenizer = WordPieceTokenizer::from_vocab_file(&default_vocab_path().unwrap()).unwrap();
     let vocab = tokenizer.vocab_size();
 
     // Prepare with 1 and 2 workers: the same shards.

@@ -11,17 +11,17 @@ use ember_data::shard::Compression;
 use ember_data::stratify::stratify;
 use ember_data::{
     BatchPrefetcher, InMemorySamples, PretrainingConfig, RankSampler, SampleRef, SampleSource,
-    ShardLoader, ShardReader, ShardedDataset, WordPieceTokenizer, decode_draw, default_corpus_path,
-    default_vocab_path, encode_draw,
+    ShardLoader, ShardReader, ShardedDataset, WordPieceTokenizer, decode_draw, default_vocab_path,
+    encode_draw,
 };
 
 fn shards(dir: &Path, compression: Compression) -> std::path::PathBuf {
-    let text = std::fs::read_to_string(default_corpus_path()).unwrap();
+    let text = ember_data::embedded::corpus_text();
     let slice: Vec<&str> = text.split("\n\n").take(300).collect();
     std::fs::create_dir_all(dir).unwrap();
     let corpus = dir.join("corpus.txt");
     std::fs::write(&corpus, slice.join("\n\n")).unwrap();
-    let tokenizer = WordPieceTokenizer::from_vocab_file(&default_vocab_path()).unwrap();
+    let tokenizer = WordPieceTokenizer::from_vocab_file(&default_vocab_path().unwrap()).unwrap();
     let out = dir.join("shards");
     let options = PrepareOptions {
         instances: PretrainingConfig {
@@ -57,7 +57,7 @@ fn sampler(kind: SamplerKind, local_batch: usize, bins: usize) -> SamplerConfig 
 #[test]
 fn streamed_batches_equal_the_in_memory_ones() {
     let dir = tempfile::tempdir().unwrap();
-    let vocab = WordPieceTokenizer::from_vocab_file(&default_vocab_path())
+    let vocab = WordPieceTokenizer::from_vocab_file(&default_vocab_path().unwrap())
         .unwrap()
         .vocab_size();
     let plain_gzip = shards(&dir.path().join("gzip"), Compression::Gzip(1));

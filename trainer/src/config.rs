@@ -360,8 +360,16 @@ impl TrainConfig {
             path: path.to_path_buf(),
             reason: e.to_string(),
         })?;
-        toml::from_str(&text).map_err(|e| TrainError::Config {
-            path: path.to_path_buf(),
+        Self::parse(&text, path)
+    }
+
+    /// Parses TOML text; `origin` names it in errors (the file, or a shipped configuration).
+    ///
+    /// # Errors
+    /// As [`TrainConfig::load`].
+    pub fn parse(text: &str, origin: &Path) -> Result<Self, TrainError> {
+        toml::from_str(text).map_err(|e| TrainError::Config {
+            path: origin.to_path_buf(),
             reason: e.to_string(),
         })
     }
@@ -385,20 +393,27 @@ impl TrainConfig {
         config
     }
 
-    /// The corpus path, the embedded one if unset.
-    pub fn corpus_path(&self) -> PathBuf {
-        self.data
-            .corpus
-            .clone()
-            .unwrap_or_else(ember_data::default_corpus_path)
+    /// The corpus path; unset, the embedded corpus, written to ember's cache folder on first
+    /// use (`ember_data::embedded`).
+    ///
+    /// # Errors
+    /// When the embedded corpus cannot be written (the error names the file).
+    pub fn corpus_path(&self) -> Result<PathBuf, ember_data::DataError> {
+        match &self.data.corpus {
+            Some(path) => Ok(path.clone()),
+            None => ember_data::default_corpus_path(),
+        }
     }
 
-    /// The vocabulary path, the shipped one if unset.
-    pub fn vocab_path(&self) -> PathBuf {
-        self.data
-            .vocab
-            .clone()
-            .unwrap_or_else(ember_data::default_vocab_path)
+    /// The vocabulary path; unset, the shipped one, written as [`TrainConfig::corpus_path`].
+    ///
+    /// # Errors
+    /// As [`TrainConfig::corpus_path`].
+    pub fn vocab_path(&self) -> Result<PathBuf, ember_data::DataError> {
+        match &self.data.vocab {
+            Some(path) => Ok(path.clone()),
+            None => ember_data::default_vocab_path(),
+        }
     }
 
     /// Warmup steps: as configured, else `warmup_proportion` of the steps.

@@ -62,8 +62,9 @@ pub enum BenchCommand {
 #[derive(Args, Debug)]
 #[command(args_conflicts_with_subcommands = false, subcommand_required = false)]
 pub struct BenchArgs {
-    /// Create bench/reference/.venv with torch and transformers (a large download, once) for
-    /// `bench train-step --reference pytorch`
+    /// Create the virtualenv `reference-venv` in ember's cache folder (`$EMBER_CACHE_DIR`, else
+    /// ~/.cache/ember) with torch and transformers (a large download, once) for `bench
+    /// train-step --reference pytorch` and `bench data`
     #[arg(long)]
     setup_reference: bool,
     #[command(subcommand)]

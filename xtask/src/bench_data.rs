@@ -39,7 +39,7 @@ pub struct DataBenchArgs {
     /// Rounds, alternating ember and the reference (medians reported)
     #[arg(long, default_value_t = 3)]
     rounds: usize,
-    /// The reference's Python, with numpy and h5py [default: bench/reference/.venv/bin/python]
+    /// The reference's Python, with numpy and h5py [default: ~/.cache/ember/reference-venv/bin/python]
     #[arg(long)]
     python: Option<PathBuf>,
     /// Folder of the markdown and JSON results
@@ -121,14 +121,14 @@ fn reference_run(
     dir: &Path,
     args: &DataBenchArgs,
 ) -> Result<Measured> {
-    let script = crate::project_root().join("bench/reference/create_pretraining_data.py");
+    let script = crate::shipped::write_script("create_pretraining_data.py", dir)?;
     let shard = dir.join("reference.hdf5");
     let output = Command::new(python)
         .arg(&script)
         .arg("--input")
         .arg(corpus)
         .arg("--vocab")
-        .arg(default_vocab_path())
+        .arg(default_vocab_path()?)
         .arg("--output")
         .arg(&shard)
         .args(["--max-seq-length", &args.seq_len.to_string()])
@@ -178,7 +178,10 @@ pub fn run(args: DataBenchArgs) -> Result<()> {
     }
     let python = crate::bench_reference::reference_python(args.python.as_deref())?;
     let tmp = tempfile::tempdir().context("a temporary folder")?;
-    let source = args.corpus.clone().unwrap_or_else(default_corpus_path);
+    let source = match args.corpus.clone() {
+        Some(path) => path,
+        None => default_corpus_path()?,
+    };
     let text = std::fs::read_to_string(&source).with_context(|| source.display().to_string())?;
     let documents: Vec<&str> = text.split("\n\n").collect();
     let take = args

@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 pub(crate) fn reference_python(given: Option<&Path>) -> Result<PathBuf> {
     let path = match given {
         Some(path) => path.to_path_buf(),
-        None => crate::project_root().join("bench/reference/.venv/bin/python"),
+        None => reference_venv().join("bin/python"),
     };
     if !path.is_file() {
         bail!(
@@ -30,16 +30,20 @@ pub(crate) fn reference_python(given: Option<&Path>) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// The virtualenv of `cargo xtask bench --setup-reference`: `reference-venv` in ember's cache
+/// folder (`ember_data::embedded::cache_dir`: `$EMBER_CACHE_DIR`, else `~/.cache/ember`).
+fn reference_venv() -> PathBuf {
+    ember_data::embedded::cache_dir().join("reference-venv")
+}
+
 /// The base path of a benchmark's results, `OUT/NAME-<unix seconds>` (add `.md`, `.json`), with
-/// OUT `--out` or `bench/results/` (git-ignored), created.
+/// OUT `--out` or `bench/results/` in the working directory (git-ignored in a checkout),
+/// created.
 ///
 /// # Errors
 /// When the folder cannot be created (it is named).
 pub(crate) fn results_base(out: Option<&Path>, name: &str) -> Result<PathBuf> {
-    let out = out.map_or_else(
-        || crate::project_root().join("bench/results"),
-        Path::to_path_buf,
-    );
+    let out = out.map_or_else(|| PathBuf::from("bench/results"), Path::to_path_buf);
     std::fs::create_dir_all(&out).with_context(|| out.display().to_string())?;
     let stamp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -47,10 +51,10 @@ pub(crate) fn results_base(out: Option<&Path>, name: &str) -> Result<PathBuf> {
     Ok(out.join(format!("{name}-{stamp}")))
 }
 
-/// `cargo xtask bench --setup-reference`: bench/reference/.venv with torch, transformers,
+/// `cargo xtask bench --setup-reference`: the reference virtualenv with torch, transformers,
 /// safetensors, numpy and h5py from PyPI (`bench train-step` and `bench data`).
 pub fn setup_reference() -> Result<()> {
-    let dir = crate::project_root().join("bench/reference/.venv");
+    let dir = reference_venv();
     let status = Command::new("python3")
         .args(["-m", "venv"])
         .arg(&dir)
@@ -246,14 +250,7 @@ impl Reference {
         compile: bool,
         device: &str,
     ) -> Result<Self> {
-        // From the working directory when it is a checkout (a copied binary), else the
-        // workspace this binary was built in.
-        let relative = Path::new("bench/reference/train_step.py");
-        let script = if relative.is_file() {
-            relative.to_path_buf()
-        } else {
-            crate::project_root().join(relative)
-        };
+        let script = crate::shipped::write_script("train_step.py", dir)?;
         let mut command = Command::new(python);
         command
             .arg(&script)

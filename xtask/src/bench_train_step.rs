@@ -80,7 +80,7 @@ pub struct TrainStepArgs {
     /// (`RAYON_NUM_THREADS`), read once per process: this flag sets it before the first use.
     #[arg(long)]
     threads: Option<usize>,
-    /// The reference's Python [default: bench/reference/.venv/bin/python, made by
+    /// The reference's Python [default: ~/.cache/ember/reference-venv/bin/python, made by
     /// `cargo xtask bench --setup-reference`]
     #[arg(long)]
     python: Option<PathBuf>,

@@ -88,8 +88,14 @@ fn peak_rss_mib() -> Option<f64> {
 }
 
 pub fn prepare(args: PrepareArgs) -> Result<()> {
-    let corpus = args.corpus.unwrap_or_else(default_corpus_path);
-    let vocab = args.vocab.unwrap_or_else(default_vocab_path);
+    let corpus = match args.corpus {
+        Some(path) => path,
+        None => default_corpus_path()?,
+    };
+    let vocab = match args.vocab {
+        Some(path) => path,
+        None => default_vocab_path()?,
+    };
     let tokenizer = WordPieceTokenizer::from_vocab_file(&vocab)?;
     let jobs = args.jobs.unwrap_or_else(|| {
         std::thread::available_parallelism()
@@ -176,7 +182,10 @@ pub struct StratifyArgs {
 }
 
 pub fn stratify_command(args: StratifyArgs) -> Result<()> {
-    let vocab = args.vocab.unwrap_or_else(default_vocab_path);
+    let vocab = match args.vocab {
+        Some(path) => path,
+        None => default_vocab_path()?,
+    };
     let vocab_size = WordPieceTokenizer::from_vocab_file(&vocab)?.vocab_size();
     let edges: Vec<usize> = args.bins.clone();
     let summary = stratify(

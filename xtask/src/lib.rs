@@ -30,6 +30,7 @@ mod data;
 mod embed;
 mod launch;
 mod plot;
+pub mod shipped;
 mod train;
 
 /// mimalloc instead of glibc's malloc: the MLM logits and their gradients are ~80 MB buffers,
@@ -39,11 +40,10 @@ mod train;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
@@ -84,15 +84,6 @@ enum Command {
     Bench(bench::BenchArgs),
 }
 
-/// The workspace root (the folder of the top-level Cargo.toml), so that default paths work
-/// from any working directory.
-pub fn project_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives one folder below the workspace root")
-        .to_path_buf()
-}
-
 /// mimalloc's `purge_delay` option (`mi_option_purge_delay` in mimalloc.h).
 const MI_OPTION_PURGE_DELAY: std::ffi::c_int = 15;
 
@@ -122,7 +113,25 @@ pub fn cli_main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let result: Result<()> = match Cli::parse().command {
+    // The same command line under both names: help and usage say `ember` when the installed
+    // binary runs, `cargo xtask` in a checkout.
+    let invoked_as_ember = std::env::args_os()
+        .next()
+        .and_then(|arg0| {
+            std::path::Path::new(&arg0)
+                .file_stem()
+                .map(|s| s == "ember")
+        })
+        .unwrap_or(false);
+    let mut command = Cli::command();
+    if invoked_as_ember {
+        command = command.name("ember").bin_name("ember");
+    }
+    let cli = match Cli::from_arg_matches(&command.get_matches()) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    let result: Result<()> = match cli.command {
         Command::Train(args) => train::run(args),
         Command::Launch(args) => launch::run(args),
         Command::CommCheck(args) => comm_check::run(args),

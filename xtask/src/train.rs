@@ -11,12 +11,12 @@ use ember_trainer::loss_scale::LossScaleMode;
 use ember_trainer::parallel::{AllreduceDtype, BucketStorage, ClipMode, LaunchEnv, TiedEmbedding};
 use ember_trainer::{LossNormalization, OptimizerKind, RunOptions, TrainConfig};
 
-use crate::project_root;
-
 /// Flags of `train`. Each overrides the same setting of the config file.
 #[derive(Args, Debug)]
 pub struct TrainArgs {
-    /// TOML training config [default: configs/tiny-cpu.toml]
+    /// TOML training config: a file, or a shipped one by name (tiny-cpu,
+    /// mlperf-bert-large-adam, mlperf-bert-large-lamb; compiled into the binary)
+    /// [default: tiny-cpu]
     #[arg(long)]
     config: Option<PathBuf>,
     /// Optimizer steps (train.steps)
@@ -260,11 +260,7 @@ fn parse_optimizer(s: &str) -> Result<OptimizerKind, String> {
 impl TrainArgs {
     /// The config file with the flags applied.
     fn resolve(&self) -> Result<TrainConfig> {
-        let path = self
-            .config
-            .clone()
-            .unwrap_or_else(|| project_root().join("configs/tiny-cpu.toml"));
-        let mut config = TrainConfig::load(&path)?;
+        let mut config = crate::shipped::load_config(self.config.as_deref())?;
         let t = &mut config.train;
         if let Some(v) = self.steps {
             t.steps = v;

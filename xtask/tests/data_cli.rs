@@ -22,7 +22,7 @@ fn stderr(o: &Output) -> String {
 #[test]
 fn prepare_stratify_and_report_from_the_command_line() {
     let dir = tempfile::tempdir().unwrap();
-    let text = std::fs::read_to_string(ember_data::default_corpus_path()).unwrap();
+    let text = ember_data::embedded::corpus_text();
     let corpus = dir.path().join("corpus.txt");
     std::fs::write(
         &corpus,

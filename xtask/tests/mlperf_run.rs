@@ -303,7 +303,7 @@ fn bad_inputs_are_named_before_training() {
     );
     std::fs::create_dir_all(d.join("empty")).unwrap();
     // A vocabulary of the first 2,000 tokens: the shard's ids go beyond it.
-    let vocab: Vec<String> = std::fs::read_to_string(ember_data::default_vocab_path())
+    let vocab: Vec<String> = std::fs::read_to_string(ember_data::default_vocab_path().unwrap())
         .unwrap()
         .lines()
         .take(2000)

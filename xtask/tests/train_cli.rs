@@ -13,7 +13,7 @@ fn config(dir: &Path, steps: u64, every: u64) -> PathBuf {
     let corpus = dir.join("corpus.txt");
     if !corpus.exists() {
         // The first 120 documents of the embedded corpus.
-        let text = std::fs::read_to_string(ember_data::default_corpus_path()).unwrap();
+        let text = ember_data::embedded::corpus_text();
         let docs: Vec<&str> = text.split("\n\n").take(120).collect();
         std::fs::write(&corpus, docs.join("\n\n")).unwrap();
     }
@@ -402,4 +402,78 @@ fn curves_png_is_drawn_and_a_missing_font_only_warns() {
         "{stderr}"
     );
     assert!(!out.join("curves.png").exists());
+}
+
+/// The binary as `cargo install` leaves it (Note [Embedded files] in `data/src/embedded.rs`):
+/// copied to another folder and run from an empty one, with a fresh home, it trains the smoke
+/// run on the configuration, corpus and vocabulary it carries, and writes them into its cache
+/// folder, never reading the checkout it was built in (whose paths it does not even contain).
+#[test]
+fn a_copied_binary_trains_from_an_empty_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let bin = dir.path().join("bin/ember");
+    std::fs::create_dir_all(bin.parent().unwrap()).unwrap();
+    std::fs::copy(env!("CARGO_BIN_EXE_ember"), &bin).unwrap();
+    let bytes = std::fs::read(&bin).unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    for asset in ["data/corpus", "configs", "bench/reference"] {
+        let path = root.join(asset);
+        let needle = path.to_str().unwrap().as_bytes();
+        assert!(
+            !bytes.windows(needle.len()).any(|w| w == needle),
+            "the binary names {}",
+            path.display()
+        );
+    }
+    let (home, work) = (dir.path().join("home"), dir.path().join("work"));
+    std::fs::create_dir_all(&home).unwrap();
+    std::fs::create_dir_all(&work).unwrap();
+    let ember = |args: &[&str]| {
+        Command::new(&bin)
+            .args(args)
+            .current_dir(&work)
+            .env("HOME", &home)
+            .env_remove("XDG_CACHE_HOME")
+            .env_remove("EMBER_CACHE_DIR")
+            .env("RUST_LOG", "warn")
+            .output()
+            .unwrap()
+    };
+    let output = ember(&[
+        "train",
+        "--steps",
+        "2",
+        "--eval-every",
+        "2",
+        "--eval-samples",
+        "16",
+        "--no-progress",
+        "--out",
+        "run",
+    ]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(stdout.contains("2 steps of 8 samples"), "{stdout}");
+    assert!(work.join("run/model.safetensors").is_file());
+    let cached: Vec<String> = std::fs::read_dir(home.join(".cache/ember/embedded"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(cached.len(), 2, "{cached:?}");
+    assert!(
+        cached.iter().any(|n| n.starts_with("wiki_vital_en-")),
+        "{cached:?}"
+    );
+    // A shipped configuration by name; a name that is neither a file nor shipped lists them.
+    let output = ember(&["train", "--config", "no-such-config", "--steps", "1"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("no-such-config") && stderr.contains("mlperf-bert-large-lamb"),
+        "{stderr}"
+    );
 }

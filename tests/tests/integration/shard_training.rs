@@ -8,10 +8,7 @@ use burn::backend::{Autodiff, NdArray};
 use ember_data::prepare::{PrepareOptions, prepare_shards};
 use ember_data::shard::Compression;
 use ember_data::stratify::stratify;
-use ember_data::{
-    Padding, PretrainingConfig, SamplerKind, WordPieceTokenizer, default_corpus_path,
-    default_vocab_path,
-};
+use ember_data::{Padding, PretrainingConfig, SamplerKind, WordPieceTokenizer, default_vocab_path};
 use ember_trainer::checkpoint::{DataPosition, RankState};
 use ember_trainer::{RunOptions, TrainConfig, TrainError, train, train_in_process};
 
@@ -20,7 +17,7 @@ type B = Autodiff<NdArray>;
 /// Stratified shards (S = 64) of the first 400 documents of the embedded corpus, 40 of them
 /// held out, and the corpus slice itself (its last 40 documents are the evaluation set).
 fn shards(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
-    let text = std::fs::read_to_string(default_corpus_path()).unwrap();
+    let text = ember_data::embedded::corpus_text();
     let corpus = dir.join("corpus.txt");
     std::fs::write(
         &corpus,
@@ -30,7 +27,7 @@ fn shards(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
             .join("\n\n"),
     )
     .unwrap();
-    let tokenizer = WordPieceTokenizer::from_vocab_file(&default_vocab_path()).unwrap();
+    let tokenizer = WordPieceTokenizer::from_vocab_file(&default_vocab_path().unwrap()).unwrap();
     let options = PrepareOptions {
         instances: PretrainingConfig {
             max_seq_length: 64,

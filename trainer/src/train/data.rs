@@ -51,7 +51,7 @@ pub struct PreparedData {
 /// documents, missing or bad shards, an eval set that is empty, of another sequence length or
 /// of another vocabulary.
 pub fn prepare_data(config: &TrainConfig) -> Result<PreparedData, TrainError> {
-    let tokenizer = WordPieceTokenizer::from_vocab_file(&config.vocab_path())?;
+    let tokenizer = WordPieceTokenizer::from_vocab_file(&config.vocab_path()?)?;
     let seq_len = config.instances.max_seq_length;
     let shards = match &config.data.shards {
         Some(path) => {
@@ -97,7 +97,7 @@ pub fn prepare_data(config: &TrainConfig) -> Result<PreparedData, TrainError> {
             skipped_lines: 0,
         });
     }
-    let corpus_path = config.corpus_path();
+    let corpus_path = config.corpus_path()?;
     // Held out before tokenising, by raw document count, as `prepare-data` holds them out of
     // its shards.
     let corpus = read_corpus(&corpus_path, config.data.strict)?;
