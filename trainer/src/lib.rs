@@ -9,6 +9,7 @@
 pub mod blas;
 pub mod checkpoint;
 pub mod config;
+pub mod cuda;
 mod error;
 pub mod eval;
 pub mod grads;

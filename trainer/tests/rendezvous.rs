@@ -20,9 +20,6 @@ fn rendezvous_child() {
     };
     let launch = LaunchEnv::from_env(None).unwrap();
     assert_eq!(launch.source, LaunchSource::Torchrun);
-    let (Some(addr), Some(port)) = (launch.master_addr.clone(), launch.master_port) else {
-        panic!("the parent sets MASTER_ADDR and MASTER_PORT");
-    };
     let timeout = Duration::from_millis(timeout_ms.parse().unwrap());
     // Rank 0's id: 128 bytes that differ between runs (its process id in them).
     let id = || {
@@ -30,7 +27,7 @@ fn rendezvous_child() {
             .map(|i| (std::process::id() + i * 31) as u8)
             .collect())
     };
-    match exchange_unique_id(&addr, port, launch.rank, launch.world_size, timeout, id) {
+    match exchange_unique_id(&launch, timeout, id) {
         // On a line of its own (the test harness has printed the test's name).
         Ok(blob) => println!("\nID {}", hex(&blob)),
         Err(e) => println!("\nERR {e}"),

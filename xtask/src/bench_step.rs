@@ -90,11 +90,12 @@ fn bench_wgpu(_: &StepArgs) -> Result<()> {
 #[cfg(feature = "cuda")]
 fn bench_cuda(args: &StepArgs) -> Result<()> {
     use ember_trainer::parallel::nccl::{Nccl, new_unique_id};
+    let gpu = crate::cuda::start(&ember_trainer::parallel::LaunchEnv::single(), true)?;
     // NCCL with a world of one: the cluster's code path on one GPU.
     let nccl = || -> Result<Nccl> {
         let id = new_unique_id()?;
         Ok(Nccl::new(
-            0,
+            gpu,
             0,
             1,
             &id,
@@ -102,12 +103,12 @@ fn bench_cuda(args: &StepArgs) -> Result<()> {
         )?)
     };
     if let Err(e) = nccl() {
-        bail!("NCCL with a world of one failed (is libnccl.so.2 on LD_LIBRARY_PATH?): {e:#}");
+        bail!("NCCL with a world of one failed: {e:#}");
     }
     println!("collectives: NCCL, world of one");
     bench::<Autodiff<ember_backend_ext::CountingCuda>>(
         args,
-        &burn::backend::cuda::CudaDevice::new(0),
+        &burn::backend::cuda::CudaDevice::new(gpu),
         &|| Communicator::Device(Box::new(nccl().expect("NCCL formed above"))),
         Some(|| ember_backend_ext::HostSyncs::now().total()),
     )

@@ -182,9 +182,10 @@ fn bench_wgpu(_: &TrainStepArgs, _: Option<&Path>, _: usize) -> Result<()> {
 
 #[cfg(feature = "cuda")]
 fn bench_cuda(args: &TrainStepArgs, python: Option<&Path>, threads: usize) -> Result<()> {
+    let gpu = crate::cuda::start(&ember_trainer::parallel::LaunchEnv::single(), false)?;
     bench::<burn::backend::Autodiff<burn::backend::Cuda>>(
         args,
-        &Default::default(),
+        &burn::backend::cuda::CudaDevice::new(gpu),
         python,
         threads,
     )

@@ -1,5 +1,6 @@
 //! `cargo xtask comm-check`: the host collectives of a launched job (MPI), timed, and the
-//! timeout that ends a job whose rank stalls.
+//! timeout that ends a job whose rank stalls; with `--rendezvous`, the exchange that joins GPU
+//! ranks started without MPI (torchrun, srun), with no GPU needed.
 
 use anyhow::{Result, bail};
 use clap::Args;
@@ -24,19 +25,73 @@ pub struct CommCheckArgs {
     /// Seconds --stall-rank is held back
     #[arg(long, default_value_t = 0.0)]
     stall_s: f64,
+    /// Instead of the MPI collectives: hand a 128-byte blob from rank 0 to every rank as a GPU
+    /// job hands over NCCL's unique id (torchrun's agent store, else ember's server on
+    /// MASTER_ADDR:MASTER_PORT), without MPI or a GPU; every rank prints the blob's digest
+    /// (`torchrun --nproc-per-node 2 --no-python ember comm-check --rendezvous`)
+    #[arg(long)]
+    rendezvous: bool,
 }
 
-#[cfg(feature = "mpi")]
-pub fn run(args: CommCheckArgs) -> Result<()> {
-    use std::time::{Duration, Instant};
+/// `--rendezvous`: rank 0's random blob reaches every rank; each prints what it holds.
+fn rendezvous(args: &CommCheckArgs) -> Result<()> {
+    use std::hash::{BuildHasher, Hasher};
+    use std::time::Duration;
 
-    use ember_trainer::parallel::{Collective, ReduceOp};
+    use ember_trainer::parallel::{LaunchEnv, exchange_unique_id, rendezvous_name};
+    let launch = LaunchEnv::from_env(None)?;
+    if let Some(note) = &launch.note {
+        tracing::warn!("{note}");
+    }
+    let started = std::time::Instant::now();
+    let blob = exchange_unique_id(&launch, Duration::from_secs_f64(args.timeout), || {
+        // 128 bytes no other run repeats (std's randomly keyed hasher).
+        let mut blob = Vec::with_capacity(128);
+        while blob.len() < 128 {
+            let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+            hasher.write_usize(blob.len());
+            blob.extend_from_slice(&hasher.finish().to_le_bytes());
+        }
+        Ok(blob)
+    })?;
+    let digest: String = blob
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+        .to_le_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    println!(
+        "rank {} of {}: {} bytes from rank 0 through {} in {:.3} s, digest {digest}",
+        launch.rank,
+        launch.world_size,
+        blob.len(),
+        rendezvous_name(&launch),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+pub fn run(args: CommCheckArgs) -> Result<()> {
     if !(args.timeout.is_finite() && args.timeout > 0.0) {
         bail!(
             "--timeout {} must be a positive number of seconds",
             args.timeout
         );
     }
+    if args.rendezvous {
+        return rendezvous(&args);
+    }
+    collectives(args)
+}
+
+#[cfg(feature = "mpi")]
+fn collectives(args: CommCheckArgs) -> Result<()> {
+    use std::time::{Duration, Instant};
+
+    use ember_trainer::parallel::{Collective, ReduceOp};
     let mut comm = ember_trainer::parallel::mpi::Mpi::init(Duration::from_secs_f64(args.timeout))?;
     let (rank, world) = (comm.rank(), comm.world_size());
     if args.stall_rank == Some(rank) {
@@ -93,7 +148,7 @@ pub fn run(args: CommCheckArgs) -> Result<()> {
 }
 
 #[cfg(not(feature = "mpi"))]
-pub fn run(_args: CommCheckArgs) -> Result<()> {
+fn collectives(_args: CommCheckArgs) -> Result<()> {
     bail!(
         "comm-check needs the `mpi` feature: `cargo run --release -p xtask --features mpi -- \
          launch --nproc 2 -- comm-check` (Debian packages: libopenmpi-dev openmpi-bin \

@@ -66,9 +66,11 @@ pub fn train_launched_cuda(
     launch: &LaunchEnv,
 ) -> Result<TrainSummary> {
     use ember_trainer::parallel::{Collective, Communicator};
+    // Before MPI and the rendezvous: it may start this process again.
+    let gpu = crate::cuda::start(launch, true)?;
     let timeout = std::time::Duration::from_secs_f64(config.parallel.timeout_s);
     // MPI, when it carried the id, stays initialised until the run ends.
-    let (nccl, _mpi) = join_nccl(launch, timeout)?;
+    let (nccl, _mpi) = join_nccl(launch, gpu, timeout)?;
     if (nccl.rank(), nccl.world_size()) != (launch.rank, launch.world_size) {
         bail!(
             "the {} says rank {} of {}, but the NCCL communicator is rank {} of {}",
@@ -79,7 +81,7 @@ pub fn train_launched_cuda(
             nccl.world_size()
         );
     }
-    let device = burn::backend::cuda::CudaDevice::new(launch.local_rank);
+    let device = burn::backend::cuda::CudaDevice::new(gpu);
     // Burn's CUDA backend with its host synchronisations counted (reported in the metrics).
     let options = RunOptions {
         host_sync_counter: Some(|| ember_backend_ext::HostSyncs::now().total()),
@@ -96,23 +98,21 @@ pub fn train_launched_cuda(
     )?)
 }
 
-/// NCCL's communicator for the rank `launch` describes, with what must outlive it (MPI).
+/// NCCL's communicator for the rank `launch` describes on CUDA device `gpu`, with what must
+/// outlive it (MPI).
 #[cfg(feature = "cuda")]
 fn join_nccl(
     launch: &LaunchEnv,
+    gpu: usize,
     timeout: std::time::Duration,
 ) -> Result<(
     ember_trainer::parallel::nccl::Nccl,
     Option<Box<dyn std::any::Any>>,
 )> {
     use ember_trainer::parallel::nccl::{Nccl, new_unique_id};
-    use ember_trainer::parallel::{LaunchSource, exchange_unique_id};
-    let tcp = match (&launch.master_addr, launch.master_port) {
-        (Some(addr), Some(port)) => Some((addr.clone(), port)),
-        _ => None,
-    };
-    let use_mpi =
-        cfg!(feature = "mpi") && (launch.source == LaunchSource::OpenMpi || tcp.is_none());
+    use ember_trainer::parallel::{LaunchSource, exchange_unique_id, rendezvous_name};
+    let tcp = launch.master_addr.is_some() && launch.master_port.is_some();
+    let use_mpi = cfg!(feature = "mpi") && (launch.source == LaunchSource::OpenMpi || !tcp);
     if use_mpi {
         #[cfg(feature = "mpi")]
         {
@@ -129,31 +129,20 @@ fn join_nccl(
                     mpi.world_size()
                 );
             }
-            let nccl = Nccl::bootstrap(&mut mpi, launch.local_rank, timeout)?;
+            let nccl = Nccl::bootstrap(&mut mpi, gpu, timeout)?;
             return Ok((nccl, Some(Box::new(mpi))));
         }
     }
-    let Some((addr, port)) = tcp else {
-        bail!(
-            "rank {} of {} (from the {}): NCCL's unique id goes from rank 0 over TCP at \
-             MASTER_ADDR:MASTER_PORT, which are not both set (torchrun sets them; under srun \
-             export them in the job script), or by MPI in a build with `--features cuda,mpi` \
-             started by mpirun",
-            launch.rank,
-            launch.world_size,
-            launch.source
-        );
-    };
-    let id = exchange_unique_id(&addr, port, launch.rank, launch.world_size, timeout, || {
-        new_unique_id().map_err(|e| e.to_string())
-    })?;
-    let nccl = Nccl::new(
-        launch.local_rank,
+    tracing::info!(
+        "rank {} of {}: NCCL's unique id through {}",
         launch.rank,
         launch.world_size,
-        &id,
-        timeout,
-    )?;
+        rendezvous_name(launch)
+    );
+    let id = exchange_unique_id(launch, timeout, || {
+        new_unique_id().map_err(|e| e.to_string())
+    })?;
+    let nccl = Nccl::new(gpu, launch.rank, launch.world_size, &id, timeout)?;
     Ok((nccl, None))
 }
 

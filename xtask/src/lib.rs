@@ -25,6 +25,8 @@ mod bench_step;
 mod bench_train_step;
 mod comm_check;
 mod convert;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod curves;
 mod data;
 mod embed;

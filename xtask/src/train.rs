@@ -449,6 +449,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
         ..RunOptions::default()
     };
     let launch = LaunchEnv::from_env(None)?;
+    if let Some(note) = &launch.note {
+        tracing::warn!("{note}");
+    }
     let summary = if args.device == "cuda" {
         train_cuda(&config, options, &launch, args.nproc)?
     } else if args.device == "wgpu" {
@@ -557,7 +560,7 @@ fn train_cuda(
         return crate::launch::train_launched_cuda(config, options, launch)
             .context("training failed");
     }
-    let device = burn::backend::cuda::CudaDevice::new(launch.local_rank);
+    let device = burn::backend::cuda::CudaDevice::new(crate::cuda::start(launch, false)?);
     let options = RunOptions {
         host_sync_counter: Some(host_syncs),
         ..options

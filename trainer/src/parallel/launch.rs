@@ -1,5 +1,11 @@
 //! Where a process learns its rank: flags, then torchrun's variables, then OpenMPI's, then
-//! Slurm's, else a single process.
+//! Slurm's (of a step srun started), else a single process; and which GPU a rank takes.
+//!
+//! Note [Slurm steps]: `sbatch --ntasks=8` runs the batch script once, with `SLURM_NTASKS=8`
+//! and `SLURM_PROCID=0` in its environment; only `srun` starts the 8 tasks of a step, and it
+//! alone sets `SLURM_STEP_NUM_TASKS`. So the world size comes from `SLURM_STEP_NUM_TASKS`: a
+//! binary run directly in the batch script is one process (and says why in the log), not
+//! rank 0 of 8 waiting for peers that never start.
 
 use std::fmt;
 
@@ -12,7 +18,7 @@ pub enum LaunchSource {
     Torchrun,
     /// `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK` (mpirun).
     OpenMpi,
-    /// `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` (srun).
+    /// `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`, `SLURM_LOCALID` (a step started by srun).
     Slurm,
     /// None of the above: one process, rank 0 of 1.
     Single,
@@ -24,7 +30,7 @@ impl fmt::Display for LaunchSource {
             LaunchSource::Flags => "flags",
             LaunchSource::Torchrun => "torchrun environment",
             LaunchSource::OpenMpi => "OpenMPI environment",
-            LaunchSource::Slurm => "Slurm environment",
+            LaunchSource::Slurm => "Slurm environment (srun)",
             LaunchSource::Single => "single process",
         })
     }
@@ -37,14 +43,26 @@ pub struct LaunchEnv {
     pub rank: usize,
     /// Number of processes.
     pub world_size: usize,
-    /// Rank on this node (selects the GPU).
+    /// Rank on this node (selects the GPU among those the process sees:
+    /// [`cuda_device_index`]).
     pub local_rank: usize,
+    /// Processes on this node, where the launcher says (torchrun's `LOCAL_WORLD_SIZE`,
+    /// `OMPI_COMM_WORLD_LOCAL_SIZE`, Slurm's `SLURM_STEP_TASKS_PER_NODE` at `SLURM_NODEID`).
+    pub local_world_size: Option<usize>,
     /// Rendezvous host for NCCL's unique id (torchrun's `MASTER_ADDR`), if given.
     pub master_addr: Option<String>,
     /// Rendezvous port (`MASTER_PORT`), if given.
     pub master_port: Option<u16>,
+    /// torchrun's agent serves a c10d `TCPStore` on `MASTER_PORT`
+    /// (`TORCHELASTIC_USE_AGENT_STORE=True`): ranks join it as clients (Note [Rendezvous
+    /// through the agent's store]).
+    pub agent_store: bool,
+    /// torchrun's `TORCHELASTIC_RESTART_COUNT` (0 elsewhere): the attempt's keys in its store.
+    pub restart_count: u64,
     /// Where these values came from.
     pub source: LaunchSource,
+    /// Why a process that looked launched runs alone (Note [Slurm steps]), for the log.
+    pub note: Option<String>,
 }
 
 /// A launch variable that is set but unusable.
@@ -66,15 +84,19 @@ impl LaunchEnv {
             rank: 0,
             world_size: 1,
             local_rank: 0,
+            local_world_size: None,
             master_addr: None,
             master_port: None,
+            agent_store: false,
+            restart_count: 0,
             source: LaunchSource::Single,
+            note: None,
         }
     }
 
     /// Discovers the rank from `flags` (`(rank, world_size)`), else from the environment
     /// through `var` (normally `|k| std::env::var(k).ok()`), in the order torchrun, OpenMPI,
-    /// Slurm.
+    /// Slurm (Note [Slurm steps]).
     ///
     /// # Errors
     /// [`LaunchError`] naming the variable: not a number, or a rank outside the world size.
@@ -101,11 +123,13 @@ impl LaunchEnv {
                 reason: "not a port number".into(),
             })?),
         };
+        let mut note = None;
         let found = if let Some((rank, world_size)) = flags {
             Some((
                 rank,
                 world_size,
                 number("LOCAL_RANK")?.unwrap_or(rank),
+                number("LOCAL_WORLD_SIZE")?,
                 LaunchSource::Flags,
                 "--rank",
             ))
@@ -114,6 +138,7 @@ impl LaunchEnv {
                 rank,
                 world_size,
                 number("LOCAL_RANK")?.unwrap_or(0),
+                number("LOCAL_WORLD_SIZE")?,
                 LaunchSource::Torchrun,
                 "RANK",
             ))
@@ -121,29 +146,51 @@ impl LaunchEnv {
             number("OMPI_COMM_WORLD_RANK")?,
             number("OMPI_COMM_WORLD_SIZE")?,
         ) {
-            let local = number("OMPI_COMM_WORLD_LOCAL_RANK")?.unwrap_or(0);
             Some((
                 rank,
                 world_size,
-                local,
+                number("OMPI_COMM_WORLD_LOCAL_RANK")?.unwrap_or(0),
+                number("OMPI_COMM_WORLD_LOCAL_SIZE")?,
                 LaunchSource::OpenMpi,
                 "OMPI_COMM_WORLD_RANK",
             ))
-        } else if let (Some(rank), Some(world_size)) =
-            (number("SLURM_PROCID")?, number("SLURM_NTASKS")?)
-        {
-            Some((
-                rank,
-                world_size,
-                number("SLURM_LOCALID")?.unwrap_or(0),
-                LaunchSource::Slurm,
-                "SLURM_PROCID",
-            ))
+        } else if let Some(rank) = number("SLURM_PROCID")? {
+            match number("SLURM_STEP_NUM_TASKS")? {
+                Some(world_size) => {
+                    let local_world_size =
+                        match (var("SLURM_STEP_TASKS_PER_NODE"), number("SLURM_NODEID")?) {
+                            (Some(spec), Some(node)) => tasks_on_node(&spec, node),
+                            _ => None,
+                        };
+                    Some((
+                        rank,
+                        world_size,
+                        number("SLURM_LOCALID")?.unwrap_or(0),
+                        local_world_size,
+                        LaunchSource::Slurm,
+                        "SLURM_PROCID",
+                    ))
+                }
+                None => {
+                    if let Some(tasks) = number("SLURM_NTASKS")?.filter(|&n| n > 1) {
+                        note = Some(format!(
+                            "SLURM_NTASKS={tasks}, but this process was not started by srun \
+                             (SLURM_STEP_NUM_TASKS is unset): it runs as one process; start it \
+                             with srun for {tasks} ranks"
+                        ));
+                    }
+                    None
+                }
+            }
         } else {
             None
         };
-        let Some((rank, world_size, local_rank, source, rank_name)) = found else {
-            return Ok(Self::single());
+        let Some((rank, world_size, local_rank, local_world_size, source, rank_name)) = found
+        else {
+            return Ok(Self {
+                note,
+                ..Self::single()
+            });
         };
         if world_size == 0 || rank >= world_size {
             return Err(LaunchError {
@@ -152,13 +199,20 @@ impl LaunchEnv {
                 reason: format!("must be below the world size {world_size}"),
             });
         }
+        let agent_store = source == LaunchSource::Torchrun
+            && var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.trim() == "True");
+        let restart_count = number("TORCHELASTIC_RESTART_COUNT")?.unwrap_or(0) as u64;
         Ok(Self {
             rank,
             world_size,
             local_rank,
+            local_world_size,
             master_addr,
             master_port,
+            agent_store,
+            restart_count,
             source,
+            note,
         })
     }
 
@@ -168,6 +222,54 @@ impl LaunchEnv {
     /// As [`LaunchEnv::discover`].
     pub fn from_env(flags: Option<(usize, usize)>) -> Result<Self, LaunchError> {
         Self::discover(flags, |k| std::env::var(k).ok())
+    }
+}
+
+/// The tasks on node `node` of a Slurm tasks-per-node spec: `2(x3),1` is 2, 2, 2, 1.
+fn tasks_on_node(spec: &str, node: usize) -> Option<usize> {
+    let mut seen = 0;
+    for part in spec.trim().split(',') {
+        let (tasks, repeat) = match part.split_once("(x") {
+            Some((tasks, repeat)) => (tasks, repeat.strip_suffix(')')?.parse::<usize>().ok()?),
+            None => (part, 1),
+        };
+        let tasks = tasks.parse::<usize>().ok()?;
+        if node < seen + repeat {
+            return Some(tasks);
+        }
+        seen += repeat;
+    }
+    None
+}
+
+/// The CUDA device a rank takes among the `visible` GPUs its process sees (after
+/// `CUDA_VISIBLE_DEVICES`): with one visible GPU, that one (Slurm's `--gpus-per-task=1`, or a
+/// launcher that gives each rank its own `CUDA_VISIBLE_DEVICES`); with several, the one at
+/// its local rank (torchrun, mpirun, srun on a node's GPUs), as PyTorch's
+/// `torch.cuda.set_device(LOCAL_RANK)`. `cuda_visible_devices` is only named in errors.
+///
+/// # Errors
+/// A message naming what was seen: no visible GPU, or a local rank past the visible GPUs.
+pub fn cuda_device_index(
+    local_rank: usize,
+    visible: usize,
+    cuda_visible_devices: Option<&str>,
+) -> Result<usize, String> {
+    let shown = match cuda_visible_devices {
+        Some(v) => format!("CUDA_VISIBLE_DEVICES={v:?}"),
+        None => "CUDA_VISIBLE_DEVICES unset".into(),
+    };
+    match visible {
+        0 => Err(format!(
+            "the NVIDIA driver sees no GPU ({shown}): check nvidia-smi, and the GPUs the \
+             launcher gives this process"
+        )),
+        1 => Ok(0),
+        n if local_rank < n => Ok(local_rank),
+        n => Err(format!(
+            "local rank {local_rank}, but this process sees {n} GPUs ({shown}): start at most \
+             {n} ranks per node, or give each rank one GPU (Slurm: --gpus-per-task=1)"
+        )),
     }
 }
 
@@ -190,12 +292,14 @@ mod tests {
             ("RANK", "3"),
             ("WORLD_SIZE", "8"),
             ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "4"),
             ("MASTER_ADDR", "node0"),
             ("MASTER_PORT", "29500"),
             ("OMPI_COMM_WORLD_RANK", "5"),
             ("OMPI_COMM_WORLD_SIZE", "6"),
             ("SLURM_PROCID", "2"),
             ("SLURM_NTASKS", "4"),
+            ("SLURM_STEP_NUM_TASKS", "4"),
         ]);
         let flags = LaunchEnv::discover(Some((1, 2)), &all).unwrap();
         assert_eq!(
@@ -209,9 +313,13 @@ mod tests {
                 rank: 3,
                 world_size: 8,
                 local_rank: 1,
+                local_world_size: Some(4),
                 master_addr: Some("node0".into()),
                 master_port: Some(29500),
-                source: LaunchSource::Torchrun
+                agent_store: false,
+                restart_count: 0,
+                source: LaunchSource::Torchrun,
+                note: None,
             }
         );
         let mpi = LaunchEnv::discover(
@@ -220,31 +328,135 @@ mod tests {
                 ("OMPI_COMM_WORLD_RANK", "5"),
                 ("OMPI_COMM_WORLD_SIZE", "6"),
                 ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+                ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
                 ("SLURM_PROCID", "2"),
                 ("SLURM_NTASKS", "4"),
+                ("SLURM_STEP_NUM_TASKS", "4"),
             ]),
         )
         .unwrap();
         assert_eq!(
-            (mpi.rank, mpi.world_size, mpi.local_rank, mpi.source),
-            (5, 6, 1, LaunchSource::OpenMpi)
+            (
+                mpi.rank,
+                mpi.world_size,
+                mpi.local_rank,
+                mpi.local_world_size,
+                mpi.source
+            ),
+            (5, 6, 1, Some(2), LaunchSource::OpenMpi)
         );
-        let slurm = LaunchEnv::discover(
+        assert_eq!(
+            LaunchEnv::discover(None, env(&[])).unwrap(),
+            LaunchEnv::single()
+        );
+    }
+
+    /// torchrun 2.5+ serves its own c10d store on MASTER_PORT and says so; an attempt after a
+    /// restart has its own keys.
+    #[test]
+    fn torchrun_agent_store_and_restart_count() {
+        let launch = LaunchEnv::discover(
             None,
             env(&[
-                ("SLURM_PROCID", "2"),
+                ("RANK", "1"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "29500"),
+                ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+                ("TORCHELASTIC_RESTART_COUNT", "3"),
+            ]),
+        )
+        .unwrap();
+        assert!(launch.agent_store);
+        assert_eq!(launch.restart_count, 3);
+        // PyTorch compares with the string "True" exactly; torchrun without its store.
+        for value in ["False", "true", "1"] {
+            let launch = LaunchEnv::discover(
+                None,
+                env(&[
+                    ("RANK", "1"),
+                    ("WORLD_SIZE", "2"),
+                    ("TORCHELASTIC_USE_AGENT_STORE", value),
+                ]),
+            )
+            .unwrap();
+            assert!(!launch.agent_store, "{value}");
+        }
+    }
+
+    /// Note [Slurm steps]: srun's step variables make a rank; a batch script's allocation
+    /// alone does not.
+    #[test]
+    fn slurm_ranks_come_from_srun_steps_only() {
+        let step = LaunchEnv::discover(
+            None,
+            env(&[
+                ("SLURM_PROCID", "5"),
+                ("SLURM_NTASKS", "16"),
+                ("SLURM_STEP_NUM_TASKS", "8"),
+                ("SLURM_LOCALID", "1"),
+                ("SLURM_NODEID", "1"),
+                ("SLURM_STEP_TASKS_PER_NODE", "4(x2)"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                step.rank,
+                step.world_size,
+                step.local_rank,
+                step.local_world_size,
+                step.source
+            ),
+            (5, 8, 1, Some(4), LaunchSource::Slurm)
+        );
+        // sbatch --ntasks=4 running the binary directly: one process, and the log says why.
+        let batch = LaunchEnv::discover(
+            None,
+            env(&[
+                ("SLURM_PROCID", "0"),
                 ("SLURM_NTASKS", "4"),
                 ("SLURM_LOCALID", "0"),
             ]),
         )
         .unwrap();
-        assert_eq!(
-            (slurm.rank, slurm.world_size, slurm.source),
-            (2, 4, LaunchSource::Slurm)
+        assert_eq!((batch.rank, batch.world_size), (0, 1));
+        assert_eq!(batch.source, LaunchSource::Single);
+        let note = batch.note.unwrap();
+        assert!(
+            note.contains("SLURM_NTASKS=4") && note.contains("srun"),
+            "{note}"
         );
-        assert_eq!(
-            LaunchEnv::discover(None, env(&[])).unwrap(),
-            LaunchEnv::single()
+        // A one-task allocation is a plain single process, without a note.
+        let one = LaunchEnv::discover(None, env(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1")]))
+            .unwrap();
+        assert_eq!(one, LaunchEnv::single());
+        assert_eq!(tasks_on_node("2(x3),1", 0), Some(2));
+        assert_eq!(tasks_on_node("2(x3),1", 2), Some(2));
+        assert_eq!(tasks_on_node("2(x3),1", 3), Some(1));
+        assert_eq!(tasks_on_node("2(x3),1", 4), None);
+        assert_eq!(tasks_on_node("x", 0), None);
+    }
+
+    /// The GPU a rank takes: its local rank among several visible GPUs, the only one when
+    /// the launcher gave it one (Slurm --gpus-per-task=1: every task sees its own GPU as 0).
+    #[test]
+    fn device_index_over_the_environments() {
+        // torchrun --nproc-per-node 8 on an 8-GPU node.
+        assert_eq!(cuda_device_index(5, 8, None), Ok(5));
+        // srun --gpus-per-task=1: SLURM_LOCALID 3, one GPU visible.
+        assert_eq!(cuda_device_index(3, 1, Some("3")), Ok(0));
+        // CUDA_VISIBLE_DEVICES=2,3 for two local ranks.
+        assert_eq!(cuda_device_index(1, 2, Some("2,3")), Ok(1));
+        let e = cuda_device_index(4, 2, Some("0,1")).unwrap_err();
+        assert!(
+            e.contains("local rank 4") && e.contains("2 GPUs") && e.contains("\"0,1\""),
+            "{e}"
+        );
+        let e = cuda_device_index(0, 0, Some("")).unwrap_err();
+        assert!(
+            e.contains("no GPU") && e.contains("CUDA_VISIBLE_DEVICES"),
+            "{e}"
         );
     }
 
@@ -258,5 +470,11 @@ mod tests {
         assert!(e.to_string().contains("below the world size 4"), "{e}");
         let e = LaunchEnv::discover(None, env(&[("MASTER_PORT", "http")])).unwrap_err();
         assert_eq!(e.name, "MASTER_PORT");
+        let e = LaunchEnv::discover(
+            None,
+            env(&[("SLURM_PROCID", "1"), ("SLURM_STEP_NUM_TASKS", "many")]),
+        )
+        .unwrap_err();
+        assert_eq!(e.name, "SLURM_STEP_NUM_TASKS");
     }
 }

@@ -33,14 +33,14 @@ pub use hooks::{
     GradCallback, GradHookBackend, GradHooks, HookGradients, ReadyOrder, hook_group, ready_order,
 };
 pub use in_process::InProcess;
-pub use launch::{LaunchEnv, LaunchError, LaunchSource};
+pub use launch::{LaunchEnv, LaunchError, LaunchSource, cuda_device_index};
 pub use link::{Delayed, LinkModel};
 pub use plan::{
     Bucket, BucketPlan, PlannedParam, TiedEmbedding, TiedSplit, bucket_plan, first_difference,
 };
 pub use recheck::DeliveryCheck;
 pub use reducer::{ReducedStep, Reducer, StepTimings};
-pub use rendezvous::{RendezvousError, exchange_unique_id};
+pub use rendezvous::{RendezvousError, exchange_unique_id, rendezvous_name};
 pub use tied::{DECODER_WEIGHT, WORD_EMBEDDINGS};
 
 use burn::tensor::backend::Backend;

@@ -23,7 +23,16 @@
 //! ([`super::Reducer::finalize_backward`]) has seen NCCL finish.
 //!
 //! The unique id that joins the ranks is made by rank 0 ([`new_unique_id`]) and handed to the
-//! others by MPI ([`Nccl::bootstrap`]) or over TCP ([`super::rendezvous`]).
+//! others by MPI ([`Nccl::bootstrap`]) or over TCP ([`super::rendezvous`]). Joining
+//! (`ncclCommInitRank`) blocks until every rank has joined; it runs on a thread of its own and
+//! is given up after the collective timeout, naming the operation.
+//!
+//! Note [A timed-out collective]: when a wait on NCCL's stream runs out of time, NCCL's
+//! kernel may still be reading and writing the bucket. Returning the bucket's memory to
+//! CubeCL's pool would let the next tensors of this process take memory that NCCL writes
+//! later. So a timed-out bucket is never released (its handle is leaked, the process is
+//! about to stop with the error anyway) and the communicator refuses every later operation;
+//! it is aborted when dropped (`ncclCommAbort`).
 
 use std::any::Any;
 use std::sync::Arc;
@@ -123,7 +132,16 @@ pub struct Nccl {
     stream: Arc<CudaStream>,
     timeout: Duration,
     seq: u64,
+    /// The operation that timed out, after which nothing else may run (Note [A timed-out
+    /// collective]).
+    broken: Option<String>,
 }
+
+/// A communicator handed from the joining thread (NCCL allows a communicator to move between
+/// threads; see `unsafe impl Send for Nccl`).
+struct Joined(Comm);
+// SAFETY: as for `Nccl`: the handle is used by one thread at a time.
+unsafe impl Send for Joined {}
 
 // SAFETY: a `Comm` is an NCCL communicator handle plus its stream; NCCL allows a communicator
 // to be used from any thread as long as calls are not concurrent. An `Nccl` is moved to the
@@ -152,13 +170,42 @@ impl Nccl {
         // The device's primary context, which CubeCL's CUDA runtime uses too.
         let context = CudaContext::new(local_rank).map_err(nccl_error)?;
         let stream = context.new_stream().map_err(nccl_error)?;
-        let comm = Comm::from_rank(stream.clone(), rank, world_size, Id::uninit(internal))
-            .map_err(nccl_error)?;
+        // ncclCommInitRank waits for every rank: on a thread of its own, given up after the
+        // timeout (the thread stays blocked; the process stops with the error).
+        let (sender, receiver) = std::sync::mpsc::channel();
+        let join_stream = stream.clone();
+        std::thread::Builder::new()
+            .name("nccl-join".into())
+            .spawn(move || {
+                let joined = join_stream
+                    .context()
+                    .bind_to_thread()
+                    .map_err(nccl_error)
+                    .and_then(|()| {
+                        Comm::from_rank(join_stream, rank, world_size, Id::uninit(internal))
+                            .map_err(nccl_error)
+                    });
+                let _ = sender.send(joined.map(Joined));
+            })
+            .map_err(|e| nccl_error(format!("starting the joining thread: {e}")))?;
+        let comm = match receiver.recv_timeout(timeout) {
+            Ok(joined) => joined?.0,
+            Err(_) => {
+                return Err(CommError::Timeout {
+                    rank,
+                    op: "joining the NCCL communicator (ncclCommInitRank)",
+                    seq: 0,
+                    timeout,
+                    missing: Vec::new(),
+                });
+            }
+        };
         Ok(Self {
             comm,
             stream,
             timeout,
             seq: 0,
+            broken: None,
         })
     }
 
@@ -206,9 +253,25 @@ impl Nccl {
         Ok(())
     }
 
-    fn next_seq(&mut self) -> u64 {
+    /// The next operation's sequence number; an error once an operation has timed out (Note
+    /// [A timed-out collective]).
+    fn next_seq(&mut self) -> Result<u64, CommError> {
+        if let Some(op) = &self.broken {
+            return Err(nccl_error(format!(
+                "the communicator is unusable after {op} timed out"
+            )));
+        }
         self.seq += 1;
-        self.seq - 1
+        Ok(self.seq - 1)
+    }
+
+    /// [`Nccl::wait`], marking the communicator unusable when it times out.
+    fn wait_or_break(&mut self, op: &'static str, seq: u64) -> Result<(), CommError> {
+        let waited = self.wait(op, seq);
+        if waited.is_err() {
+            self.broken = Some(format!("{op} #{seq}"));
+        }
+        waited
     }
 }
 
@@ -231,7 +294,7 @@ where
         bucket: Tensor<CubeBackend<R, F, I, BT>, 1>,
         op: ReduceOp,
     ) -> Result<Tensor<CubeBackend<R, F, I, BT>, 1>, CommError> {
-        let seq = self.next_seq();
+        let seq = self.next_seq()?;
         let mut tensor: CubeTensor<R> = bucket.into_primitive().tensor();
         if !matches!(tensor.dtype, DType::F32 | DType::BF16) {
             return Err(nccl_error(format!(
@@ -259,7 +322,12 @@ where
         } else {
             self.all_reduce_in_place::<f32>(ptr, len, op)?;
         }
-        self.wait("allreduce", seq)?;
+        if let Err(e) = self.wait_or_break("allreduce", seq) {
+            // Note [A timed-out collective]: NCCL may still write this memory.
+            std::mem::forget(keep_alive);
+            std::mem::forget(tensor);
+            return Err(e);
+        }
         drop(keep_alive);
         Ok(Tensor::from_primitive(TensorPrimitive::Float(tensor)))
     }
@@ -301,7 +369,7 @@ impl Collective for Nccl {
     }
 
     fn allreduce(&mut self, data: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
-        let seq = self.next_seq();
+        let seq = self.next_seq()?;
         let send = self.stream.clone_htod(data).map_err(nccl_error)?;
         let mut recv = self
             .stream
@@ -310,22 +378,22 @@ impl Collective for Nccl {
         self.comm
             .all_reduce(&send, &mut recv, &nccl_op(op))
             .map_err(nccl_error)?;
-        self.wait("allreduce", seq)?;
+        self.wait_or_break("allreduce", seq)?;
         self.stream.memcpy_dtoh(&recv, data).map_err(nccl_error)
     }
 
     fn broadcast(&mut self, data: &mut [f32], root: usize) -> Result<(), CommError> {
-        let seq = self.next_seq();
+        let seq = self.next_seq()?;
         let mut buffer = self.stream.clone_htod(data).map_err(nccl_error)?;
         self.comm
             .broadcast_in_place(&mut buffer, root as i32)
             .map_err(nccl_error)?;
-        self.wait("broadcast", seq)?;
+        self.wait_or_break("broadcast", seq)?;
         self.stream.memcpy_dtoh(&buffer, data).map_err(nccl_error)
     }
 
     fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
-        let seq = self.next_seq();
+        let seq = self.next_seq()?;
         let n = self.world_size();
         // Lengths first (NCCL's allgather needs equal counts), then the padded bytes.
         let mut lengths = vec![0f32; n];
@@ -341,7 +409,7 @@ impl Collective for Nccl {
             .alloc_zeros::<u8>(width * n)
             .map_err(nccl_error)?;
         self.comm.all_gather(&send, &mut recv).map_err(nccl_error)?;
-        self.wait("allgather", seq)?;
+        self.wait_or_break("allgather", seq)?;
         let mut all = vec![0u8; width * n];
         self.stream
             .memcpy_dtoh(&recv, &mut all)
@@ -354,7 +422,7 @@ impl Collective for Nccl {
     }
 
     fn alltoall(&mut self, send: &[u8]) -> Result<Vec<u8>, CommError> {
-        let seq = self.next_seq();
+        let seq = self.next_seq()?;
         let n = self.world_size();
         let block = alltoall_block(seq, send, n)?;
         let rank = self.rank();
@@ -383,7 +451,7 @@ impl Collective for Nccl {
                     group.recv(r, peer as i32).map_err(nccl_error)?;
                 }
             }
-            self.wait("alltoall", seq)?;
+            self.wait_or_break("alltoall", seq)?;
             for (peer, buffer) in device_recv.iter().enumerate() {
                 if peer != rank {
                     self.stream

@@ -1,8 +1,7 @@
-//! Rendezvous over TCP: rank 0 hands a small blob (NCCL's 128-byte unique id) to every other
-//! rank, at `MASTER_ADDR:MASTER_PORT`, so that GPU jobs started by torchrun or srun need no
-//! MPI. PyTorch does the same for `ProcessGroupNCCL`: rank 0 serves a `TCPStore` at
-//! `MASTER_ADDR:MASTER_PORT` and the others read the unique id from it (`env://`
-//! initialisation).
+//! ember's own rendezvous server, for launchers that leave `MASTER_PORT` free (srun, a plain
+//! environment, torchrun without its agent store): rank 0 listens on `MASTER_PORT` and hands
+//! the blob to every other rank, as PyTorch's rank 0 serves a `TCPStore` there for `env://`
+//! initialisation.
 //!
 //! Protocol (one connection per rank, big-endian integers): the rank sends
 //! `b"EMBER-RDZV"`, a version byte, its rank and its world size as `u32`; rank 0 answers with a
@@ -16,70 +15,12 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
+use super::RendezvousError;
+
 const MAGIC: &[u8; 10] = b"EMBER-RDZV";
 const VERSION: u8 = 1;
 /// Largest blob or message accepted (a unique id is 128 bytes).
 const MAX_PAYLOAD: u32 = 1 << 16;
-
-/// A rendezvous that failed; each variant names the address.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum RendezvousError {
-    /// Rank 0 never answered at the address.
-    #[error(
-        "rendezvous at {addr}: no answer from rank 0 within {timeout_s:.1} s (last attempt: \
-         {last_error}); is rank 0 running, and are MASTER_ADDR and MASTER_PORT the same on every \
-         rank?"
-    )]
-    NoRankZero {
-        /// `MASTER_ADDR:MASTER_PORT`.
-        addr: String,
-        /// The timeout in force, seconds.
-        timeout_s: f64,
-        /// The last connection error.
-        last_error: String,
-    },
-    /// Rank 0 waited in vain for some ranks.
-    #[error("rendezvous at {addr}: rank(s) {missing:?} did not arrive within {timeout_s:.1} s")]
-    MissingRanks {
-        /// `MASTER_ADDR:MASTER_PORT`.
-        addr: String,
-        /// The ranks that never connected.
-        missing: Vec<usize>,
-        /// The timeout in force, seconds.
-        timeout_s: f64,
-    },
-    /// A rank was started with another world size than rank 0.
-    #[error(
-        "rendezvous at {addr}: rank {rank} has world size {theirs} but rank 0 has {ours}: start \
-         every rank with the same WORLD_SIZE"
-    )]
-    WorldMismatch {
-        /// `MASTER_ADDR:MASTER_PORT`.
-        addr: String,
-        /// The rank with the other world size.
-        rank: usize,
-        /// Its world size.
-        theirs: usize,
-        /// Rank 0's.
-        ours: usize,
-    },
-    /// Rank 0 refused this rank (rank 0's message), or a peer broke the protocol.
-    #[error("rendezvous at {addr}: {message}")]
-    Refused {
-        /// `MASTER_ADDR:MASTER_PORT`.
-        addr: String,
-        /// What was wrong.
-        message: String,
-    },
-    /// The address cannot be used (no such host, port taken).
-    #[error("rendezvous at {addr}: {reason}")]
-    Address {
-        /// `MASTER_ADDR:MASTER_PORT`.
-        addr: String,
-        /// The operating system's message, with a hint.
-        reason: String,
-    },
-}
 
 /// Hands `make_blob()`'s bytes from rank 0 to every rank through `host:port` and returns
 /// them (on rank 0 too). Rank 0 listens on every interface at `port` and returns once each
@@ -89,7 +30,7 @@ pub enum RendezvousError {
 /// # Errors
 /// [`RendezvousError`] naming `host:port`: rank 0 never answered, a rank never came, world
 /// sizes differ (both sides fail), a rank came twice or out of range, the port is taken.
-pub fn exchange_unique_id(
+pub fn exchange(
     host: &str,
     port: u16,
     rank: usize,
@@ -381,14 +322,9 @@ mod tests {
                 .map(|rank| {
                     let blob = blob.clone();
                     scope.spawn(move || {
-                        exchange_unique_id(
-                            "127.0.0.1",
-                            port,
-                            rank,
-                            3,
-                            Duration::from_secs(20),
-                            || Ok(blob),
-                        )
+                        exchange("127.0.0.1", port, rank, 3, Duration::from_secs(20), || {
+                            Ok(blob)
+                        })
                     })
                 })
                 .collect();
@@ -403,7 +339,7 @@ mod tests {
     fn a_rank_without_rank_zero_times_out_naming_the_address() {
         let port = free_port();
         let started = Instant::now();
-        let error = exchange_unique_id("127.0.0.1", port, 1, 2, Duration::from_millis(600), || {
+        let error = exchange("127.0.0.1", port, 1, 2, Duration::from_millis(600), || {
             unreachable!("only rank 0 makes the id")
         })
         .unwrap_err();
@@ -421,7 +357,7 @@ mod tests {
     #[test]
     fn rank_zero_names_the_ranks_that_never_came() {
         let port = free_port();
-        let error = exchange_unique_id("127.0.0.1", port, 0, 3, Duration::from_millis(400), || {
+        let error = exchange("127.0.0.1", port, 0, 3, Duration::from_millis(400), || {
             Ok(vec![1; 128])
         })
         .unwrap_err();

@@ -1,7 +1,9 @@
-//! Multi-process data parallelism through MPI: `mpirun -np 2` ends with the same parameters
-//! as two in-process ranks. The test build enables xtask's `mpi` feature (xtask/Cargo.toml's
-//! dev-dependencies); it needs OpenMPI (Debian: libopenmpi-dev, openmpi-bin and libclang-dev,
-//! which `.ci/run` installs).
+//! ember under the launchers users start it with. Multi-process data parallelism through MPI:
+//! `mpirun -np 2` ends with the same parameters as two in-process ranks. The test build
+//! enables xtask's `mpi` feature (xtask/Cargo.toml's dev-dependencies); it needs OpenMPI
+//! (Debian: libopenmpi-dev, openmpi-bin and libclang-dev, which `.ci/run` installs). And a
+//! real torchrun, where the machine has PyTorch: its ranks find each other through the
+//! agent's store.
 
 use std::path::Path;
 use std::process::Command;
@@ -199,4 +201,85 @@ fn a_rank_stalled_in_allgather_ends_the_job_within_the_timeout() {
     );
     // Rank 1 sleeps 60 s: ending well before it shows the timeout, not rank 1, ended the job.
     assert!(elapsed < 40.0, "the job took {elapsed:.1} s to end");
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// torchrun (`EMBER_TORCHRUN`, else `torchrun` on the PATH, else the one beside
+/// `EMBER_PYTHON`), if this machine has one.
+fn torchrun() -> Option<std::path::PathBuf> {
+    if let Some(path) = std::env::var_os("EMBER_TORCHRUN") {
+        return Some(path.into());
+    }
+    let beside_python =
+        std::env::var_os("EMBER_PYTHON").map(|p| Path::new(&p).with_file_name("torchrun"));
+    let on_path = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|dir| dir.join("torchrun"));
+    beside_python
+        .into_iter()
+        .chain(on_path)
+        .find(|p| p.is_file())
+}
+
+/// Real torchrun, as a user starts a GPU job, without a GPU: its agent holds `MASTER_PORT`
+/// (a worker that binds it fails), and ember's ranks join the agent's c10d store instead
+/// (Note [Rendezvous through the agent's store]) and all hold rank 0's blob. On a machine
+/// without PyTorch the same exchange is checked against PyTorch's recorded bytes
+/// (`recorded_exchange_replays_byte_for_byte` in the trainer's unit tests); this test then
+/// says so and checks nothing more.
+#[test]
+fn torchrun_ranks_meet_in_the_agents_store() {
+    let Some(torchrun) = torchrun() else {
+        eprintln!(
+            "no torchrun here (set EMBER_TORCHRUN, or EMBER_PYTHON to a Python with torch): the \
+             rendezvous is covered by the recorded exchange only"
+        );
+        return;
+    };
+    for (nodes, per_node) in [(1, 2), (1, 3)] {
+        let output = Command::new(&torchrun)
+            .args([
+                &format!("--nnodes={nodes}"),
+                &format!("--nproc-per-node={per_node}"),
+                "--master-addr=127.0.0.1",
+                &format!(
+                    "--master-port={}",
+                    29_400 + per_node * 7 + std::process::id() % 500
+                ),
+                "--no-python",
+                env!("CARGO_BIN_EXE_ember"),
+                "comm-check",
+                "--rendezvous",
+                "--timeout",
+                "60",
+            ])
+            .env("RUST_LOG", "warn")
+            .output()
+            .expect("running torchrun");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            output.status.success(),
+            "torchrun failed:\n{stdout}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let lines: Vec<&str> = stdout.lines().filter(|l| l.starts_with("rank ")).collect();
+        assert_eq!(lines.len(), per_node as usize, "{stdout}");
+        let digests: std::collections::BTreeSet<&str> = lines
+            .iter()
+            .map(|l| l.rsplit(' ').next().unwrap())
+            .collect();
+        assert_eq!(digests.len(), 1, "every rank holds rank 0's blob: {stdout}");
+        assert!(
+            lines.iter().all(|l| l.contains("torchrun's agent store")),
+            "{stdout}"
+        );
+    }
 }

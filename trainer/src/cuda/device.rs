@@ -1,0 +1,104 @@
+//! The GPU a rank takes: the driver asked how many GPUs this process sees, the rank's index
+//! among them ([`crate::parallel::cuda_device_index`]), and what the log says of it.
+
+use cudarc::driver::result;
+use cudarc::driver::sys::CUdevice_attribute;
+
+/// The library names cudarc tries for `name` ("nccl", "nvrtc", "cuda"), in its order (Note
+/// [CUDA library names] in `libs.rs`).
+pub fn cudarc_names(name: &str) -> Vec<String> {
+    cudarc::get_lib_name_candidates(name)
+}
+
+/// A GPU as the start-up log names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Gpu {
+    /// CUDA's ordinal among the visible GPUs.
+    pub index: usize,
+    /// How many GPUs the process sees.
+    pub visible: usize,
+    /// The product name ("NVIDIA H200").
+    pub name: String,
+    /// `GPU-xxxxxxxx-xxxx-...`, as `nvidia-smi -L` prints it.
+    pub uuid: String,
+    /// `0000:18:00.0`, as `nvidia-smi` prints it.
+    pub bus_id: String,
+}
+
+impl std::fmt::Display for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "GPU {} of {} visible: {}, {}, bus {}",
+            self.index, self.visible, self.name, self.uuid, self.bus_id
+        )
+    }
+}
+
+fn driver_error(what: &str, e: result::DriverError) -> String {
+    let name = e
+        .error_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("{e:?}"));
+    format!("{what}: {name}")
+}
+
+/// The GPU for local rank `local_rank` among those the driver shows this process
+/// (`CUDA_VISIBLE_DEVICES`, read by the driver, is named in errors).
+///
+/// # Errors
+/// One line: the driver does not start (no GPU, a driver too old), no GPU is visible, or the
+/// local rank is past the visible GPUs.
+pub fn select_gpu(local_rank: usize) -> Result<Gpu, String> {
+    let visible_devices = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    result::init().map_err(|e| {
+        driver_error(
+            &format!(
+                "the NVIDIA driver did not start (cuInit; CUDA_VISIBLE_DEVICES={})",
+                visible_devices.as_deref().unwrap_or("unset")
+            ),
+            e,
+        )
+    })?;
+    let visible = result::device::get_count()
+        .map_err(|e| driver_error("counting the GPUs (cuDeviceGetCount)", e))?
+        as usize;
+    let index =
+        crate::parallel::cuda_device_index(local_rank, visible, visible_devices.as_deref())?;
+    let device = result::device::get(index as i32)
+        .map_err(|e| driver_error(&format!("GPU {index} (cuDeviceGet)"), e))?;
+    let name = result::device::get_name(device).unwrap_or_else(|_| "unknown".into());
+    let uuid = result::device::get_uuid(device)
+        .map(|u| format_uuid(&u.bytes.map(|b| b as u8)))
+        .unwrap_or_else(|_| "GPU-unknown".into());
+    let attribute = |a| {
+        // SAFETY: a device handle from cuDeviceGet and an attribute of the driver's enum.
+        unsafe { result::device::get_attribute(device, a) }.unwrap_or(0)
+    };
+    let bus_id = format!(
+        "{:04x}:{:02x}:{:02x}.0",
+        attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID),
+        attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID),
+        attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID),
+    );
+    Ok(Gpu {
+        index,
+        visible,
+        name,
+        uuid,
+        bus_id,
+    })
+}
+
+/// A UUID's 16 bytes as `nvidia-smi` writes them: `GPU-8-4-4-4-12` hex digits.
+fn format_uuid(bytes: &[u8; 16]) -> String {
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..]
+    )
+}

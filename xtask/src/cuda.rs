@@ -1,0 +1,112 @@
+//! Starting CUDA in this process, before anything else touches it: the GPU libraries found by
+//! the names machines ship (Note [CUDA library names] in `trainer/src/cuda/libs.rs`), this
+//! process started again when one had to be linked under cudarc's name, and the rank's GPU
+//! chosen among those it sees and named in the log.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, anyhow, bail};
+use ember_trainer::cuda::device::{cudarc_names, select_gpu};
+use ember_trainer::cuda::libs::{Library, Located, link_folder, locate};
+use ember_trainer::parallel::LaunchEnv;
+
+/// Set in the environment of the process started again: the folder of links it was given.
+const LINKED_VAR: &str = "EMBER_CUDA_LINKS";
+
+/// Makes sure the driver, NVRTC and (`nccl`) NCCL open, then picks the GPU of `launch`'s
+/// local rank and logs it; returns its CUDA ordinal. Call before CUDA, MPI or the rendezvous
+/// start: it may start this process again (same id, same arguments).
+///
+/// # Errors
+/// One line: a library not found (every name and folder tried), no driver or GPU, a local
+/// rank past the visible GPUs.
+pub fn start(launch: &LaunchEnv, nccl: bool) -> Result<usize> {
+    ensure_libraries(nccl)?;
+    let gpu = select_gpu(launch.local_rank).map_err(|e| anyhow!(e))?;
+    tracing::info!(
+        "rank {} of {} (local rank {}): {gpu}",
+        launch.rank,
+        launch.world_size,
+        launch.local_rank
+    );
+    Ok(gpu.index)
+}
+
+/// Finds each library; links the ones found under other names and starts this process again.
+fn ensure_libraries(nccl: bool) -> Result<()> {
+    let var = |name: &str| std::env::var(name).ok();
+    let exe = std::env::current_exe().context("locating this binary")?;
+    let mut libraries = vec![
+        Library::driver(cudarc_names("cuda")),
+        Library::nvrtc(cudarc_names("nvrtc")),
+    ];
+    if nccl {
+        libraries.push(Library::nccl(cudarc_names("nccl")));
+    }
+    let mut links: Vec<(String, PathBuf)> = Vec::new();
+    let mut missing = Vec::new();
+    for library in &libraries {
+        match locate(library, &var, exe.parent()) {
+            Ok(Located::Loadable) => {}
+            Ok(Located::At(path)) => {
+                tracing::info!(
+                    "{}: {} (cudarc opens it as {})",
+                    library.what,
+                    path.display(),
+                    library.cudarc_names[0]
+                );
+                links.push((library.cudarc_names[0].clone(), path));
+            }
+            // Without a driver nothing else matters.
+            Err(e) if library.override_var.is_none() => bail!("no GPU here: {e}"),
+            Err(e) => missing.push(e),
+        }
+    }
+    if !missing.is_empty() {
+        bail!("{}", missing.join("; "));
+    }
+    if links.is_empty() {
+        return Ok(());
+    }
+    if let Some(folder) = std::env::var_os(LINKED_VAR) {
+        bail!(
+            "{} still do not open through the links in {} (LD_LIBRARY_PATH={})",
+            links
+                .iter()
+                .map(|(name, _)| name.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+            Path::new(&folder).display(),
+            var("LD_LIBRARY_PATH").unwrap_or_default()
+        );
+    }
+    let folder = link_folder(&links, &ember_data::embedded::cache_dir()).map_err(|e| {
+        anyhow!("linking the GPU libraries under cudarc's names: {e} (set EMBER_CACHE_DIR)")
+    })?;
+    // The links first, then each library's own folder (NVRTC opens its builtins from there),
+    // then what was there.
+    let mut path = vec![folder.clone()];
+    path.extend(
+        links
+            .iter()
+            .filter_map(|(_, t)| t.parent().map(Path::to_path_buf)),
+    );
+    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+        path.extend(std::env::split_paths(&old));
+    }
+    let joined = std::env::join_paths(path).context("LD_LIBRARY_PATH")?;
+    tracing::info!(
+        "starting again with {} first on LD_LIBRARY_PATH",
+        folder.display()
+    );
+    let mut args = std::env::args_os();
+    let arg0 = args.next().unwrap_or_else(|| exe.clone().into_os_string());
+    let error = std::process::Command::new(&exe)
+        .arg0(arg0)
+        .args(args)
+        .env("LD_LIBRARY_PATH", joined)
+        .env(LINKED_VAR, &folder)
+        .exec();
+    Err(anyhow!("starting {} again: {error}", exe.display()))
+}
