@@ -209,6 +209,26 @@ pub fn lamb_multi_tensor<B: FusedOps>(
         .collect()
 }
 
+/// `Σ x²` of one tensor in a fixed order ([`FusedOps::sum_squares_multi_tensor`]): a squared
+/// norm that every process computes to the same bits from the same values (LAMB's trust
+/// ratios on every rank).
+///
+/// # Shapes
+/// `x` any → `[1]`
+pub fn sum_squares<B: FusedOps, const D: usize>(x: Tensor<B, D>) -> Tensor<B, 1> {
+    let n = x.shape().num_elements();
+    float(B::sum_squares_multi_tensor(vec![prim(x.reshape([n]))]))
+}
+
+/// `Σ x` of one tensor in a fixed order ([`FusedOps::sum_ordered`]).
+///
+/// # Shapes
+/// `x` any → `[1]`
+pub fn sum_ordered<B: FusedOps, const D: usize>(x: Tensor<B, D>) -> Tensor<B, 1> {
+    let n = x.shape().num_elements();
+    float(B::sum_ordered(prim(x.reshape([n]))))
+}
+
 #[cfg(test)]
 mod tests {
     use burn::backend::{Autodiff, NdArray};

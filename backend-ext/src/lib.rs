@@ -69,7 +69,7 @@ pub use cross_entropy::CrossEntropyForward;
 pub use dropout::{DropoutScope, DropoutSpec, keep_mask, reseed_dropout};
 pub use functions::{
     attention, bias_dropout_add_layer_norm, bias_gelu, cross_entropy, dense, dense_module, dropout,
-    embedding, lamb_multi_tensor, reshape, tied_decoder_weight,
+    embedding, lamb_multi_tensor, reshape, sum_ordered, sum_squares, tied_decoder_weight,
 };
 pub use host_gemm::{gemm_parts, set_gemm_parts};
 
@@ -389,7 +389,9 @@ pub trait FusedOps: Backend {
     }
 
     /// `Σ x²` of each tensor (squared L2 norms), accumulated in f32 on the device: LAMB's
-    /// norms and the global gradient norm of clipping (apex's `multi_tensor_l2norm`).
+    /// norms and the global gradient norm of clipping (apex's `multi_tensor_l2norm`), in a
+    /// fixed order (the same bits in every process for the same input, as
+    /// [`FusedOps::sum_ordered`]).
     ///
     /// # Shapes
     /// `xs` (not empty), each flat `[n_i]` → `[xs.len()]`
@@ -415,6 +417,19 @@ pub trait FusedOps: Backend {
             })
             .collect();
         prim(Tensor::cat(sums, 0))
+    }
+
+    /// `Σ x` of a flat tensor in a fixed order: the same bits on every run and in every
+    /// process for the same input (Note [Ranks stay one model] in ember-trainer's
+    /// `parallel/consistency.rs`: what ranks compute from the same averaged gradient must be
+    /// equal, which an autotuned or atomic reduction does not promise). The default body is
+    /// Burn's `sum` (NdArray adds in order); CubeCL backends add strided partials per unit,
+    /// then a fixed tree, in f32.
+    ///
+    /// # Shapes
+    /// `x` `[n]` → `[1]`
+    fn sum_ordered(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        prim(float::<Self, 1>(x).sum())
     }
 
     /// The second half of a LAMB step for many tensors: `w_i ← w_i − lr · r_i · u_i` with the

@@ -330,6 +330,12 @@ pub struct ParallelConfig {
     /// The element type buckets travel in: `f32`, or `bf16` (half the bytes on the wire,
     /// the sum accumulated back into f32; [`AllreduceDtype`]). Default: f32.
     pub allreduce_dtype: AllreduceDtype,
+    /// Every this many steps, compare a digest of every parameter across the ranks (one
+    /// read of the parameters to the host and a small allgather) and stop at the first
+    /// tensor that differs (Note [Ranks stay one model] in `parallel/consistency.rs`); they
+    /// are always compared at start. 0: only at start. Unset: before every checkpoint.
+    /// Default: unset.
+    pub check_every: Option<u64>,
 }
 
 impl Default for ParallelConfig {
@@ -345,6 +351,7 @@ impl Default for ParallelConfig {
             tied_embedding: TiedEmbedding::Auto,
             check_gradients_every: 100,
             allreduce_dtype: AllreduceDtype::F32,
+            check_every: None,
         }
     }
 }

@@ -125,6 +125,20 @@ pub enum TrainError {
         /// That line on `rank`.
         ours: String,
     },
+    /// A rank's parameters differ from rank 0's (Note [Ranks stay one model]).
+    #[error(
+        "{when}, rank {rank}'s {name} differs from rank 0's: the ranks no longer train one \
+         model (a rank computed its update differently); the run stops rather than train on \
+         as several"
+    )]
+    ParametersDiverged {
+        /// The point of the run ("at start", "after step 300").
+        when: String,
+        /// The first rank whose parameters differ.
+        rank: usize,
+        /// The first differing parameter, in module order.
+        name: String,
+    },
     /// Launch variables that cannot be used.
     #[error(transparent)]
     Launch(#[from] crate::parallel::LaunchError),

@@ -84,7 +84,7 @@ fn adam_hyper(
     }
 }
 
-impl<B: Backend> SimpleOptimizer<B> for Lamb {
+impl<B: FusedOps> SimpleOptimizer<B> for Lamb {
     type State<const D: usize> = LambState<B, D>;
 
     fn step<const D: usize>(
@@ -121,9 +121,10 @@ impl<B: Backend> SimpleOptimizer<B> for Lamb {
                 }),
             );
         }
-        // Trust ratio kept on the device: no host round trip per tensor.
-        let w_norm = tensor.clone().square().sum().sqrt(); // [1]
-        let u_norm = update.clone().square().sum().sqrt(); // [1]
+        // Trust ratio kept on the device: no host round trip per tensor; the norms summed in a
+        // fixed order, the same on every rank (Note [Ranks stay one model]).
+        let w_norm = ember_backend_ext::sum_squares(tensor.clone()).sqrt(); // [1]
+        let u_norm = ember_backend_ext::sum_squares(update.clone()).sqrt(); // [1]
         let ratio = (w_norm.clone() / u_norm.clone().clamp_min(f32::MIN_POSITIVE))
             .mask_fill(w_norm.lower_equal_elem(0.0), 1.0)
             .mask_fill(u_norm.lower_equal_elem(0.0), 1.0);

@@ -155,12 +155,11 @@ pub fn train_launched(
     launch: &LaunchEnv,
 ) -> Result<TrainSummary> {
     use ember_trainer::parallel::{Collective, Communicator};
-    // Ranks of this machine share its cores (mpirun: OMPI_COMM_WORLD_LOCAL_SIZE).
-    let local_ranks = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(1);
-    ember_trainer::blas::share_cores(local_ranks, config.model.gemm_threads);
+    // Ranks of this machine share its cores (mpirun: OMPI_COMM_WORLD_LOCAL_SIZE; srun).
+    ember_trainer::blas::share_cores(
+        launch.local_world_size.unwrap_or(1),
+        config.model.gemm_threads,
+    );
     let comm = ember_trainer::parallel::mpi::Mpi::init(std::time::Duration::from_secs_f64(
         config.parallel.timeout_s,
     ))?;

@@ -2,6 +2,7 @@
 
 pub mod counting;
 mod kernels;
+mod multi_tensor_kernels;
 
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape, TensorMetadata};
@@ -119,7 +120,28 @@ fn numel<R: CubeRuntime>(t: &CubeTensor<R>) -> usize {
     t.shape().num_elements()
 }
 
-/// One launch of [`kernels::multi_adam_kernel`].
+/// `[R, C]` → `[R]`, each row summed in a fixed order
+/// ([`multi_tensor_kernels::sum_rows_ordered_kernel`]).
+fn sum_rows_ordered<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
+    let x = into_contiguous(x);
+    let [rows, cols] = x.shape().dims();
+    let out = empty_like(&x, Shape::new([rows]));
+    let (count, dim, block) = row_launch(rows, cols);
+    multi_tensor_kernels::sum_rows_ordered_kernel::launch::<R>(
+        &out.client,
+        count,
+        dim,
+        x.clone().into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        rows as u32,
+        cols as u32,
+        block as u32,
+        storage(x.dtype),
+    );
+    out
+}
+
+/// One launch of [`multi_tensor_kernels::multi_adam_kernel`].
 fn adam_launch<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     tensors: Vec<AdamTensors<CubeBackend<R, F, I, BT>>>,
     hyper: AdamHyper,
@@ -162,7 +184,7 @@ fn adam_launch<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
             .map(|o| f(o).clone().into_tensor_arg())
             .collect()
     };
-    kernels::multi_adam_kernel::launch::<R>(
+    multi_tensor_kernels::multi_adam_kernel::launch::<R>(
         &client,
         count,
         dim,
@@ -485,7 +507,7 @@ where
         for group in launches(xs, per_launch, |x| x.dtype) {
             let (count, _, _) = multi_launch(largest, group.len());
             let len = group.len();
-            kernels::multi_sum_squares_kernel::launch::<R>(
+            multi_tensor_kernels::multi_sum_squares_kernel::launch::<R>(
                 &partials.client,
                 count,
                 dim,
@@ -497,8 +519,13 @@ where
             );
             first += len;
         }
-        let sums = Self::float_sum_dim(partials, 1);
-        Self::float_reshape(sums, Shape::new([total]))
+        // Note [Ranks stay one model]: the partials added in a fixed order.
+        sum_rows_ordered(partials)
+    }
+
+    fn sum_ordered(x: CubeTensor<R>) -> CubeTensor<R> {
+        let n = numel(&x);
+        sum_rows_ordered(Self::float_reshape(into_contiguous(x), Shape::new([1, n])))
     }
 
     fn lamb_apply_multi_tensor(
@@ -527,7 +554,7 @@ where
                 .iter()
                 .map(|(p, _)| empty_like(p, p.shape()))
                 .collect();
-            kernels::multi_lamb_apply_kernel::launch::<R>(
+            multi_tensor_kernels::multi_lamb_apply_kernel::launch::<R>(
                 &param_sq.client,
                 count,
                 dim,

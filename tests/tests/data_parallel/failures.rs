@@ -66,6 +66,68 @@ fn ranks_that_disagree_are_refused_at_start_up() {
     );
 }
 
+/// Note [Ranks stay one model]: one rank's weight moved by the last bit of one element is
+/// caught by the parameter check, naming the tensor and the rank, on every rank; equal
+/// replicas pass. (Every multi-rank run of these tests is checked at start and before each
+/// checkpoint, so the check raises no false alarm over their clip modes, optimizers, 1-bit
+/// stages and device buckets either.)
+#[test]
+fn a_rank_whose_weights_drifted_is_caught_naming_the_tensor() {
+    let _serial = serial();
+    let model = tiny_model(2);
+    let target = "bert.encoder.layer.1.intermediate.dense.weight";
+    let outcomes = on_ranks(2, Duration::from_secs(30), |rank, comm| {
+        let comm = CommThread::<NdArray>::host(Box::new(comm));
+        let equal = check_parameters_agree::<B, _>(&model, &comm, "at start".into());
+        let mut replica = model.clone();
+        if rank == 1 {
+            // The last bit of one element of one tensor.
+            struct Nudge(ParamId);
+            impl burn::module::ModuleMapper<B> for Nudge {
+                fn map_float<const D: usize>(
+                    &mut self,
+                    param: burn::module::Param<burn::tensor::Tensor<B, D>>,
+                ) -> burn::module::Param<burn::tensor::Tensor<B, D>> {
+                    if param.id != self.0 {
+                        return param;
+                    }
+                    param.map(|t| {
+                        let shape = t.shape();
+                        let mut values = t.to_data().convert::<f32>().into_vec::<f32>().unwrap();
+                        values[7] = f32::from_bits(values[7].to_bits() ^ 1);
+                        burn::tensor::Tensor::from_data(
+                            TensorData::new(values, shape),
+                            &Default::default(),
+                        )
+                        .require_grad()
+                    })
+                }
+            }
+            let id = named_params::<B, _>(&model)
+                .into_iter()
+                .find(|(name, _)| name == target)
+                .unwrap()
+                .1;
+            replica = burn::module::Module::map(replica, &mut Nudge(id));
+        }
+        let drifted = check_parameters_agree::<B, _>(&replica, &comm, "after step 3".into());
+        (equal, drifted)
+    });
+    for (rank, (equal, drifted)) in outcomes.into_iter().enumerate() {
+        assert!(equal.is_ok(), "rank {rank}: {equal:?}");
+        let error = drifted.unwrap_err();
+        assert!(
+            matches!(&error, TrainError::ParametersDiverged { rank: 1, name, .. } if name == target),
+            "rank {rank}: {error}"
+        );
+        let message = error.to_string();
+        assert!(
+            message.contains("after step 3") && message.contains(target),
+            "{message}"
+        );
+    }
+}
+
 /// A communicator that works for `calls` collectives, then fails: `die` drops the rank's
 /// communicator at once (as a killed process), otherwise it stalls until released.
 struct Failing {

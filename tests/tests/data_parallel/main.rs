@@ -32,7 +32,7 @@ use ember_trainer::grads::{named_params, take_grads};
 use ember_trainer::parallel::{
     BucketStorage, ClipMode, Collective, CommError, CommThread, Communicator, DECODER_WEIGHT,
     GradCallback, GradHooks, InProcess, ReduceOp, Reducer, TiedEmbedding, WORD_EMBEDDINGS,
-    check_agreement, hook_group, ready_order,
+    check_agreement, check_parameters_agree, hook_group, ready_order,
 };
 use ember_trainer::{
     PreparedData, RunOptions, TrainConfig, TrainError, bucket_plan, prepare_data,

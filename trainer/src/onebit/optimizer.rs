@@ -250,8 +250,9 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
             if decay > 0.0 {
                 update = update + w.clone().mul_scalar(decay);
             }
-            let w_norm = w.square().sum().sqrt();
-            let u_norm = update.square().sum().sqrt();
+            // Note [Ranks stay one model]: norms in a fixed order, the same on every rank.
+            let w_norm = ember_backend_ext::sum_squares(w).sqrt();
+            let u_norm = ember_backend_ext::sum_squares(update).sqrt();
             let ratio = (w_norm.clone() / u_norm.clone().clamp_min(f32::MIN_POSITIVE))
                 .clamp(s.min_coeff, s.max_coeff)
                 .mask_fill(w_norm.lower_equal_elem(0.0), 1.0)

@@ -58,7 +58,7 @@ impl<B: Backend> Moments<B> for AdamW {
     }
 }
 
-impl<B: Backend> Moments<B> for Lamb {
+impl<B: ember_backend_ext::FusedOps> Moments<B> for Lamb {
     fn moments<const D: usize>(state: LambState<B, D>) -> (Tensor<B, D>, Tensor<B, D>, usize) {
         (state.moment_1, state.moment_2, state.time)
     }

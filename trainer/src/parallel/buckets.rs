@@ -110,8 +110,11 @@ impl<B: Backend> Scalar<B> {
         }
     }
 
-    /// The sum of `values`, all of one kind.
-    pub(crate) fn sum(values: Vec<Self>) -> Self {
+    /// The sum of `values`, all of one kind, in a fixed order (Note [Ranks stay one model]).
+    pub(crate) fn sum(values: Vec<Self>) -> Self
+    where
+        B: FusedOps,
+    {
         let mut host = 0.0;
         let mut device = Vec::new();
         for v in values {
@@ -123,7 +126,7 @@ impl<B: Backend> Scalar<B> {
         if device.is_empty() {
             Scalar::Host(host)
         } else {
-            Scalar::Device(Tensor::cat(device, 0).sum())
+            Scalar::Device(ember_backend_ext::sum_ordered(Tensor::cat(device, 0)))
         }
     }
 
@@ -257,7 +260,9 @@ impl<B: FusedOps> Buffer<B> {
                     .slice([offset..offset + v * h])
                     .reshape([v, h])
                     .select(0, rows.clone()); // [n, H]
-                Scalar::Device((d * l.clone().reshape([ids.len(), h])).sum())
+                Scalar::Device(ember_backend_ext::sum_ordered(
+                    d * l.clone().reshape([ids.len(), h]),
+                ))
             }
             _ => unreachable!("one reducer keeps its buckets in one place"),
         }

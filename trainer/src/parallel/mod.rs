@@ -2,7 +2,8 @@
 //! ([`collective`], [`in_process`], [`link`], [`mpi`], [`nccl`]) owned by a communication thread
 //! ([`comm_thread`]); the bucket plan ([`plan`]); gradient hooks that hand over each layer's
 //! gradients during backward ([`hooks`]); buckets on the device or the host ([`buckets`]),
-//! clipped ([`clip`]) and allreduced by the reducer ([`reducer`], in f32 or [`bf16`]); and how a process finds its
+//! clipped ([`clip`]) and allreduced by the reducer ([`reducer`], in f32 or [`bf16`]); the
+//! check that the ranks still hold one model ([`consistency`]); and how a process finds its
 //! rank and its peers ([`launch`], [`rendezvous`]). See docs/ARCHITECTURE.md, Trainer.
 
 pub mod bf16;
@@ -10,6 +11,7 @@ pub mod buckets;
 pub mod clip;
 pub mod collective;
 pub mod comm_thread;
+pub mod consistency;
 pub mod hooks;
 pub mod in_process;
 pub mod launch;
@@ -29,6 +31,7 @@ pub use buckets::{BucketStorage, Buffer, Scalar};
 pub use clip::{ClipMode, bucket_clip_cap, clip_coefficient, clip_coefficient_device};
 pub use collective::{Collective, CommError, DeviceCollective, ReduceOp, SingleRank};
 pub use comm_thread::{CommThread, Communicator};
+pub use consistency::{check_parameters_agree, parameter_digests};
 pub use hooks::{
     GradCallback, GradHookBackend, GradHooks, HookGradients, ReadyOrder, hook_group, ready_order,
 };

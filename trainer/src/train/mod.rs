@@ -33,7 +33,10 @@ use crate::checkpoint::RunState;
 use crate::eval::{EvalResult, evaluate};
 use crate::loss_scale::LossScaler;
 use crate::mllog::MlLog;
-use crate::parallel::{CommThread, Communicator, GradHookBackend, ReduceOp, check_agreement};
+use crate::parallel::consistency::check_due;
+use crate::parallel::{
+    CommThread, Communicator, GradHookBackend, ReduceOp, check_agreement, check_parameters_agree,
+};
 use crate::{TrainConfig, TrainError};
 
 /// How a run reports while it runs.
@@ -184,6 +187,8 @@ pub fn train_rank<B: GradHookBackend>(
         }
         None => None,
     };
+    // Note [Ranks stay one model]: equal at start (broadcast, loaded or resumed).
+    check_parameters_agree(&model, &comm, "at start".into())?;
     let mut log = start_run(
         config,
         options,
@@ -299,6 +304,9 @@ pub fn train_rank<B: GradHookBackend>(
         let every = config.checkpoint.every;
         let due = stepped && every > 0 && step % every == 0;
         let ends = reached_target || stopped_by.is_some() || step == config.train.steps;
+        if (stepped || ends) && check_due(config.parallel.check_every, step, due || ends) {
+            check_parameters_agree(&model, &comm, format!("after step {step}"))?;
+        }
         if due || ends {
             log.flush(&comm)?;
             let mut state = run_state(step, &log, last_eval);

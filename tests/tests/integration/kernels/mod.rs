@@ -441,6 +441,56 @@ pub fn check_optimizer_ops<B: FusedOps>(device: &B::Device) {
     assert_close("lamb_apply with a zero update", applied, param, (0.0, 0.0));
 }
 
+/// The fixed-order sums (Note [Ranks stay one model]): within f32 rounding of an f64 sum on
+/// the host, and the same bits when computed again (in another process they run the same
+/// kernel with the same launch, unlike an autotuned reduction).
+pub fn check_ordered_sums<B: FusedOps>(device: &B::Device) {
+    let host = |t: &Tensor<B, 1>| {
+        t.clone()
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .unwrap()
+    };
+    let sizes = [1usize, 7, 256, 257, 1000, 100_003];
+    let xs: Vec<Tensor<B, 1>> = sizes.iter().map(|&n| random::<B, 1>([n], device)).collect();
+    for x in &xs {
+        let values = host(x);
+        let exact: f64 = values.iter().map(|&v| f64::from(v)).sum();
+        let scale: f64 = values.iter().map(|&v| f64::from(v).abs()).sum();
+        let once = host(&ember_backend_ext::sum_ordered(x.clone()));
+        assert!(
+            (f64::from(once[0]) - exact).abs() <= 1e-6 * scale + 1e-6,
+            "sum_ordered of {}: {} vs {exact}",
+            values.len(),
+            once[0]
+        );
+        let again = host(&ember_backend_ext::sum_ordered(x.clone()));
+        assert_eq!(
+            once[0].to_bits(),
+            again[0].to_bits(),
+            "n = {}",
+            values.len()
+        );
+    }
+    let prims = || {
+        xs.iter()
+            .map(|x| x.clone().into_primitive().tensor())
+            .collect()
+    };
+    let tensor = |p| Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(p));
+    let once = host(&tensor(B::sum_squares_multi_tensor(prims())));
+    let again = host(&tensor(B::sum_squares_multi_tensor(prims())));
+    for ((x, a), b) in xs.iter().zip(&once).zip(&again) {
+        let exact: f64 = host(x).iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+        assert!(
+            (f64::from(*a) - exact).abs() <= 1e-5 * exact + 1e-6,
+            "{a} vs {exact}"
+        );
+        assert_eq!(a.to_bits(), b.to_bits());
+    }
+}
+
 /// Odd shapes: seq 1, rows shorter and longer than a cube, non-powers of two.
 const GELU_SHAPES: [[usize; 3]; 4] = [[1, 1, 1], [3, 7, 37], [2, 5, 1030], [4, 128, 3072]];
 const LN_SHAPES: [[usize; 3]; 4] = [[1, 1, 1], [3, 7, 33], [2, 3, 300], [4, 128, 768]];
@@ -504,6 +554,11 @@ macro_rules! kernel_tests {
         #[test]
         fn optimizer_steps_match_reference() {
             check_optimizer_ops::<$backend>(&$device);
+        }
+
+        #[test]
+        fn ordered_sums_are_exact_to_rounding_and_repeat() {
+            check_ordered_sums::<$backend>(&$device);
         }
 
         #[test]

@@ -1,0 +1,203 @@
+//! The multi-tensor kernels (apex's `multi_tensor_apply` family): the optimizers' updates and
+//! the squared norms of many tensors per launch, and the fixed-order sum of rows that finishes
+//! those norms. Element types are defined at launch; arithmetic runs in f32.
+
+use cubecl::prelude::*;
+
+use super::kernels::{cube_sum, row_index};
+
+/// Element `i` of an Adam-family step: the new moments, and the new parameter (`lamb`: the
+/// update direction `m̂/(sqrt(v̂)+ε) + λ·w`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn adam_element<F: Float>(
+    param: &Tensor<F>,
+    grad: &Tensor<F>,
+    moment_1: &Tensor<F>,
+    moment_2: &Tensor<F>,
+    output: &mut Tensor<F>,
+    moment_1_out: &mut Tensor<F>,
+    moment_2_out: &mut Tensor<F>,
+    i: usize,
+    lr: f32,
+    weight_decay: f32,
+    beta_1: f32,
+    beta_2: f32,
+    epsilon: f32,
+    correction_1: f32,
+    correction_2: f32,
+    #[comptime] lamb: bool,
+) {
+    let g = f32::cast_from(grad[i]);
+    let m = beta_1 * f32::cast_from(moment_1[i]) + (f32::new(1.0) - beta_1) * g;
+    let v = beta_2 * f32::cast_from(moment_2[i]) + (f32::new(1.0) - beta_2) * g * g;
+    moment_1_out[i] = F::cast_from(m);
+    moment_2_out[i] = F::cast_from(v);
+    let direction = (m / correction_1) / ((v / correction_2).sqrt() + epsilon);
+    let w = f32::cast_from(param[i]);
+    if lamb {
+        output[i] = F::cast_from(direction + weight_decay * w);
+    } else {
+        output[i] = F::cast_from(w * (f32::new(1.0) - lr * weight_decay) - lr * direction);
+    }
+}
+
+/// An AdamW step (`lamb` false) or LAMB's update (`lamb` true) of every tensor in `params`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn multi_adam_kernel<F: Float>(
+    params: &Sequence<Tensor<F>>,
+    grads: &Sequence<Tensor<F>>,
+    moments_1: &Sequence<Tensor<F>>,
+    moments_2: &Sequence<Tensor<F>>,
+    outputs: &mut Sequence<Tensor<F>>,
+    moments_1_out: &mut Sequence<Tensor<F>>,
+    moments_2_out: &mut Sequence<Tensor<F>>,
+    lr: f32,
+    weight_decay: f32,
+    beta_1: f32,
+    beta_2: f32,
+    epsilon: f32,
+    correction_1: f32,
+    correction_2: f32,
+    #[comptime] lamb: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let count = params.len().comptime();
+    let tensor = CUBE_POS_Y as usize;
+    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+    let first = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    #[unroll]
+    for t in 0..count {
+        if tensor == t {
+            let n = params[t].len();
+            let mut i = first;
+            while i < n {
+                adam_element(
+                    &params[t],
+                    &grads[t],
+                    &moments_1[t],
+                    &moments_2[t],
+                    outputs.index_mut(t),
+                    moments_1_out.index_mut(t),
+                    moments_2_out.index_mut(t),
+                    i,
+                    lr,
+                    weight_decay,
+                    beta_1,
+                    beta_2,
+                    epsilon,
+                    correction_1,
+                    correction_2,
+                    lamb,
+                );
+                i += stride;
+            }
+        }
+    }
+}
+
+/// Partial sums of `x²` of every tensor in `xs`: cube `(g, t)` writes
+/// `partials[first + t, g]` (G = `CUBE_COUNT_X` columns); the sum over g is tensor t's `Σx²`.
+#[cube(launch)]
+pub fn multi_sum_squares_kernel<F: Float>(
+    xs: &Sequence<Tensor<F>>,
+    partials: &mut Tensor<F>,
+    first: u32,
+    #[comptime] block: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let count = xs.len().comptime();
+    let tensor = CUBE_POS_Y as usize;
+    let unit = UNIT_POS_X as usize;
+    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+    let mut shared = SharedMemory::<f32>::new(block as usize);
+    let mut sum = f32::new(0.0);
+    #[unroll]
+    for t in 0..count {
+        if tensor == t {
+            let x = &xs[t];
+            let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + unit;
+            while i < x.len() {
+                let v = f32::cast_from(x[i]);
+                sum += v * v;
+                i += stride;
+            }
+        }
+    }
+    let total = cube_sum(&mut shared, sum);
+    if unit == 0 {
+        let row = first as usize + tensor;
+        partials[row * CUBE_COUNT_X as usize + CUBE_POS_X as usize] = F::cast_from(total);
+    }
+}
+
+/// LAMB's second half for every tensor: `w − lr · r · u`, `r = ‖w‖/‖u‖` from the squared norms
+/// `param_sq[first + t]`, `update_sq[first + t]` (1 if either is 0).
+#[cube(launch)]
+pub fn multi_lamb_apply_kernel<F: Float>(
+    params: &Sequence<Tensor<F>>,
+    updates: &Sequence<Tensor<F>>,
+    param_sq: &Tensor<F>,
+    update_sq: &Tensor<F>,
+    outputs: &mut Sequence<Tensor<F>>,
+    first: u32,
+    lr: f32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let count = params.len().comptime();
+    let tensor = CUBE_POS_Y as usize;
+    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+    let w_norm = f32::cast_from(param_sq[first as usize + tensor]).sqrt();
+    let u_norm = f32::cast_from(update_sq[first as usize + tensor]).sqrt();
+    let mut ratio = f32::new(1.0);
+    if w_norm > f32::new(0.0) && u_norm > f32::new(0.0) {
+        ratio = w_norm / u_norm;
+    }
+    #[unroll]
+    for t in 0..count {
+        if tensor == t {
+            let param = &params[t];
+            let update = &updates[t];
+            let output = outputs.index_mut(t);
+            let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+            while i < param.len() {
+                output[i] =
+                    F::cast_from(f32::cast_from(param[i]) - lr * ratio * f32::cast_from(update[i]));
+                i += stride;
+            }
+        }
+    }
+}
+
+/// `out[r] = Σ_c x[r, c]` of a contiguous `[R, C]` tensor (`cols` = C), one cube per row: each
+/// unit sums its strided columns in order, then `cube_sum`'s tree. A fixed order, so the same
+/// bits on every run and in every process (Note [Ranks stay one model] in ember-trainer's
+/// `parallel/consistency.rs`), unlike an autotuned or atomic reduction.
+#[cube(launch)]
+pub fn sum_rows_ordered_kernel<F: Float>(
+    x: &Tensor<F>,
+    out: &mut Tensor<F>,
+    rows: u32,
+    cols: u32,
+    #[comptime] block: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let row = row_index();
+    if row >= rows as usize {
+        terminate!();
+    }
+    let base = row * cols as usize;
+    let unit = UNIT_POS_X as usize;
+    let mut shared = SharedMemory::<f32>::new(block as usize);
+    let mut sum = f32::new(0.0);
+    let mut c = unit;
+    while c < cols as usize {
+        sum += f32::cast_from(x[base + c]);
+        c += block as usize;
+    }
+    let total = cube_sum(&mut shared, sum);
+    if unit == 0 {
+        out[row] = F::cast_from(total);
+    }
+}
