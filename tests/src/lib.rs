@@ -134,7 +134,7 @@ pub fn data_parallel_config(out: &std::path::Path) -> ember_trainer::TrainConfig
     config.instances.max_predictions_per_seq = 1;
     config.instances.dupe_factor = 1;
     config.train.steps = 3;
-    config.train.eval_every = 3;
+    config.train.eval_every = Some(3);
     config.train.eval_samples = 16;
     config.train.log_every = 1;
     config.train.out = out.to_path_buf();

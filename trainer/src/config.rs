@@ -1,26 +1,36 @@
-//! The training configuration: one TOML file (`configs/*.toml`) with a section per concern.
-//! Every field has a default, unknown fields are errors (a typo must not be silently ignored),
-//! and the whole configuration is saved next to every checkpoint.
+//! The training configuration: one TOML file (`configs/*.toml`) with a section per concern
+//! (each section's type in a file of its own under `config/`). Every field has a default,
+//! unknown fields are errors (a typo must not be silently ignored), and the whole
+//! configuration is saved next to every checkpoint.
 
 use std::path::{Path, PathBuf};
 
-use ember_data::{Padding, PretrainingConfig, SamplerKind};
-use ember_model::{BertConfig, Kernels, Preset};
+use ember_data::{Padding, SamplerKind};
+use ember_model::BertConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::TrainError;
 
+mod data_section;
 mod loop_section;
+mod model_section;
+mod optimizer_section;
+mod parallel_section;
+mod schedule_section;
 
-/// The most local batches `data.prefetch` may read ahead.
-pub const MAX_PREFETCH: usize = 64;
 use crate::checkpoint::CheckpointConfig;
 pub use crate::loss_scale::{LossScaleConfig, LossScaleMode};
 pub use crate::onebit::OnebitConfig;
 pub use crate::parallel::AllreduceDtype;
-use crate::parallel::{BucketStorage, ClipMode, TiedEmbedding};
+use crate::parallel::ClipMode;
+pub use data_section::{DataSection, MAX_PREFETCH};
+use ember_data::PretrainingConfig;
 pub use ember_model::Precision;
 pub use loop_section::{EvalInterval, EvalRule, LoopConfig, LossNormalization};
+pub use model_section::ModelSection;
+pub use optimizer_section::{OptimizerConfig, OptimizerKind};
+pub use parallel_section::ParallelConfig;
+pub use schedule_section::ScheduleConfig;
 
 /// Everything a training run needs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -56,302 +66,6 @@ impl Default for TrainConfig {
             schedule: ScheduleConfig::default(),
             train: LoopConfig::default(),
             parallel: ParallelConfig::default(),
-        }
-    }
-}
-
-/// Which model to build.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct ModelSection {
-    /// Model size. Default: tiny.
-    pub preset: Preset,
-    /// Overrides the preset's `hidden_dropout_prob` (0.1) when set.
-    pub hidden_dropout_prob: Option<f64>,
-    /// Overrides the preset's `attention_probs_dropout_prob` (0.1) when set.
-    pub attention_probs_dropout_prob: Option<f64>,
-    /// Encoder implementation: `auto` (fused where the backend has kernels), `fused` or
-    /// `reference` (see `ember_model::Kernels`). Default: auto.
-    pub kernels: Kernels,
-    /// Whose threads run the dense layers' GEMMs on the CPU (NdArray with OpenBLAS): `rayon`
-    /// (each GEMM split over rayon's pool, which also runs the fused ops, OpenBLAS at one
-    /// thread per call) or `blas` (OpenBLAS's own threads); see `crate::blas::GemmThreads`.
-    /// Other backends ignore it. Default: rayon.
-    pub gemm_threads: crate::blas::GemmThreads,
-}
-
-impl Default for ModelSection {
-    fn default() -> Self {
-        Self {
-            preset: Preset::Tiny,
-            hidden_dropout_prob: None,
-            attention_probs_dropout_prob: None,
-            kernels: Kernels::Auto,
-            gemm_threads: crate::blas::GemmThreads::Rayon,
-        }
-    }
-}
-
-/// Where the text comes from and how instances are made of it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct DataSection {
-    /// Corpus file or folder of `*.txt` (one sentence per line, blank line between documents).
-    /// Default: the embedded Wikipedia corpus.
-    pub corpus: Option<PathBuf>,
-    /// WordPiece `vocab.txt`. Default: the shipped bert-base-uncased vocabulary.
-    pub vocab: Option<PathBuf>,
-    /// Documents held out at the end of the corpus for evaluation. Default: 300.
-    pub eval_documents: usize,
-    /// Train on MLPerf HDF5 shards (a folder, or a stratified folder of `len_<lo>-<hi>/`
-    /// bins) instead of instances made from the corpus. Each rank streams the samples it is
-    /// dealt from the shards (`ember_data::ShardReader`); evaluation uses `eval_shards` when
-    /// set, else the corpus's held-out documents (`prepare-data` leaves the same ones out of
-    /// its shards).
-    pub shards: Option<PathBuf>,
-    /// The evaluation set: an HDF5 shard or a folder of them, of which the first
-    /// `train.eval_samples` samples are evaluated (MLPerf: the first 10,000 of its eval shard).
-    /// Unset: the corpus's held-out documents. Default: unset.
-    pub eval_shards: Option<PathBuf>,
-    /// Local batches the background reader prepares ahead of the step that needs them
-    /// (shards only). Default: 2.
-    pub prefetch: usize,
-    /// Sampler over the shards: random, stratified or presort. Default: random.
-    pub sampler: SamplerKind,
-    /// Ranks per presort group (consecutive ranks). Default: 8 (one node).
-    pub presort_group: usize,
-    /// Samples per length bin in each local batch (stratified, presort), summing to
-    /// `train.batch_size × parallel.grad_accum`; a quota summing to `train.batch_size` is per
-    /// micro-batch, and each step draws `grad_accum` times it (the micro-batches are then cut
-    /// from the step's samples as `padding` says). Unset: proportional to the bins' sizes.
-    pub bin_quota: Option<Vec<usize>>,
-    /// Padding of shard batches: max, dynamic or grouped (the local batch sorted by length
-    /// before it is cut into `parallel.grad_accum` micro-batches). Default: dynamic.
-    pub padding: Padding,
-    /// Skip unreadable or invalid shards with a warning instead of stopping. Default: false.
-    pub skip_bad_shards: bool,
-    /// Stop at a corpus line that is not UTF-8 instead of skipping it with a warning that
-    /// names the file, line and byte offset (`ember_data::DocumentStream`). Default: false.
-    pub strict: bool,
-}
-
-impl DataSection {
-    /// The quota per local batch of a step ([`DataSection::bin_quota`]): as given, or a
-    /// per-micro-batch quota (summing to `batch_size`) times `grad_accum`.
-    pub fn local_bin_quota(&self, batch_size: usize, grad_accum: usize) -> Option<Vec<usize>> {
-        self.bin_quota.as_ref().map(|quota| {
-            if grad_accum > 1 && quota.iter().sum::<usize>() == batch_size {
-                quota.iter().map(|q| q * grad_accum).collect()
-            } else {
-                quota.clone()
-            }
-        })
-    }
-}
-
-impl Default for DataSection {
-    fn default() -> Self {
-        Self {
-            corpus: None,
-            vocab: None,
-            eval_documents: 300,
-            shards: None,
-            eval_shards: None,
-            prefetch: 2,
-            sampler: SamplerKind::Random,
-            presort_group: 8,
-            bin_quota: None,
-            padding: Padding::Dynamic,
-            skip_bad_shards: false,
-            strict: false,
-        }
-    }
-}
-
-/// The optimizer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OptimizerKind {
-    /// Adam with decoupled weight decay (Loshchilov & Hutter 2019), PyTorch's `AdamW`.
-    AdamW,
-    /// Layer-wise adaptive moments (You et al. 2020), as MLPerf's BERT reference.
-    Lamb,
-    /// 1-bit Adam (Tang et al. 2021): AdamW for `onebit.freeze_step` steps, then momenta
-    /// averaged by a 1-bit compressed allreduce with the variance frozen (`crate::onebit`).
-    #[serde(rename = "onebit-adam")]
-    OnebitAdam,
-    /// 1-bit LAMB (Li et al. 2022): LAMB for `onebit.freeze_step` steps, then compressed
-    /// momenta, the variance and the trust ratios frozen and adapted (`crate::onebit`).
-    #[serde(rename = "onebit-lamb")]
-    OnebitLamb,
-}
-
-impl OptimizerKind {
-    /// The exact optimizer a 1-bit one runs in its warm-up (itself for AdamW and LAMB).
-    pub fn exact(self) -> Self {
-        match self {
-            Self::OnebitAdam => Self::AdamW,
-            Self::OnebitLamb => Self::Lamb,
-            other => other,
-        }
-    }
-
-    /// Whether this is 1-bit Adam or 1-bit LAMB.
-    pub fn is_onebit(self) -> bool {
-        matches!(self, Self::OnebitAdam | Self::OnebitLamb)
-    }
-}
-
-/// Optimizer hyper-parameters. Weight decay never applies to biases and LayerNorm weights
-/// (Google's `run_pretraining.py`, `exclude_from_weight_decay`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct OptimizerConfig {
-    /// Default: adamw.
-    pub name: OptimizerKind,
-    /// Peak learning rate, reached at the end of warmup. Default: 1e-3.
-    pub lr: f64,
-    /// Default: 0.9.
-    pub beta1: f32,
-    /// Default: 0.999.
-    pub beta2: f32,
-    /// Default: 1e-6, as BERT's `AdamWeightDecayOptimizer`.
-    pub epsilon: f32,
-    /// Default: 0.01.
-    pub weight_decay: f32,
-    /// Gradients are scaled so that their global L2 norm is at most this; 0 turns clipping off.
-    /// Default: 1.0.
-    pub max_grad_norm: f64,
-    /// LAMB only. `false`: the parameters without weight decay (biases, LayerNorm) take the
-    /// plain Adam step, trust ratio 1, as MLPerf's BERT reference
-    /// (`exclude_from_layer_adaptation` defaults to `exclude_from_weight_decay`) and apex's
-    /// `FusedLAMB(use_nvlamb=False)` (`multi_tensor_lamb.cu`: the ratio applies only where
-    /// `decay != 0`); `true`: every tensor's step is scaled by its trust ratio (NVLAMB, and
-    /// what 1-bit LAMB always does, as DeepSpeed's `OnebitLamb`). Default: false.
-    pub nvlamb: bool,
-    /// 1-bit Adam and LAMB (`name = "onebit-adam"` or `"onebit-lamb"`).
-    pub onebit: OnebitConfig,
-}
-
-impl Default for OptimizerConfig {
-    fn default() -> Self {
-        Self {
-            name: OptimizerKind::AdamW,
-            lr: 1e-3,
-            beta1: 0.9,
-            beta2: 0.999,
-            epsilon: 1e-6,
-            weight_decay: 0.01,
-            max_grad_norm: 1.0,
-            nvlamb: false,
-            onebit: OnebitConfig::default(),
-        }
-    }
-}
-
-/// Learning-rate schedule: linear warmup, then polynomial decay to `end_lr` at the last step.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct ScheduleConfig {
-    /// Steps of linear warmup; when unset, `warmup_proportion` of the steps.
-    pub warmup_steps: Option<u64>,
-    /// Fraction of the steps spent in warmup when `warmup_steps` is unset (NVIDIA's
-    /// `--warmup_proportion`). Default: 0.1.
-    pub warmup_proportion: f64,
-    /// Exponent of the decay; 1.0 is linear. Default: 1.0.
-    pub power: f64,
-    /// Learning rate at the end of the decay. Default: 0.
-    pub end_lr: f64,
-    /// The step at which the decay reaches `end_lr` (NVIDIA's and Samsung's
-    /// `--lr_max_steps`, which may differ from the run's steps); unset: `train.steps`.
-    /// Default: unset.
-    pub decay_steps: Option<u64>,
-    /// Step at which warmup starts; negative values start the run part-way into warmup, as
-    /// MLPerf's `start_warmup_step`; positive values keep the rate at 0 until then.
-    /// Default: 0.
-    pub start_warmup_step: i64,
-    /// What the decay measures its progress from: `warmup-end` (Hugging Face's
-    /// `get_polynomial_decay_schedule_with_warmup`) or `start` (Google's BERT and NVIDIA's
-    /// MLPerf `LinearWarmupPolyDecayScheduler`: the rate drops at the end of warmup)
-    /// ([`crate::schedule::DecayFrom`]). Default: warmup-end.
-    pub decay_from: crate::schedule::DecayFrom,
-}
-
-impl Default for ScheduleConfig {
-    fn default() -> Self {
-        Self {
-            warmup_steps: None,
-            warmup_proportion: 0.1,
-            power: 1.0,
-            end_lr: 0.0,
-            decay_steps: None,
-            start_warmup_step: 0,
-            decay_from: crate::schedule::DecayFrom::WarmupEnd,
-        }
-    }
-}
-
-/// Data-parallel settings (PyTorch DDP's `bucket_cap_mb`; MLPerf BERT's clipping modes).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct ParallelConfig {
-    /// Gradient clipping mode, with `optimizer.max_grad_norm` ([`ClipMode`] gives each
-    /// formula). Default: global.
-    pub clip: ClipMode,
-    /// K of the `bucket` clip mode: each bucket is clipped to `max_grad_norm / √K`. Unset: the
-    /// plan's actual bucket count. Samsung's MLPerf v1.1 code fixes K = 22 (its assumed
-    /// bucket count; `run_pretraining.py`, `--local_gradient_clip`); pinning K keeps the
-    /// optimisation when `bucket_cap_mb` changes the bucket count. Default: unset.
-    pub bucket_clip_count: Option<usize>,
-    /// Cap of every gradient bucket but the first, MiB of f32. Default: 25 (PyTorch DDP).
-    pub bucket_cap_mb: f64,
-    /// Cap of the first bucket, MiB: small, so communication starts early. Default: 1.
-    pub first_bucket_mb: f64,
-    /// Micro-batches per optimizer step (gradient accumulation); only the last one
-    /// communicates. Default: 1.
-    pub grad_accum: usize,
-    /// Seconds any collective may wait for the other ranks before the run stops with an
-    /// error naming the missing rank. Default: 300.
-    pub timeout_s: f64,
-    /// Where gradient buckets live: `auto` (the device on CUDA and wgpu, the host on the
-    /// CPU), `host` or `device` ([`BucketStorage`]; Note [Bucket storage]). Default: auto.
-    pub buckets: BucketStorage,
-    /// How the tied word embedding's gradient is reduced: `auto` (split with more than one
-    /// rank), `split` (the decoder's share with the heads' bucket, the batch's rows of the
-    /// lookup's share after backward) or `whole` (after backward, as PyTorch DDP)
-    /// ([`TiedEmbedding`]; Note [Tied embedding split]). Default: auto.
-    pub tied_embedding: TiedEmbedding,
-    /// Every this many steps (and at the first), compare each gradient a hook handed to the
-    /// reducer with the parameter's gradient when backward returned; a change stops the run
-    /// with an error naming the parameter (Note [Re-checking late gradients]). Costs one
-    /// pass over the hooked gradients and one small device read after the wait for the
-    /// buckets (none in backward); 0 never checks. Default: 100.
-    pub check_gradients_every: u64,
-    /// The element type buckets travel in: `f32`, or `bf16` (half the bytes on the wire,
-    /// the sum accumulated back into f32; [`AllreduceDtype`]). Default: f32.
-    pub allreduce_dtype: AllreduceDtype,
-    /// Every this many steps, compare a digest of every parameter across the ranks (one
-    /// read of the parameters to the host and a small allgather) and stop at the first
-    /// tensor that differs (Note [Ranks stay one model] in `parallel/consistency.rs`); they
-    /// are always compared at start. 0: only at start. Unset: before every checkpoint.
-    /// Default: unset.
-    pub check_every: Option<u64>,
-}
-
-impl Default for ParallelConfig {
-    fn default() -> Self {
-        Self {
-            clip: ClipMode::Global,
-            bucket_clip_count: None,
-            bucket_cap_mb: 25.0,
-            first_bucket_mb: 1.0,
-            grad_accum: 1,
-            timeout_s: 300.0,
-            buckets: BucketStorage::Auto,
-            tied_embedding: TiedEmbedding::Auto,
-            check_gradients_every: 100,
-            allreduce_dtype: AllreduceDtype::F32,
-            check_every: None,
         }
     }
 }
@@ -476,8 +190,21 @@ impl TrainConfig {
         if t.batch_size == 0 {
             return invalid("train.batch_size", "must be at least 1".into());
         }
-        if t.eval_every == 0 || t.log_every == 0 {
+        if t.eval_every == Some(0) || t.log_every == 0 {
             return invalid("train.eval_every/log_every", "must be at least 1".into());
+        }
+        if let (Some(steps), Some(samples)) = (t.eval_every, t.eval_interval_samples) {
+            return invalid(
+                "train.eval_every",
+                format!(
+                    "{steps} steps has no effect beside train.eval_interval_samples = {}: \
+                     evaluation follows the samples; set one of the two",
+                    match samples {
+                        EvalInterval::Samples(n) => n.to_string(),
+                        EvalInterval::Rule(_) => "\"mlperf\"".into(),
+                    }
+                ),
+            );
         }
         if let Some(target) = t.target_mlm_accuracy {
             if !(0.0..=1.0).contains(&target) {
@@ -504,12 +231,23 @@ impl TrainConfig {
             );
         }
         if o.name.is_onebit() {
-            o.onebit.validate(self.freeze_step())?;
+            o.onebit
+                .validate(self.freeze_step(), o.name == OptimizerKind::OnebitLamb)?;
         } else if o.onebit != OnebitConfig::default() {
             return invalid(
                 "optimizer.onebit",
                 format!(
                     "applies to onebit-adam and onebit-lamb, not to {:?}",
+                    o.name
+                ),
+            );
+        }
+        if o.nvlamb && o.name != OptimizerKind::Lamb {
+            return invalid(
+                "optimizer.nvlamb",
+                format!(
+                    "applies to lamb, not to {:?} (1-bit LAMB adapts every tensor; Adam has no \
+                     trust ratio)",
                     o.name
                 ),
             );
@@ -645,6 +383,67 @@ mod tests {
         assert!(
             e.contains("checkpoint.init_from") && e.contains("no/such/weights"),
             "{e}"
+        );
+    }
+
+    /// A setting that would change nothing beside the others is refused, naming both; the
+    /// same setting where it acts passes.
+    #[test]
+    fn settings_without_effect_are_refused_naming_both() {
+        let check = |edit: &dyn Fn(&mut TrainConfig)| {
+            let mut c = TrainConfig::default();
+            edit(&mut c);
+            c.validate().map_err(|e| e.to_string())
+        };
+        let e = check(&|c| {
+            c.train.eval_every = Some(50);
+            c.train.eval_interval_samples = Some(EvalInterval::Samples(640));
+        })
+        .unwrap_err();
+        assert!(
+            e.contains("train.eval_every") && e.contains("eval_interval_samples = 640"),
+            "{e}"
+        );
+        assert!(
+            check(&|c| c.train.eval_interval_samples = Some(EvalInterval::Samples(640))).is_ok()
+        );
+        let e = check(&|c| c.optimizer.nvlamb = true).unwrap_err();
+        assert!(e.contains("optimizer.nvlamb") && e.contains("AdamW"), "{e}");
+        assert!(
+            check(&|c| {
+                c.optimizer.name = OptimizerKind::Lamb;
+                c.optimizer.nvlamb = true;
+            })
+            .is_ok()
+        );
+        let onebit = |name, edit: &dyn Fn(&mut OnebitConfig)| {
+            check(&|c| {
+                c.optimizer.name = name;
+                edit(&mut c.optimizer.onebit);
+            })
+        };
+        let e = onebit(OptimizerKind::OnebitAdam, &|o| o.min_coeff = 0.1).unwrap_err();
+        assert!(
+            e.contains("optimizer.onebit.min_coeff") && e.contains("onebit-adam"),
+            "{e}"
+        );
+        let e = onebit(OptimizerKind::OnebitAdam, &|o| {
+            o.lamb_coeff = crate::onebit::OnebitLambCoeff::FrozenFactor
+        })
+        .unwrap_err();
+        assert!(e.contains("optimizer.onebit.lamb_coeff"), "{e}");
+        let e = onebit(OptimizerKind::OnebitLamb, &|o| o.factor_max = 2.0).unwrap_err();
+        assert!(
+            e.contains("optimizer.onebit.factor_max") && e.contains("computed"),
+            "{e}"
+        );
+        assert!(
+            onebit(OptimizerKind::OnebitLamb, &|o| {
+                o.factor_max = 2.0;
+                o.coeff_beta = 0.5;
+                o.lamb_coeff = crate::onebit::OnebitLambCoeff::FrozenFactor;
+            })
+            .is_ok()
         );
     }
 

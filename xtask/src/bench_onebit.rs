@@ -116,7 +116,7 @@ fn config(args: &OnebitArgs, out: &Path, optimizer: OptimizerKind) -> TrainConfi
     config.instances.dupe_factor = 1;
     config.train.batch_size = args.batch_size;
     config.train.steps = args.freeze_step + args.steps;
-    config.train.eval_every = config.train.steps;
+    config.train.eval_every = Some(config.train.steps);
     config.train.eval_samples = 8;
     config.train.log_every = 1;
     config.train.out = out.join(format!("{optimizer:?}"));

@@ -136,7 +136,7 @@ fn config(
     config.train.batch_size = batch_size;
     config.train.steps = steps;
     config.train.log_every = 1;
-    config.train.eval_every = steps;
+    config.train.eval_every = Some(steps);
     config.train.eval_samples = batch_size.min(64);
     config.train.out = out.to_path_buf();
     // Timed steps are plain steps: the periodic re-check of the hooks' gradients reads the

@@ -43,8 +43,11 @@ pub struct TrainArgs {
     decay_from: Option<ember_trainer::schedule::DecayFrom>,
     /// LAMB: adapt biases and LayerNorm parameters too (NVLAMB); without it they take the plain
     /// Adam step, as MLPerf's reference and apex FusedLAMB(use_nvlamb=False) (optimizer.nvlamb)
-    #[arg(long)]
+    #[arg(long, overrides_with = "no_nvlamb")]
     nvlamb: bool,
+    /// LAMB: biases and LayerNorm parameters take the plain Adam step (optimizer.nvlamb = false)
+    #[arg(long, overrides_with = "nvlamb")]
+    no_nvlamb: bool,
     /// Optimizer: adamw, lamb, onebit-adam or onebit-lamb (optimizer.name). The 1-bit ones
     /// run AdamW/LAMB for --freeze-step steps, then average compressed momenta
     #[arg(long, value_parser = parse_optimizer)]
@@ -86,8 +89,13 @@ pub struct TrainArgs {
     /// (train.seed and instances.seed)
     #[arg(long, allow_negative_numbers = true)]
     seed: Option<u64>,
-    /// Evaluate every N steps (train.eval_every)
-    #[arg(long, allow_negative_numbers = true)]
+    /// Evaluate every N steps (train.eval_every; replaces the config's
+    /// train.eval_interval_samples)
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        conflicts_with = "eval_interval_samples"
+    )]
     eval_every: Option<u64>,
     /// Stop once held-out masked-LM accuracy reaches this fraction (train.target_mlm_accuracy)
     #[arg(long, allow_negative_numbers = true)]
@@ -173,7 +181,7 @@ pub struct TrainArgs {
     eval_samples: Option<usize>,
     /// Evaluate every N training samples instead of every --eval-every steps; `mlperf` for
     /// the BERT rule FLOOR(0.05 × (230.23 × global batch + 3,000,000), 25,000)
-    /// (train.eval_interval_samples)
+    /// (train.eval_interval_samples; replaces the config's train.eval_every)
     #[arg(long, allow_negative_numbers = true)]
     eval_interval_samples: Option<ember_trainer::config::EvalInterval>,
     /// Local batches the shard reader prepares ahead (data.prefetch)
@@ -196,12 +204,18 @@ pub struct TrainArgs {
     padding: Option<Padding>,
     /// Skip unreadable or invalid shards with a warning instead of stopping
     /// (data.skip_bad_shards)
-    #[arg(long)]
+    #[arg(long, overrides_with = "no_skip_bad_shards")]
     skip_bad_shards: bool,
+    /// Stop at an unreadable or invalid shard (data.skip_bad_shards = false)
+    #[arg(long, overrides_with = "skip_bad_shards")]
+    no_skip_bad_shards: bool,
     /// Stop at a corpus line that is not UTF-8 instead of skipping it with a warning
     /// (data.strict)
-    #[arg(long)]
+    #[arg(long, overrides_with = "no_strict")]
     strict: bool,
+    /// Skip corpus lines that are not UTF-8 with a warning (data.strict = false)
+    #[arg(long, overrides_with = "strict")]
+    no_strict: bool,
     /// Write a full-state checkpoint (weights, optimizer, data position) to
     /// OUT/checkpoints/step-NNNNNNN every N optimizer steps; one is always written at the end
     /// and on SIGTERM or SIGINT (checkpoint.every)
@@ -241,6 +255,16 @@ pub struct TrainArgs {
     no_progress: bool,
 }
 
+/// An on/off setting from its `--X` and `--no-X` flags (the later one wins): `None` when
+/// neither was given, so the config's value stands.
+fn switch(on: bool, off: bool) -> Option<bool> {
+    match (on, off) {
+        (true, _) => Some(true),
+        (_, true) => Some(false),
+        _ => None,
+    }
+}
+
 fn parse_clip(s: &str) -> Result<ClipMode, String> {
     s.parse()
 }
@@ -268,8 +292,10 @@ impl TrainArgs {
         if let Some(v) = self.batch_size {
             t.batch_size = v;
         }
+        // A cadence given on the command line replaces the config's, in steps or samples.
         if let Some(v) = self.eval_every {
-            t.eval_every = v;
+            t.eval_every = Some(v);
+            t.eval_interval_samples = None;
         }
         if let Some(v) = self.log_every {
             t.log_every = v;
@@ -293,8 +319,8 @@ impl TrainArgs {
         if let Some(v) = self.optimizer {
             config.optimizer.name = v;
         }
-        if self.nvlamb {
-            config.optimizer.nvlamb = true;
+        if let Some(v) = switch(self.nvlamb, self.no_nvlamb) {
+            config.optimizer.nvlamb = v;
         }
         if let Some(v) = self.warmup_steps {
             config.schedule.warmup_steps = Some(v);
@@ -334,6 +360,7 @@ impl TrainArgs {
         }
         if let Some(v) = self.eval_interval_samples {
             config.train.eval_interval_samples = Some(v);
+            config.train.eval_every = None;
         }
         let d = &mut config.data;
         if let Some(v) = &self.data {
@@ -357,11 +384,11 @@ impl TrainArgs {
         if let Some(v) = self.padding {
             d.padding = v;
         }
-        if self.skip_bad_shards {
-            d.skip_bad_shards = true;
+        if let Some(v) = switch(self.skip_bad_shards, self.no_skip_bad_shards) {
+            d.skip_bad_shards = v;
         }
-        if self.strict {
-            d.strict = true;
+        if let Some(v) = switch(self.strict, self.no_strict) {
+            d.strict = v;
         }
         let p = &mut config.parallel;
         if let Some(v) = self.clip {

@@ -250,10 +250,7 @@ fn torchrun_ranks_meet_in_the_agents_store() {
                 &format!("--nnodes={nodes}"),
                 &format!("--nproc-per-node={per_node}"),
                 "--master-addr=127.0.0.1",
-                &format!(
-                    "--master-port={}",
-                    29_400 + per_node * 7 + std::process::id() % 500
-                ),
+                &format!("--master-port={}", free_port()),
                 "--no-python",
                 env!("CARGO_BIN_EXE_ember"),
                 "comm-check",

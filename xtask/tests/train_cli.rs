@@ -477,3 +477,59 @@ fn a_copied_binary_trains_from_an_empty_folder() {
         "{stderr}"
     );
 }
+
+/// On/off settings have their `--no-` form (the later flag wins); a cadence given on the
+/// command line replaces the config's other one; settings without effect are refused.
+#[test]
+fn flags_switch_settings_both_ways() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = std::fs::read_to_string(config(dir.path(), 1, 0)).unwrap();
+    let lamb = dir.path().join("lamb.toml");
+    std::fs::write(
+        &lamb,
+        base.replace(
+            "[optimizer]\n",
+            "[optimizer]\nname = \"lamb\"\nnvlamb = true\n",
+        ),
+    )
+    .unwrap();
+    let saved_nvlamb = |out: &Path| -> bool {
+        let text = std::fs::read_to_string(out.join("train_config.toml")).unwrap();
+        text.contains("nvlamb = true")
+    };
+    for (flags, expected) in [
+        (&["--no-nvlamb"][..], false),
+        (&["--nvlamb", "--no-nvlamb"][..], false),
+        (&["--no-nvlamb", "--nvlamb"][..], true),
+        (&[][..], true),
+    ] {
+        let out = dir.path().join(format!("run-{}", flags.join("")));
+        run(&lamb, &out, flags);
+        assert_eq!(saved_nvlamb(&out), expected, "{flags:?}");
+    }
+    // --eval-interval-samples replaces the config's eval_every (the saved config has no
+    // eval_every), and the two flags together are refused by the parser.
+    let out = dir.path().join("by-samples");
+    run(&lamb, &out, &["--eval-interval-samples", "4"]);
+    let saved = std::fs::read_to_string(out.join("train_config.toml")).unwrap();
+    assert!(
+        saved.contains("eval_interval_samples = 4") && !saved.contains("eval_every"),
+        "{saved}"
+    );
+    let both = command(
+        &lamb,
+        &dir.path().join("both"),
+        &["--eval-every", "2", "--eval-interval-samples", "4"],
+    )
+    .output()
+    .unwrap();
+    assert!(!both.status.success());
+    assert!(String::from_utf8_lossy(&both.stderr).contains("cannot be used with"));
+    // NVLAMB with AdamW would change nothing: refused, naming the setting.
+    let adamw = command(&lamb, &dir.path().join("adamw"), &["--optimizer", "adamw"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&adamw.stderr);
+    assert!(!adamw.status.success());
+    assert!(stderr.contains("optimizer.nvlamb"), "{stderr}");
+}

@@ -186,7 +186,7 @@ fn clip_modes_through_the_trainer_equal_their_formulas() {
     let mut base = small_config(&dir.path().join("w0"));
     base.train.steps = 1;
     base.train.batch_size = 2;
-    base.train.eval_every = 1;
+    base.train.eval_every = Some(1);
     base.optimizer.epsilon = 1.0;
     base.optimizer.weight_decay = 0.0;
     base.schedule.warmup_steps = Some(0);

@@ -13,7 +13,7 @@ fn same_seed_gives_the_same_loss_sequence() {
         let mut config = ember_tests::dropout_and_masks_config(&dir.path().join(name));
         config.train.steps = 6;
         config.train.batch_size = 4;
-        config.train.eval_every = 6;
+        config.train.eval_every = Some(6);
         config.train.eval_samples = 8;
         config.train.seed = seed;
         train::<B>(&config, &Default::default(), RunOptions::default()).unwrap()
@@ -67,7 +67,7 @@ fn gemm_threads_do_not_change_the_run() {
         config.model.gemm_threads = threads;
         config.train.steps = 6;
         config.train.batch_size = 4;
-        config.train.eval_every = 6;
+        config.train.eval_every = Some(6);
         config.train.eval_samples = 8;
         train::<B>(&config, &Default::default(), RunOptions::default()).unwrap()
     };

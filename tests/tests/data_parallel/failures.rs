@@ -128,6 +128,55 @@ fn a_rank_whose_weights_drifted_is_caught_naming_the_tensor() {
     }
 }
 
+/// A gradient that never arrives in an earlier micro-batch of an accumulated step is an error
+/// naming the parameter and the micro-batch, not a bucket silently left out of the sum.
+#[test]
+fn a_gradient_missing_in_an_earlier_micro_batch_is_named() {
+    let _serial = serial();
+    let model = tiny_model(1);
+    let named = named_params::<B, _>(&model);
+    let order: Vec<ParamId> = named.iter().rev().map(|(_, id)| *id).collect();
+    let plan = bucket_plan::<B, _>(&model, &order, None, 1.0, 25.0);
+    let comm = Arc::new(CommThread::<NdArray>::host(Box::new(
+        ember_trainer::parallel::SingleRank,
+    )));
+    let reducer = Reducer::new(plan.clone(), ClipMode::Global, 1.0, false, comm);
+    let grads = |skip: Option<ParamId>| {
+        plan.buckets
+            .iter()
+            .flat_map(|b| &b.params)
+            .filter(|p| Some(p.id) != skip)
+            .map(|p| {
+                let n = p.shape.iter().product();
+                let data = TensorData::new(vec![0.5f32; n], p.shape.clone());
+                (
+                    p.id,
+                    <NdArray as FloatTensorOps<NdArray>>::float_from_data(
+                        data,
+                        &Default::default(),
+                    ),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let skipped = plan.buckets[1].params[0].clone();
+    reducer.prepare_backward(true, false);
+    reducer.mark_params_ready(grads(Some(skipped.id)));
+    reducer.prepare_backward(false, true);
+    reducer.mark_params_ready(grads(None));
+    let error = reducer.finalize_backward().unwrap_err().to_string();
+    assert!(
+        error.contains("micro-batch 1 of the step") && error.contains(&skipped.name),
+        "{error}"
+    );
+    // Every gradient in both micro-batches: the step completes.
+    reducer.prepare_backward(true, false);
+    reducer.mark_params_ready(grads(None));
+    reducer.prepare_backward(false, true);
+    reducer.mark_params_ready(grads(None));
+    assert!(reducer.finalize_backward().is_ok());
+}
+
 /// A communicator that works for `calls` collectives, then fails: `die` drops the rank's
 /// communicator at once (as a killed process), otherwise it stalls until released.
 struct Failing {
@@ -192,7 +241,7 @@ fn a_rank_that_dies_or_stalls_stops_the_others_with_its_name() {
     let mut config = small_config(dir.path());
     config.train.batch_size = 2;
     config.train.steps = 20;
-    config.train.eval_every = 20;
+    config.train.eval_every = Some(20);
     config.parallel.timeout_s = 3.0;
     for stall in [false, true] {
         let released = Arc::new(AtomicBool::new(false));

@@ -31,7 +31,7 @@ fn warm_up_is_the_exact_optimizer_and_compression_sends_over_16_times_fewer_byte
         let dir = tempfile::tempdir().unwrap();
         let mut config = small_config(dir.path());
         config.train.steps = 8;
-        config.train.eval_every = 8;
+        config.train.eval_every = Some(8);
         config.train.batch_size = 2;
         config.optimizer.name = exact;
         // 1-bit LAMB adapts every tensor (DeepSpeed's `OnebitLamb`): its exact optimizer is
@@ -93,7 +93,7 @@ fn onebit_optimizers_reach_the_accuracy_of_the_exact_ones() {
     let mut config = TrainConfig::load(&recipe).unwrap();
     config.train.batch_size = 4;
     config.train.steps = STEPS;
-    config.train.eval_every = STEPS;
+    config.train.eval_every = Some(STEPS);
     config.train.out = dir.path().to_path_buf();
     // 1-bit LAMB adapts every tensor, as DeepSpeed's: compared with LAMB that does too.
     config.optimizer.nvlamb = true;

@@ -34,7 +34,7 @@ fn config(out: &Path) -> TrainConfig {
     let mut config = ember_tests::dropout_and_masks_config(out);
     config.train.batch_size = 2;
     config.train.steps = 6;
-    config.train.eval_every = 6;
+    config.train.eval_every = Some(6);
     config
 }
 
@@ -281,7 +281,7 @@ fn an_overflow_on_a_re_checked_step_is_skipped() {
     let mut scaled = scaled_config(dir.path());
     scaled.parallel.check_gradients_every = 1;
     scaled.train.steps = 2;
-    scaled.train.eval_every = 2;
+    scaled.train.eval_every = Some(2);
     for summary in run_ranks(&scaled, Some(first_try)) {
         let summary = summary.unwrap();
         assert_eq!((summary.steps, summary.skipped_steps), (2, 1));

@@ -23,7 +23,7 @@ fn config(out: &Path, precision: Precision) -> TrainConfig {
     let mut config = ember_tests::dropout_and_masks_config(out);
     config.train.batch_size = 8;
     config.train.steps = STEPS;
-    config.train.eval_every = STEPS;
+    config.train.eval_every = Some(STEPS);
     config.train.eval_samples = 8;
     config.train.precision = Some(precision);
     config

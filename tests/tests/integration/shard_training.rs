@@ -71,7 +71,7 @@ fn config(corpus: &Path, shards: &Path, out: &Path) -> TrainConfig {
     config.schedule.warmup_steps = Some(1);
     config.train.steps = 4;
     config.train.batch_size = 4;
-    config.train.eval_every = 4;
+    config.train.eval_every = Some(4);
     config.train.eval_samples = 32;
     config.train.out = out.to_path_buf();
     config

@@ -19,7 +19,7 @@ fn quick_config(out: &Path, steps: u64) -> TrainConfig {
     config.schedule.warmup_steps = Some(3);
     config.train.steps = steps;
     config.train.batch_size = 8;
-    config.train.eval_every = steps;
+    config.train.eval_every = Some(steps);
     config.train.eval_samples = 64;
     config.train.log_every = 5;
     config.train.out = out.to_path_buf();

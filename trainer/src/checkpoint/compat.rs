@@ -12,10 +12,16 @@
 //! `strict`), the collectives' timeout, and the
 //! precision (`train.precision`, `loss_scale`, `parallel.allreduce_dtype`: the checkpoint
 //! holds f32 weights and moments whatever the run computed in; a saved loss scale continues
-//! when the resumed run scales its loss).
+//! when the resumed run scales its loss). The schedule's decay may stretch, but its warmup
+//! and a 1-bit optimizer's freeze step may not move: unset, both are fractions of
+//! `train.steps`, so more steps would silently lengthen the warmup of a run past it, or send a
+//! 1-bit run that has frozen its variance back into the exact warm-up with its error feedback
+//! dropped. The checkpoint keeps both as resolved ([`RunState`]), and a resume that would
+//! resolve them otherwise is refused with both values.
 
 use toml::Value;
 
+use super::RunState;
 use crate::{TrainConfig, TrainError};
 
 /// The settings compared, as `section` or `section.field` of the TOML configuration.
@@ -80,6 +86,46 @@ pub fn check_resume_compatible(
         let (x, y) = (lookup(&a, setting), lookup(&b, setting));
         if let Some((path, x, y)) = first_difference(setting, x, y) {
             return mismatch(path, x, y);
+        }
+    }
+    Ok(())
+}
+
+/// Checks that `given` resolves the warmup and a 1-bit freeze step as the checkpoint's run
+/// did (`saved_run`'s values; from `saved`, its configuration, for checkpoints of earlier
+/// versions): Note [What a resume may change].
+///
+/// # Errors
+/// [`TrainError::ResumeMismatch`] with both values and the setting that keeps the saved one.
+pub fn check_schedule_kept(
+    saved_run: &RunState,
+    saved: &TrainConfig,
+    given: &TrainConfig,
+) -> Result<(), TrainError> {
+    let warmup = saved_run
+        .warmup_steps
+        .unwrap_or_else(|| saved.warmup_steps());
+    if warmup != given.warmup_steps() {
+        return Err(TrainError::ResumeMismatch {
+            setting: format!(
+                "the warmup (schedule.warmup_steps, else warmup_proportion × train.steps; \
+                 --warmup-steps {warmup} keeps it)"
+            ),
+            saved: format!("{warmup} steps"),
+            given: format!("{} steps", given.warmup_steps()),
+        });
+    }
+    if given.optimizer.name.is_onebit() {
+        let freeze = saved_run.freeze_step.unwrap_or_else(|| saved.freeze_step());
+        if freeze != given.freeze_step() {
+            return Err(TrainError::ResumeMismatch {
+                setting: format!(
+                    "the 1-bit freeze step (optimizer.onebit.freeze_step, else 20% of \
+                     train.steps; --freeze-step {freeze} keeps it)"
+                ),
+                saved: format!("step {freeze}"),
+                given: format!("step {}", given.freeze_step()),
+            });
         }
     }
     Ok(())
@@ -186,7 +232,7 @@ mod tests {
         c.train.batch_size /= 2;
         c.parallel.grad_accum *= 2;
         c.train.steps *= 2;
-        c.train.eval_every = 7;
+        c.train.eval_every = Some(7);
         c.train.log_every = 1;
         c.train.out = "elsewhere".into();
         // Another evaluation set, prefetch depth or handling of bad input.
@@ -197,5 +243,54 @@ mod tests {
         assert!(check_resume_compatible(&base, 2, &c, 2).is_ok());
         c.data.shards = Some("other/".into());
         assert!(refusal(&c, 2).contains("data.shards"));
+    }
+
+    /// More steps may stretch the decay but not move a warmup or freeze step that was a
+    /// fraction of the steps; pinning the saved values resumes.
+    #[test]
+    fn a_resume_that_would_move_the_warmup_or_freeze_step_is_refused() {
+        let mut saved = TrainConfig::default();
+        saved.train.steps = 1000;
+        saved.optimizer.name = OptimizerKind::OnebitAdam;
+        let run = RunState {
+            step: 300,
+            world_size: 1,
+            global_batch_size: 32,
+            losses: Vec::new(),
+            tokens: 0,
+            last_eval: None,
+            loss_scaler: None,
+            warmup_steps: Some(saved.warmup_steps()),
+            freeze_step: Some(saved.freeze_step()),
+        };
+        assert_eq!((saved.warmup_steps(), saved.freeze_step()), (100, 200));
+        assert!(check_schedule_kept(&run, &saved, &saved).is_ok());
+        let mut longer = saved.clone();
+        longer.train.steps = 2000;
+        let e = check_schedule_kept(&run, &saved, &longer)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("warmup") && e.contains("100 steps") && e.contains("200 steps"),
+            "{e}"
+        );
+        assert!(e.contains("--warmup-steps 100"), "{e}");
+        longer.schedule.warmup_steps = Some(100);
+        let e = check_schedule_kept(&run, &saved, &longer)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("freeze step") && e.contains("step 200") && e.contains("step 400"),
+            "{e}"
+        );
+        longer.optimizer.onebit.freeze_step = Some(200);
+        assert!(check_schedule_kept(&run, &saved, &longer).is_ok());
+        // A checkpoint of an earlier version: the values resolved from its configuration.
+        let old = RunState {
+            warmup_steps: None,
+            freeze_step: None,
+            ..run
+        };
+        assert!(check_schedule_kept(&old, &saved, &longer).is_ok());
     }
 }

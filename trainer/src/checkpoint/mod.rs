@@ -37,7 +37,7 @@ use std::path::{Path, PathBuf};
 use ember_data::SamplerState;
 use serde::{Deserialize, Serialize};
 
-pub use compat::check_resume_compatible;
+pub use compat::{check_resume_compatible, check_schedule_kept};
 pub use manifest::{
     FORMAT_VERSION, FileDigest, MANIFEST, Manifest, checkpoints_dir, list_step_dirs,
     newest_complete, step_dir,
@@ -87,6 +87,14 @@ pub struct RunState {
     /// The dynamic loss scaler's state (`loss_scale.mode = "dynamic"`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scaler: Option<crate::loss_scale::LossScalerState>,
+    /// The run's warmup in steps, as resolved (`TrainConfig::warmup_steps`: a fraction of
+    /// `train.steps` when unset), so that a resume with more steps cannot move it silently
+    /// (Note [What a resume may change]). Unset in checkpoints of earlier versions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warmup_steps: Option<u64>,
+    /// A 1-bit optimizer's last warm-up step, as resolved (`TrainConfig::freeze_step`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub freeze_step: Option<u64>,
 }
 
 /// Where one rank's training data stands (`rank-NNNNN.json`).

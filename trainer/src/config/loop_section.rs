@@ -15,8 +15,10 @@ pub struct LoopConfig {
     /// samples behind one optimizer step, is `batch_size × parallel.grad_accum × world_size`.
     /// Default: 32.
     pub batch_size: usize,
-    /// Evaluate every this many steps (and after the last). Default: 100.
-    pub eval_every: u64,
+    /// Evaluate every this many steps (and after the last); not with
+    /// `eval_interval_samples`. Default: unset, 100 steps when `eval_interval_samples` is
+    /// unset too ([`LoopConfig::eval_every_steps`]).
+    pub eval_every: Option<u64>,
     /// Evaluate every this many training samples instead of `eval_every` steps: after the
     /// first step at which the samples trained reach the next multiple (MLPerf's
     /// `eval_iter_samples`), and after the last step. A number, or `"mlperf"` for the BERT
@@ -125,12 +127,19 @@ impl std::str::FromStr for LossNormalization {
     }
 }
 
+impl LoopConfig {
+    /// The steps between evaluations when the cadence is in steps: `eval_every`, else 100.
+    pub fn eval_every_steps(&self) -> u64 {
+        self.eval_every.unwrap_or(100)
+    }
+}
+
 impl Default for LoopConfig {
     fn default() -> Self {
         Self {
             steps: 500,
             batch_size: 32,
-            eval_every: 100,
+            eval_every: None,
             eval_interval_samples: None,
             eval_samples: 1024,
             target_mlm_accuracy: None,

@@ -112,13 +112,70 @@ impl OnebitConfig {
         })
     }
 
-    /// Checks the settings, with `freeze_step` the resolved warm-up length.
+    /// Checks the settings, with `freeze_step` the resolved warm-up length, for 1-bit LAMB
+    /// (`lamb`) or 1-bit Adam. A setting that changes nothing with the others given is
+    /// refused, naming both: the trust-ratio settings (`min_coeff`, `max_coeff`,
+    /// `coeff_beta`, `factor_*`, `lamb_coeff`) with 1-bit Adam, and all but `lamb_coeff` with
+    /// `lamb_coeff = "computed"`, which uses each step's trust ratio.
     ///
     /// # Errors
     /// [`TrainError::InvalidSetting`] naming the setting.
-    pub fn validate(&self, freeze_step: u64) -> Result<(), TrainError> {
+    pub fn validate(&self, freeze_step: u64, lamb: bool) -> Result<(), TrainError> {
         let invalid =
             |field: &'static str, reason: String| Err(TrainError::InvalidSetting { field, reason });
+        let default = Self::default();
+        let frozen_factor_only = [
+            (
+                "optimizer.onebit.min_coeff",
+                self.min_coeff != default.min_coeff,
+            ),
+            (
+                "optimizer.onebit.max_coeff",
+                self.max_coeff != default.max_coeff,
+            ),
+            (
+                "optimizer.onebit.coeff_beta",
+                self.coeff_beta != default.coeff_beta,
+            ),
+            (
+                "optimizer.onebit.factor_min",
+                self.factor_min != default.factor_min,
+            ),
+            (
+                "optimizer.onebit.factor_max",
+                self.factor_max != default.factor_max,
+            ),
+            (
+                "optimizer.onebit.factor_threshold",
+                self.factor_threshold != default.factor_threshold,
+            ),
+        ];
+        for (field, set) in frozen_factor_only {
+            if !set {
+                continue;
+            }
+            if !lamb {
+                return invalid(
+                    field,
+                    "applies to onebit-lamb's trust ratios; onebit-adam has none".into(),
+                );
+            }
+            if self.lamb_coeff == OnebitLambCoeff::Computed {
+                return invalid(
+                    field,
+                    "shapes optimizer.onebit.lamb_coeff = \"frozen-factor\" only and has no \
+                     effect with lamb_coeff = \"computed\" (each step's trust ratio): set \
+                     lamb_coeff = \"frozen-factor\", or leave this setting out"
+                        .into(),
+                );
+            }
+        }
+        if !lamb && self.lamb_coeff != default.lamb_coeff {
+            return invalid(
+                "optimizer.onebit.lamb_coeff",
+                "applies to onebit-lamb; onebit-adam has no trust ratio".into(),
+            );
+        }
         if freeze_step == 0 {
             return invalid(
                 "optimizer.onebit.freeze_step",

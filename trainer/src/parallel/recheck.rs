@@ -105,12 +105,24 @@ impl<B: FusedOps> PendingCheck<B> {
     ///
     /// # Errors
     /// The names (from `name`) of the parameters whose gradient changed after a hook handed
-    /// it over, with the size of the change, comma-separated.
+    /// it over, with the size of the change, comma-separated; or why the comparison could not
+    /// be read (a check that cannot check fails).
     pub fn result(self, name: impl Fn(ParamId) -> String) -> Result<(), String> {
         let Some(sums) = self.sums else {
             return Ok(());
         };
-        let values = sums.into_data().into_vec::<f32>().unwrap_or_default();
+        let values = sums
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| format!("the re-check's result could not be read: {e:?}"))?;
+        if values.len() != self.ids.len() {
+            return Err(format!(
+                "the re-check compared {} gradients but read {} results",
+                self.ids.len(),
+                values.len()
+            ));
+        }
         let changed: Vec<String> = self
             .ids
             .iter()

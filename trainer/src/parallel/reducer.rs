@@ -86,6 +86,8 @@ struct StepState<B: FusedOps> {
     last_micro_batch: bool,
     /// Next bucket to launch (buckets launch strictly in order, as DDP's).
     next_launch: usize,
+    /// The current micro-batch of the step, from 0.
+    micro_batch: usize,
     /// Squared local norm of each launched bucket before clipping (`bucket` mode).
     local_sq_norms: Vec<Scalar<B>>,
     /// Allreduces in flight, in bucket order.
@@ -177,6 +179,7 @@ impl<B: FusedOps> Reducer<B> {
             first_micro_batch: true,
             last_micro_batch: true,
             next_launch: 0,
+            micro_batch: 0,
             local_sq_norms: Vec::new(),
             in_flight: Vec::new(),
             elements_allreduced: 0,
@@ -298,6 +301,20 @@ impl<B: FusedOps> Reducer<B> {
     /// micro-batches communicates only in the last one.
     pub fn prepare_backward(&self, first: bool, last: bool) {
         let mut state = self.lock();
+        if first {
+            state.micro_batch = 0;
+        } else {
+            // The micro-batch before must have delivered every gradient: a bucket it left
+            // incomplete was never added to the step's sum.
+            let missing = self.missing_names(&state);
+            if !missing.is_empty() && state.error.is_none() {
+                state.error = Some(format!(
+                    "gradients never arrived in micro-batch {} of the step: {missing}",
+                    state.micro_batch + 1
+                ));
+            }
+            state.micro_batch += 1;
+        }
         if let Some(tied) = state.tied.as_mut() {
             tied.prepare_backward(first);
         }

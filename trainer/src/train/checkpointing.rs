@@ -11,8 +11,9 @@ use tracing::{info, warn};
 use super::data::RankData;
 use super::setup::Trainer;
 use crate::checkpoint::{
-    FileDigest, MANIFEST, Manifest, RankState, RunState, check_resume_compatible, newest_complete,
-    prune, rank_file, read_json, read_optimizer_state, step_dir, write_file, write_optimizer_state,
+    FileDigest, MANIFEST, Manifest, RankState, RunState, check_resume_compatible,
+    check_schedule_kept, newest_complete, prune, rank_file, read_json, read_optimizer_state,
+    step_dir, write_file, write_optimizer_state,
 };
 use crate::onebit::onebit_rank_file;
 use crate::optim::PreTrainingOptimizer;
@@ -219,6 +220,17 @@ impl<B: GradHookBackend> Trainer<B> {
 
         let saved = TrainConfig::load(&dir.join("train_config.toml"))?;
         check_resume_compatible(&saved, manifest.world_size, config, comm.world_size())?;
+        let run: RunState = read_json(&dir.join("trainer_state.json"))?;
+        if run.step != manifest.step {
+            return Err(output_error(
+                &dir.join("trainer_state.json"),
+                format!(
+                    "step {} differs from the manifest's {}",
+                    run.step, manifest.step
+                ),
+            ));
+        }
+        check_schedule_kept(&run, &saved, config)?;
         if config.train.steps <= manifest.step {
             return Err(TrainError::InvalidSetting {
                 field: "train.steps",
@@ -258,16 +270,6 @@ impl<B: GradHookBackend> Trainer<B> {
             ));
         }
         rank_data.batches.restore(&state.data, &rank_path)?;
-        let run: RunState = read_json(&dir.join("trainer_state.json"))?;
-        if run.step != manifest.step {
-            return Err(output_error(
-                &dir.join("trainer_state.json"),
-                format!(
-                    "step {} differs from the manifest's {}",
-                    run.step, manifest.step
-                ),
-            ));
-        }
         match (self.loss_scaler.as_mut(), run.loss_scaler) {
             (Some(scaler), Some(saved)) => {
                 scaler.restore(saved);

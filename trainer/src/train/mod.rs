@@ -206,7 +206,8 @@ pub fn train_rank<B: GradHookBackend>(
         .eval_interval_samples
         .map(|i| i.samples(global_batch_size));
     let samples_at = |step: u64| step * global_batch_size as u64;
-    let block_samples = eval_interval.unwrap_or(config.train.eval_every * global_batch_size as u64);
+    let block_samples =
+        eval_interval.unwrap_or(config.train.eval_every_steps() * global_batch_size as u64);
     mllog.settings(config, global_batch_size, rank_data.eval.len())?;
     mllog.end("init_stop", Value::Null, Value::Null)?;
     mllog.start("run_start", Value::Null, Value::Null)?;
@@ -228,6 +229,12 @@ pub fn train_rank<B: GradHookBackend>(
         tokens: log.tokens,
         last_eval,
         loss_scaler: None,
+        warmup_steps: Some(config.warmup_steps()),
+        freeze_step: config
+            .optimizer
+            .name
+            .is_onebit()
+            .then(|| config.freeze_step()),
     };
     let mut data_wait_s = 0.0;
     let mut last_eval_step = None;
@@ -268,7 +275,7 @@ pub fn train_rank<B: GradHookBackend>(
             // the interval), else every `eval_every` steps; and after the last step.
             eval_due = match eval_interval {
                 Some(every) => samples_at(step) / every > samples_at(step - 1) / every,
-                None => step % config.train.eval_every == 0,
+                None => step % config.train.eval_every_steps() == 0,
             };
             if eval_due || step == config.train.steps {
                 let samples = samples_at(step);
