@@ -138,8 +138,9 @@ pub struct TrainArgs {
     /// (parallel.tied_embedding)
     #[arg(long)]
     tied_embedding: Option<TiedEmbedding>,
-    /// The element type gradient buckets travel in: f32, or bf16 (half the bytes, the sum in
-    /// f32; host buckets) (parallel.allreduce_dtype)
+    /// The element type gradient buckets travel in: f32, or bf16 (half the bytes; host buckets
+    /// sum in f32, device buckets through NCCL's bf16 allreduce, rounded at every hop of its
+    /// ring) (parallel.allreduce_dtype)
     #[arg(long)]
     allreduce_dtype: Option<AllreduceDtype>,
     /// The dtype the model computes in, with f32 weights: f32, bf16 (CUDA) or fp16 (CUDA,

@@ -40,8 +40,11 @@ pub struct ParallelConfig {
     /// pass over the hooked gradients and one small device read after the wait for the
     /// buckets (none in backward); 0 never checks. Default: 100.
     pub check_gradients_every: u64,
-    /// The element type buckets travel in: `f32`, or `bf16` (half the bytes on the wire,
-    /// the sum accumulated back into f32; [`AllreduceDtype`]). Default: f32.
+    /// The element type buckets travel in: `f32`, or `bf16` (half the bytes on the wire).
+    /// Host buckets sum the bf16 values in f32 (a reduce-scatter and an allgather); device
+    /// buckets go through NCCL's bf16 allreduce, which rounds at every hop of its ring, as
+    /// PyTorch DDP's `bf16_compress_hook` (Note [bf16 device buckets] in `parallel/bf16.rs`,
+    /// with the measured errors of both). Default: f32.
     pub allreduce_dtype: AllreduceDtype,
     /// Every this many steps, compare a digest of every parameter across the ranks (one
     /// read of the parameters to the host and a small allgather) and stop at the first

@@ -225,7 +225,8 @@ impl<B: FusedOps> Reducer<B> {
 
     /// Buckets travel as `dtype` (`parallel.allreduce_dtype`): host buckets through
     /// `super::bf16` (the sum in f32), device buckets cast to bf16 on the device and reduced
-    /// by the device collective (NCCL's ncclBfloat16), then cast back to f32. With one rank
+    /// by the device collective (NCCL's ncclBfloat16, which sums in bf16: Note [bf16 device
+    /// buckets]), then cast back to f32. With one rank
     /// nothing travels and nothing is rounded. Device buckets need a backend with bf16 (the
     /// caller checks).
     pub fn with_allreduce_dtype(mut self, dtype: AllreduceDtype) -> Self {
