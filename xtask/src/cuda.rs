@@ -1,12 +1,14 @@
 //! Starting CUDA in this process, before anything else touches it: the GPU libraries found by
 //! the names machines ship (Note [CUDA library names] in `trainer/src/cuda/libs.rs`), this
 //! process started again when one had to be linked under cudarc's name, and the rank's GPU
-//! chosen among those it sees and named in the log.
+//! chosen among those it sees and named in the log. `ember gpu-libs` shows the same survey.
 
+use std::ffi::OsString;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
+use clap::Args;
 use ember_trainer::cuda::device::{cudarc_names, select_gpu};
 use ember_trainer::cuda::libs::{Library, Located, link_folder, locate};
 use ember_trainer::parallel::LaunchEnv;
@@ -33,8 +35,8 @@ pub fn start(launch: &LaunchEnv, nccl: bool) -> Result<usize> {
     Ok(gpu.index)
 }
 
-/// Finds each library; links the ones found under other names and starts this process again.
-fn ensure_libraries(nccl: bool) -> Result<()> {
+/// Each library CUDA runs need (NCCL with `nccl`), and where it was found.
+fn survey(nccl: bool) -> Result<Vec<(Library, Result<Located, String>)>> {
     let var = |name: &str| std::env::var(name).ok();
     let exe = std::env::current_exe().context("locating this binary")?;
     let mut libraries = vec![
@@ -44,28 +46,67 @@ fn ensure_libraries(nccl: bool) -> Result<()> {
     if nccl {
         libraries.push(Library::nccl(cudarc_names("nccl")));
     }
-    let mut links: Vec<(String, PathBuf)> = Vec::new();
+    Ok(libraries
+        .into_iter()
+        .map(|library| {
+            let located = locate(&library, &var, exe.parent());
+            (library, located)
+        })
+        .collect())
+}
+
+/// The links the found libraries need (cudarc's first name → the file).
+fn links(found: &[(Library, Result<Located, String>)]) -> Vec<(String, PathBuf)> {
+    found
+        .iter()
+        .filter_map(|(library, located)| match located {
+            Ok(Located::At(path)) => Some((library.cudarc_names[0].clone(), path.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A folder of links for `links`, and `LD_LIBRARY_PATH` with it and each library's own folder
+/// (NVRTC opens its builtins from there) before what was there.
+fn library_path(links: &[(String, PathBuf)]) -> Result<(PathBuf, OsString)> {
+    let folder = link_folder(links, &ember_data::embedded::cache_dir()).map_err(|e| {
+        anyhow!("linking the GPU libraries under cudarc's names: {e} (set EMBER_CACHE_DIR)")
+    })?;
+    let mut path = vec![folder.clone()];
+    path.extend(
+        links
+            .iter()
+            .filter_map(|(_, t)| t.parent().map(Path::to_path_buf)),
+    );
+    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+        path.extend(std::env::split_paths(&old));
+    }
+    let joined = std::env::join_paths(path).context("LD_LIBRARY_PATH")?;
+    Ok((folder, joined))
+}
+
+/// Finds each library; links the ones found under other names and starts this process again.
+fn ensure_libraries(nccl: bool) -> Result<()> {
+    let found = survey(nccl)?;
     let mut missing = Vec::new();
-    for library in &libraries {
-        match locate(library, &var, exe.parent()) {
+    for (library, located) in &found {
+        match located {
             Ok(Located::Loadable) => {}
-            Ok(Located::At(path)) => {
-                tracing::info!(
-                    "{}: {} (cudarc opens it as {})",
-                    library.what,
-                    path.display(),
-                    library.cudarc_names[0]
-                );
-                links.push((library.cudarc_names[0].clone(), path));
-            }
+            Ok(Located::At(path)) => tracing::info!(
+                "{}: {} (cudarc opens it as {})",
+                library.what,
+                path.display(),
+                library.cudarc_names[0]
+            ),
             // Without a driver nothing else matters.
             Err(e) if library.override_var.is_none() => bail!("no GPU here: {e}"),
-            Err(e) => missing.push(e),
+            Err(e) => missing.push(e.clone()),
         }
     }
     if !missing.is_empty() {
         bail!("{}", missing.join("; "));
     }
+    let links = links(&found);
     if links.is_empty() {
         return Ok(());
     }
@@ -78,28 +119,15 @@ fn ensure_libraries(nccl: bool) -> Result<()> {
                 .collect::<Vec<_>>()
                 .join(", "),
             Path::new(&folder).display(),
-            var("LD_LIBRARY_PATH").unwrap_or_default()
+            std::env::var("LD_LIBRARY_PATH").unwrap_or_default()
         );
     }
-    let folder = link_folder(&links, &ember_data::embedded::cache_dir()).map_err(|e| {
-        anyhow!("linking the GPU libraries under cudarc's names: {e} (set EMBER_CACHE_DIR)")
-    })?;
-    // The links first, then each library's own folder (NVRTC opens its builtins from there),
-    // then what was there.
-    let mut path = vec![folder.clone()];
-    path.extend(
-        links
-            .iter()
-            .filter_map(|(_, t)| t.parent().map(Path::to_path_buf)),
-    );
-    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
-        path.extend(std::env::split_paths(&old));
-    }
-    let joined = std::env::join_paths(path).context("LD_LIBRARY_PATH")?;
+    let (folder, joined) = library_path(&links)?;
     tracing::info!(
         "starting again with {} first on LD_LIBRARY_PATH",
         folder.display()
     );
+    let exe = std::env::current_exe().context("locating this binary")?;
     let mut args = std::env::args_os();
     let arg0 = args.next().unwrap_or_else(|| exe.clone().into_os_string());
     let error = std::process::Command::new(&exe)
@@ -109,4 +137,55 @@ fn ensure_libraries(nccl: bool) -> Result<()> {
         .env(LINKED_VAR, &folder)
         .exec();
     Err(anyhow!("starting {} again: {error}", exe.display()))
+}
+
+/// Flags of `gpu-libs`.
+#[derive(Args, Debug)]
+pub struct GpuLibsArgs {
+    /// Print only the LD_LIBRARY_PATH under which the libraries open by cudarc's names, for
+    /// other programs built on cudarc (the CUDA kernel tests)
+    #[arg(long)]
+    ld_library_path: bool,
+}
+
+/// `ember gpu-libs`: where the driver, NVRTC and NCCL were found, and the GPUs this process
+/// sees.
+pub fn gpu_libs(args: GpuLibsArgs) -> Result<()> {
+    let found = survey(true)?;
+    let links = links(&found);
+    if args.ld_library_path {
+        let path = if links.is_empty() {
+            std::env::var_os("LD_LIBRARY_PATH").unwrap_or_default()
+        } else {
+            library_path(&links)?.1
+        };
+        println!("{}", path.to_string_lossy());
+        return Ok(());
+    }
+    for (library, located) in &found {
+        match located {
+            Ok(Located::Loadable) => println!("{}: opens by cudarc's own names", library.what),
+            Ok(Located::At(path)) => println!(
+                "{}: {} (linked as {} when a run starts)",
+                library.what,
+                path.display(),
+                library.cudarc_names[0]
+            ),
+            Err(e) => println!("{e}"),
+        }
+    }
+    if found.first().is_some_and(|(_, located)| located.is_ok()) {
+        match select_gpu(0) {
+            Ok(first) => {
+                for index in 0..first.visible {
+                    match select_gpu(index) {
+                        Ok(gpu) => println!("{gpu}"),
+                        Err(e) => println!("GPU {index}: {e}"),
+                    }
+                }
+            }
+            Err(e) => println!("{e}"),
+        }
+    }
+    Ok(())
 }

@@ -84,6 +84,10 @@ enum Command {
     Embed(embed::EmbedArgs),
     /// Benchmarks.
     Bench(bench::BenchArgs),
+    /// Where the GPU libraries are found (the NVIDIA driver, NVRTC, NCCL; under cudarc's names
+    /// or linked to them) and which GPUs this process sees
+    #[cfg(feature = "cuda")]
+    GpuLibs(cuda::GpuLibsArgs),
 }
 
 /// mimalloc's `purge_delay` option (`mi_option_purge_delay` in mimalloc.h).
@@ -143,6 +147,8 @@ pub fn cli_main() -> ExitCode {
         Command::Convert(args) => convert::run(args),
         Command::Embed(args) => embed::run(args),
         Command::Bench(args) => bench::run(args),
+        #[cfg(feature = "cuda")]
+        Command::GpuLibs(args) => cuda::gpu_libs(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -163,6 +163,9 @@ pub fn search_folders(
             })
             .collect();
         pythons.sort();
+        // Only the Python installations that hold pip's NVIDIA packages: every `bin/` on PATH
+        // is a prefix, and most have none.
+        pythons.retain(|p| p.join("site-packages/nvidia").is_dir());
         for python in pythons {
             for package in library.pip_packages {
                 folders.push(
