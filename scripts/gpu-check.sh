@@ -2,13 +2,21 @@
 # GPU check on an NVIDIA GPU, in parts that each stay within a few minutes.
 #
 #   scripts/gpu-check.sh build          # here (no GPU needed): builds the CUDA binaries and packs
-#                                       # them into gpu-check/bins.tar.gz (~22 MB; the two binaries
-#                                       # are ~86 MB unpacked, over the device machine's 64 MiB carry)
-#   scripts/gpu-check.sh run [PART...]  # on the GPU machine; PART: step, kernels, bench-kernels,
-#                                       # resume, onebit, train-step, streaming, precision (default: all, in that order); logs in $OUT (or
+#                                       # them with the shared libraries they need (HDF5, OpenBLAS
+#                                       # and theirs, not glibc's) into gpu-check/bins.tar.xz; carry
+#                                       # that file (the binaries are ~86 MB unpacked, over the
+#                                       # device machine's 64 MiB carry)
+#   scripts/gpu-check.sh run [PART...]  # on the GPU machine; PART: launch, step, kernels,
+#                                       # bench-kernels, resume, onebit, train-step, streaming,
+#                                       # precision (default: all, in that order); logs in $OUT (or
 #                                       # gpu-check/out), one table per part
 #
 # Parts:
+#   launch         the launch path of a fresh machine: `ember gpu-libs` (where the driver, NVRTC
+#                  and NCCL were found, by the names pip's wheels ship, with no links made by
+#                  hand), a 2-step training run (its log names the GPU's UUID and bus id), and
+#                  real torchrun with 2 ranks exchanging a blob through the agent's store
+#                  (`comm-check --rendezvous`; no GPU needed) when the machine's Python has torch.
 #   step           `xtask bench step --check`: the device reducer against the host path on the
 #                  tiny model (NCCL with a world of one, 3 steps, weights within 1e-5), then
 #                  BERT-base and BERT-large training steps at sequence length 128: step time,
@@ -46,8 +54,11 @@
 #                  losses within 1% of f32's.
 #
 # The GPU machine needs the NVIDIA driver, and NCCL for `step`: cubecl-cuda and cudarc load
-# libcuda, nvrtc and libnccl at run time. The script adds the libraries of the machine's
-# Python `nvidia-*` packages (nvidia-nccl-cu13 among them) to LD_LIBRARY_PATH when it finds them.
+# libcuda, nvrtc and libnccl at run time. ember finds NVRTC and NCCL by itself (Note [CUDA
+# library names] in trainer/src/cuda/libs.rs) in the Python environments on PATH: the script
+# puts the `bin/` of the Python that has torch first on PATH, as an activated virtualenv does.
+# The packed HDF5/OpenBLAS libraries sit in gpu-check/lib, which the binaries' RPATH
+# ($ORIGIN/lib) finds; nothing else sees them (python3 and nvidia-smi keep the system's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=gpu-check
@@ -63,31 +74,56 @@ build)
     cargo build -p xtask --features cuda --bin xtask
     cp target/debug/xtask "$dir/xtask"
     strip "$dir/kernels" "$dir/xtask"
-    tar -C "$dir" -czf "$dir/bins.tar.gz.tmp" kernels xtask
-    mv "$dir/bins.tar.gz.tmp" "$dir/bins.tar.gz"
-    ls -la "$dir"
-    echo "carry gpu-check/bins.tar.gz ($(du -h "$dir/bins.tar.gz" | cut -f1)); on the GPU machine: scripts/gpu-check.sh run"
+    # Every shared library the binaries need but glibc's own (the machine has those), for
+    # `lib/` beside them (their RPATH is $ORIGIN/lib; the kernel tests get LD_LIBRARY_PATH).
+    rm -rf "$dir/lib" && mkdir -p "$dir/lib"
+    ldd "$dir/xtask" "$dir/kernels" | awk '/=> \//{print $3}' | sort -u \
+        | grep -vE '/(libc|libm|libgcc_s|libdl|libpthread|librt|libresolv|ld-linux[^/]*)\.so' \
+        | xargs -r -I{} cp -L {} "$dir/lib/"
+    tar -C "$dir" -cf - kernels xtask lib | xz -T2 -6 > "$dir/bins.tar.xz.tmp"
+    mv "$dir/bins.tar.xz.tmp" "$dir/bins.tar.xz"
+    ls -la "$dir" "$dir/lib"
+    echo "carry gpu-check/bins.tar.xz ($(du -h "$dir/bins.tar.xz" | cut -f1)); on the GPU machine: scripts/gpu-check.sh run"
     ;;
 run)
     shift
     parts=("$@")
-    [ ${#parts[@]} -gt 0 ] || parts=(step kernels bench-kernels resume onebit train-step streaming precision)
+    [ ${#parts[@]} -gt 0 ] || parts=(launch step kernels bench-kernels resume onebit train-step streaming precision)
     out="${OUT:-$dir/out}"
     mkdir -p "$out"
     if [ ! -x "$dir/xtask" ] || [ ! -x "$dir/kernels" ]; then
-        [ -f "$dir/bins.tar.gz" ] || { echo "no $dir/bins.tar.gz: run '$0 build' first and carry it" >&2; exit 2; }
-        tar -C "$dir" -xzf "$dir/bins.tar.gz"
+        [ -f "$dir/bins.tar.xz" ] || { echo "no $dir/bins.tar.xz: run '$0 build' first and carry it" >&2; exit 2; }
+        xz -dc "$dir/bins.tar.xz" | tar -C "$dir" -xf -
     fi
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt" || true
-    # NCCL, nvrtc and the CUDA runtime from the Python wheels, if the system has none.
-    for lib in /opt/torch/.venv/lib/python3*/site-packages/nvidia/*/lib /usr/local/lib/python3*/dist-packages/nvidia/*/lib; do
-        [ -d "$lib" ] && LD_LIBRARY_PATH="$lib:${LD_LIBRARY_PATH:-}"
+    # The Python with torch (train-step's reference; its pip wheels hold NCCL and NVRTC), first
+    # on PATH as an activated virtualenv would be: ember searches the environments on PATH.
+    torch_python=""
+    for py in /opt/torch/.venv/bin/python python3; do
+        if "$py" -c "import torch" 2>/dev/null; then
+            torch_python="$(command -v "$py")"
+            export PATH="$(dirname "$torch_python"):$PATH"
+            break
+        fi
     done
-    export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
     status=0
     for part in "${parts[@]}"; do
         start=$SECONDS
         case "$part" in
+        launch)
+            echo "== launch: GPU libraries found by ember, the GPU named, torchrun's store"
+            "$dir/xtask" gpu-libs 2>&1 | tee "$out/gpu-libs.txt" || status=$?
+            timeout 120 "$dir/xtask" train --device cuda --steps 2 --eval-every 2 --eval-samples 16 \
+                --no-progress --out "$out/launch-run" 2>&1 | grep -E "GPU [0-9]+ of|cudarc opens|starting again|error|ember:" \
+                | tee "$out/launch.txt" || status=$?
+            torchrun="$(dirname "${torch_python:-/nonexistent}")/torchrun"
+            if [ -x "$torchrun" ]; then
+                timeout 60 "$torchrun" --nproc-per-node 2 --no-python "$dir/xtask" comm-check \
+                    --rendezvous --timeout 30 2>&1 | grep -E "^rank|rror" | tee -a "$out/launch.txt" || status=$?
+            else
+                echo "no torchrun beside the machine's torch: rendezvous not checked" | tee -a "$out/launch.txt"
+            fi
+            ;;
         step)
             echo "== bench step: device reducer check, then BERT-base/large steps (seq 128)"
             timeout 300 "$dir/xtask" bench step --device cuda --check --presets base,large \
@@ -95,7 +131,10 @@ run)
             ;;
         kernels)
             echo "== kernel tests on CUDA (f32): forward and backward vs the reference composition"
-            timeout 200 "$dir/kernels" kernels::cuda:: --test-threads 1 2>&1 | tee "$out/kernels.log" || status=$?
+            # The test binary opens NVRTC through cudarc as ember does, without ember's start-up:
+            # it gets ember's library path, and the packed libraries.
+            LD_LIBRARY_PATH="$dir/lib:$("$dir/xtask" gpu-libs --ld-library-path)" \
+                timeout 200 "$dir/kernels" kernels::cuda:: --test-threads 1 2>&1 | tee "$out/kernels.log" || status=$?
             grep -E "^test |test result" "$out/kernels.log" || true
             ;;
         bench-kernels)
@@ -141,12 +180,9 @@ run)
         train-step)
             echo "== training step against PyTorch on CUDA (large, batch 32, seq 128 and 512)"
             reference=(--reference none)
-            for py in /opt/torch/.venv/bin/python python3; do
-                if "$py" -c "import torch, transformers, safetensors" 2>/dev/null; then
-                    reference=(--reference pytorch --python "$(command -v "$py")" --compile)
-                    break
-                fi
-            done
+            if [ -n "$torch_python" ] && "$torch_python" -c "import transformers, safetensors" 2>/dev/null; then
+                reference=(--reference pytorch --python "$torch_python" --compile)
+            fi
             timeout 420 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
                 --seq-len 128,512 --steps 3 --rounds 2 "${reference[@]}" --out "$out/train-step" \
                 2>&1 | tail -20 || status=$?
@@ -227,7 +263,7 @@ for seq, batch in ((128, 32), (512, 8)):
 PY
             ;;
         *)
-            echo "unknown part $part (step, kernels, bench-kernels, resume, onebit, train-step, streaming, precision)" >&2
+            echo "unknown part $part (launch, step, kernels, bench-kernels, resume, onebit, train-step, streaming, precision)" >&2
             status=2
             ;;
         esac
@@ -236,7 +272,7 @@ PY
     exit $status
     ;;
 *)
-    echo "usage: $0 build | run [step|kernels|bench-kernels|resume|onebit|train-step|streaming|precision ...]" >&2
+    echo "usage: $0 build | run [launch|step|kernels|bench-kernels|resume|onebit|train-step|streaming|precision ...]" >&2
     exit 2
     ;;
 esac

@@ -14,12 +14,15 @@
 //! and every `parallel.check_every` steps (default: before every checkpoint), and the first
 //! tensor that differs stops the run, named, rather than training on as several models.
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use std::collections::HashMap;
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 
 use super::CommThread;
 use crate::TrainError;
+use crate::grads::named_params;
 
 /// A 64-bit digest of `values`' bits (not cryptographic: it detects drift, not tampering).
 fn digest(values: &[f32]) -> u64 {
@@ -35,29 +38,20 @@ fn digest(values: &[f32]) -> u64 {
 pub fn parameter_digests<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: &M,
 ) -> Vec<(String, u64)> {
-    struct Digests {
-        stack: Vec<String>,
-        out: Vec<(String, u64)>,
-    }
+    struct Digests(HashMap<ParamId, u64>);
     impl<B: AutodiffBackend> ModuleVisitor<B> for Digests {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.stack.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.stack.pop();
-        }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             let data = param.val().into_data().convert::<f32>();
             let values = data.as_slice::<f32>().expect("f32 after convert");
-            self.out.push((self.stack.join("."), digest(values)));
+            self.0.insert(param.id, digest(values));
         }
     }
-    let mut visitor = Digests {
-        stack: Vec::new(),
-        out: Vec::new(),
-    };
-    module.visit(&mut visitor);
-    visitor.out
+    let mut digests = Digests(HashMap::new());
+    module.visit(&mut digests);
+    named_params::<B, M>(module)
+        .into_iter()
+        .map(|(name, id)| (name, digests.0[&id]))
+        .collect()
 }
 
 /// Compares `module`'s parameters with every other rank's (Note [Ranks stay one model]);
