@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
-use ember_trainer::cuda::device::{cudarc_names, select_gpu};
+use ember_trainer::cuda::device::{cudarc_names, driver_cuda_major, select_gpu};
 use ember_trainer::cuda::libs::{Library, Located, link_folder, locate};
 use ember_trainer::parallel::LaunchEnv;
 
@@ -25,7 +25,7 @@ const LINKED_VAR: &str = "EMBER_CUDA_LINKS";
 /// rank past the visible GPUs.
 pub fn start(launch: &LaunchEnv, nccl: bool) -> Result<usize> {
     ensure_libraries(nccl)?;
-    let gpu = select_gpu(launch.local_rank).map_err(|e| anyhow!(e))?;
+    let gpu = select_gpu(launch.local_rank, launch.local_world_size).map_err(|e| anyhow!(e))?;
     tracing::info!(
         "rank {} of {} (local rank {}): {gpu}",
         launch.rank,
@@ -39,20 +39,24 @@ pub fn start(launch: &LaunchEnv, nccl: bool) -> Result<usize> {
 fn survey(nccl: bool) -> Result<Vec<(Library, Result<Located, String>)>> {
     let var = |name: &str| std::env::var(name).ok();
     let exe = std::env::current_exe().context("locating this binary")?;
-    let mut libraries = vec![
-        Library::driver(cudarc_names("cuda")),
-        Library::nvrtc(cudarc_names("nvrtc")),
-    ];
+    let driver = Library::driver(cudarc_names("cuda"));
+    let found_driver = locate(&driver, &var, exe.parent());
+    // NVRTC no newer than the driver (the driver opens by cudarc's own names, or not at all).
+    let driver_major = found_driver
+        .as_ref()
+        .is_ok_and(|l| *l == Located::Loadable)
+        .then(driver_cuda_major)
+        .flatten();
+    let mut libraries = vec![Library::nvrtc(cudarc_names("nvrtc"), driver_major)];
     if nccl {
         libraries.push(Library::nccl(cudarc_names("nccl")));
     }
-    Ok(libraries
-        .into_iter()
-        .map(|library| {
-            let located = locate(&library, &var, exe.parent());
-            (library, located)
-        })
-        .collect())
+    let mut found = vec![(driver, found_driver)];
+    found.extend(libraries.into_iter().map(|library| {
+        let located = locate(&library, &var, exe.parent());
+        (library, located)
+    }));
+    Ok(found)
 }
 
 /// The links the found libraries need (cudarc's first name → the file).
@@ -66,21 +70,22 @@ fn links(found: &[(Library, Result<Located, String>)]) -> Vec<(String, PathBuf)>
         .collect()
 }
 
-/// A folder of links for `links`, and `LD_LIBRARY_PATH` with it and each library's own folder
-/// (NVRTC opens its builtins from there) before what was there.
+/// A folder of links for `links`, and `LD_LIBRARY_PATH` with it first, then what was there,
+/// then each library's own folder (NVRTC opens its builtins by name from there), so that the
+/// process's other libraries resolve as they did.
 fn library_path(links: &[(String, PathBuf)]) -> Result<(PathBuf, OsString)> {
     let folder = link_folder(links, &ember_data::embedded::cache_dir()).map_err(|e| {
         anyhow!("linking the GPU libraries under cudarc's names: {e} (set EMBER_CACHE_DIR)")
     })?;
     let mut path = vec![folder.clone()];
+    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+        path.extend(std::env::split_paths(&old));
+    }
     path.extend(
         links
             .iter()
             .filter_map(|(_, t)| t.parent().map(Path::to_path_buf)),
     );
-    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
-        path.extend(std::env::split_paths(&old));
-    }
     let joined = std::env::join_paths(path).context("LD_LIBRARY_PATH")?;
     Ok((folder, joined))
 }
@@ -175,10 +180,10 @@ pub fn gpu_libs(args: GpuLibsArgs) -> Result<()> {
         }
     }
     if found.first().is_some_and(|(_, located)| located.is_ok()) {
-        match select_gpu(0) {
+        match select_gpu(0, None) {
             Ok(first) => {
                 for index in 0..first.visible {
-                    match select_gpu(index) {
+                    match select_gpu(index, None) {
                         Ok(gpu) => println!("{gpu}"),
                         Err(e) => println!("GPU {index}: {e}"),
                     }

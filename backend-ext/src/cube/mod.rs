@@ -123,10 +123,17 @@ fn numel<R: CubeRuntime>(t: &CubeTensor<R>) -> usize {
 /// `[R, C]` → `[R]`, each row summed in a fixed order
 /// ([`multi_tensor_kernels::sum_rows_ordered_kernel`]).
 fn sum_rows_ordered<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
-    let x = into_contiguous(x);
-    let [rows, cols] = x.shape().dims();
+    let [_, cols] = x.shape().dims();
+    sum_chunks_ordered(into_contiguous(x), cols)
+}
+
+/// The sums of consecutive chunks of `chunk` elements of a contiguous tensor (the last may be
+/// short), each in a fixed order: `[⌈n/chunk⌉]`.
+fn sum_chunks_ordered<R: CubeRuntime>(x: CubeTensor<R>, chunk: usize) -> CubeTensor<R> {
+    let n = numel(&x);
+    let rows = n.div_ceil(chunk).max(1);
     let out = empty_like(&x, Shape::new([rows]));
-    let (count, dim, block) = row_launch(rows, cols);
+    let (count, dim, block) = row_launch(rows, chunk);
     multi_tensor_kernels::sum_rows_ordered_kernel::launch::<R>(
         &out.client,
         count,
@@ -134,7 +141,8 @@ fn sum_rows_ordered<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
         x.clone().into_tensor_arg(),
         out.clone().into_tensor_arg(),
         rows as u32,
-        cols as u32,
+        chunk as u32,
+        n as u32,
         block as u32,
         storage(x.dtype),
     );
@@ -524,8 +532,16 @@ where
     }
 
     fn sum_ordered(x: CubeTensor<R>) -> CubeTensor<R> {
+        // Two passes over large tensors (one cube per chunk, then one over the partials): the
+        // same fixed order, without one cube reading everything.
+        const CHUNK: usize = 1 << 16;
         let n = numel(&x);
-        sum_rows_ordered(Self::float_reshape(into_contiguous(x), Shape::new([1, n])))
+        let partials = sum_chunks_ordered(into_contiguous(x), CHUNK.min(n.max(1)));
+        let count = numel(&partials);
+        if count == 1 {
+            return partials;
+        }
+        sum_chunks_ordered(partials, count)
     }
 
     fn lamb_apply_multi_tensor(

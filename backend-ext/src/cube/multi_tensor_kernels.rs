@@ -170,16 +170,18 @@ pub fn multi_lamb_apply_kernel<F: Float>(
     }
 }
 
-/// `out[r] = Σ_c x[r, c]` of a contiguous `[R, C]` tensor (`cols` = C), one cube per row: each
-/// unit sums its strided columns in order, then `cube_sum`'s tree. A fixed order, so the same
-/// bits on every run and in every process (Note [Ranks stay one model] in ember-trainer's
-/// `parallel/consistency.rs`), unlike an autotuned or atomic reduction.
+/// `out[r] = Σ x[r·cols .. min((r+1)·cols, len)]` of a contiguous tensor of `len` elements,
+/// one cube per row (the last row may be short): each unit sums its strided columns in order,
+/// then `cube_sum`'s tree. A fixed order, so the same bits on every run and in every process
+/// (Note [Ranks stay one model] in ember-trainer's `parallel/consistency.rs`), unlike an
+/// autotuned or atomic reduction.
 #[cube(launch)]
 pub fn sum_rows_ordered_kernel<F: Float>(
     x: &Tensor<F>,
     out: &mut Tensor<F>,
     rows: u32,
     cols: u32,
+    len: u32,
     #[comptime] block: u32,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -192,7 +194,7 @@ pub fn sum_rows_ordered_kernel<F: Float>(
     let mut shared = SharedMemory::<f32>::new(block as usize);
     let mut sum = f32::new(0.0);
     let mut c = unit;
-    while c < cols as usize {
+    while c < cols as usize && base + c < len as usize {
         sum += f32::cast_from(x[base + c]);
         c += block as usize;
     }

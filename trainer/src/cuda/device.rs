@@ -10,6 +10,16 @@ pub fn cudarc_names(name: &str) -> Vec<String> {
     cudarc::get_lib_name_candidates(name)
 }
 
+/// The CUDA major version of the installed driver (`cuDriverGetVersion`: 13000 is 13), or
+/// `None` when the driver does not answer. Call only once the driver library opens.
+pub fn driver_cuda_major() -> Option<u32> {
+    let mut version = 0;
+    // SAFETY: an out-parameter for one int; the driver library was found (the caller's check).
+    let status = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) };
+    (status == cudarc::driver::sys::CUresult::CUDA_SUCCESS && version > 0)
+        .then_some(version as u32 / 1000)
+}
+
 /// A GPU as the start-up log names it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Gpu {
@@ -21,7 +31,7 @@ pub struct Gpu {
     pub name: String,
     /// `GPU-xxxxxxxx-xxxx-...`, as `nvidia-smi -L` prints it.
     pub uuid: String,
-    /// `0000:18:00.0`, as `nvidia-smi` prints it.
+    /// `00000000:18:00.0`, as `nvidia-smi` prints it.
     pub bus_id: String,
 }
 
@@ -43,13 +53,13 @@ fn driver_error(what: &str, e: result::DriverError) -> String {
     format!("{what}: {name}")
 }
 
-/// The GPU for local rank `local_rank` among those the driver shows this process
-/// (`CUDA_VISIBLE_DEVICES`, read by the driver, is named in errors).
+/// The GPU for local rank `local_rank` of `local_world_size` among those the driver shows
+/// this process (`CUDA_VISIBLE_DEVICES`, read by the driver, is named in errors).
 ///
 /// # Errors
 /// One line: the driver does not start (no GPU, a driver too old), no GPU is visible, or the
 /// local rank is past the visible GPUs.
-pub fn select_gpu(local_rank: usize) -> Result<Gpu, String> {
+pub fn select_gpu(local_rank: usize, local_world_size: Option<usize>) -> Result<Gpu, String> {
     let visible_devices = std::env::var("CUDA_VISIBLE_DEVICES").ok();
     result::init().map_err(|e| {
         driver_error(
@@ -63,8 +73,12 @@ pub fn select_gpu(local_rank: usize) -> Result<Gpu, String> {
     let visible = result::device::get_count()
         .map_err(|e| driver_error("counting the GPUs (cuDeviceGetCount)", e))?
         as usize;
-    let index =
-        crate::parallel::cuda_device_index(local_rank, visible, visible_devices.as_deref())?;
+    let index = crate::parallel::cuda_device_index(
+        local_rank,
+        local_world_size,
+        visible,
+        visible_devices.as_deref(),
+    )?;
     let device = result::device::get(index as i32)
         .map_err(|e| driver_error(&format!("GPU {index} (cuDeviceGet)"), e))?;
     let name = result::device::get_name(device).unwrap_or_else(|_| "unknown".into());
@@ -76,7 +90,7 @@ pub fn select_gpu(local_rank: usize) -> Result<Gpu, String> {
         unsafe { result::device::get_attribute(device, a) }.unwrap_or(0)
     };
     let bus_id = format!(
-        "{:04x}:{:02x}:{:02x}.0",
+        "{:08x}:{:02x}:{:02x}.0",
         attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID),
         attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID),
         attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID),

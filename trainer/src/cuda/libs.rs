@@ -47,14 +47,25 @@ impl Library {
         }
     }
 
-    /// NVRTC, which CubeCL compiles its kernels with (`nvidia-cuda-nvrtc`, the CUDA toolkit).
-    pub fn nvrtc(cudarc_names: Vec<String>) -> Self {
+    /// NVRTC, which CubeCL compiles its kernels with (`nvidia-cuda-nvrtc`, the CUDA toolkit),
+    /// no newer than the driver's CUDA major version `driver_major` (a driver refuses the code
+    /// of a newer NVRTC; unknown: any).
+    pub fn nvrtc(cudarc_names: Vec<String>, driver_major: Option<u32>) -> Self {
+        let cuda_13 = driver_major.is_none_or(|major| major >= 13);
         Self {
             what: "NVRTC",
             cudarc_names,
-            shipped_names: &["libnvrtc.so.13", "libnvrtc.so.12"],
+            shipped_names: if cuda_13 {
+                &["libnvrtc.so.13", "libnvrtc.so.12"]
+            } else {
+                &["libnvrtc.so.12"]
+            },
             override_var: Some("EMBER_NVRTC_LIBRARY"),
-            pip_packages: &["cu13", "cuda_nvrtc", "cu12"],
+            pip_packages: if cuda_13 {
+                &["cu13", "cuda_nvrtc", "cu12"]
+            } else {
+                &["cuda_nvrtc", "cu12"]
+            },
         }
     }
 
@@ -163,17 +174,17 @@ pub fn search_folders(
             })
             .collect();
         pythons.sort();
-        // Only the Python installations that hold pip's NVIDIA packages: every `bin/` on PATH
-        // is a prefix, and most have none.
-        pythons.retain(|p| p.join("site-packages/nvidia").is_dir());
+        // Only the Python installations that hold pip's NVIDIA packages (below): every `bin/`
+        // on PATH is a prefix, and most have none.
+        // (Debian's and Ubuntu's system Pythons install into dist-packages.)
         for python in pythons {
-            for package in library.pip_packages {
-                folders.push(
-                    python
-                        .join("site-packages/nvidia")
-                        .join(package)
-                        .join("lib"),
-                );
+            for packages in ["site-packages/nvidia", "dist-packages/nvidia"] {
+                if !python.join(packages).is_dir() {
+                    continue;
+                }
+                for package in library.pip_packages {
+                    folders.push(python.join(packages).join(package).join("lib"));
+                }
             }
         }
         if conda {
@@ -200,13 +211,25 @@ pub fn locate(
     var: &dyn Fn(&str) -> Option<String>,
     exe_dir: Option<&Path>,
 ) -> Result<Located, String> {
+    // The file cudarc would open now, if any.
+    let cudarc_opens = library
+        .cudarc_names
+        .iter()
+        .find_map(|n| opens(n))
+        .map(|p| std::fs::canonicalize(&p).unwrap_or(p));
     if let Some(name) = library.override_var
         && let Some(path) = var(name).filter(|p| !p.is_empty())
     {
         let file = PathBuf::from(&path);
         return match opens(file.to_str().unwrap_or_default()) {
             Some(_) if file.is_file() => {
-                Ok(Located::At(std::fs::canonicalize(&file).unwrap_or(file)))
+                let file = std::fs::canonicalize(&file).unwrap_or(file);
+                // Already what cudarc opens (after the links were made): nothing to do.
+                if cudarc_opens.as_ref() == Some(&file) {
+                    Ok(Located::Loadable)
+                } else {
+                    Ok(Located::At(file))
+                }
             }
             _ => Err(format!(
                 "{name}={path:?}: no {} library there that opens (a file such as {})",
@@ -215,7 +238,7 @@ pub fn locate(
             )),
         };
     }
-    if library.cudarc_names.iter().any(|n| opens(n).is_some()) {
+    if cudarc_opens.is_some() {
         return Ok(Located::Loadable);
     }
     for name in library.shipped_names {

@@ -246,12 +246,16 @@ fn tasks_on_node(spec: &str, node: usize) -> Option<usize> {
 /// `CUDA_VISIBLE_DEVICES`): with one visible GPU, that one (Slurm's `--gpus-per-task=1`, or a
 /// launcher that gives each rank its own `CUDA_VISIBLE_DEVICES`); with several, the one at
 /// its local rank (torchrun, mpirun, srun on a node's GPUs), as PyTorch's
-/// `torch.cuda.set_device(LOCAL_RANK)`. `cuda_visible_devices` is only named in errors.
+/// `torch.cuda.set_device(LOCAL_RANK)`. `local_world_size` is the launcher's count of ranks
+/// on the node, when known.
 ///
 /// # Errors
-/// A message naming what was seen: no visible GPU, or a local rank past the visible GPUs.
+/// A message naming what was seen: no visible GPU, a local rank past the visible GPUs, or
+/// several local ranks that all see the same one GPU (`CUDA_VISIBLE_DEVICES` unset: no
+/// launcher gave each rank its own).
 pub fn cuda_device_index(
     local_rank: usize,
+    local_world_size: Option<usize>,
     visible: usize,
     cuda_visible_devices: Option<&str>,
 ) -> Result<usize, String> {
@@ -264,6 +268,14 @@ pub fn cuda_device_index(
             "the NVIDIA driver sees no GPU ({shown}): check nvidia-smi, and the GPUs the \
              launcher gives this process"
         )),
+        1 if cuda_visible_devices.is_none() && local_world_size.is_some_and(|n| n > 1) => {
+            Err(format!(
+                "{} ranks on this node, and every one sees the same one GPU ({shown}): start \
+                 one rank per GPU, or give each rank its own (CUDA_VISIBLE_DEVICES, Slurm's \
+                 --gpus-per-task=1)",
+                local_world_size.unwrap_or(1)
+            ))
+        }
         1 => Ok(0),
         n if local_rank < n => Ok(local_rank),
         n => Err(format!(
@@ -443,19 +455,27 @@ mod tests {
     #[test]
     fn device_index_over_the_environments() {
         // torchrun --nproc-per-node 8 on an 8-GPU node.
-        assert_eq!(cuda_device_index(5, 8, None), Ok(5));
-        // srun --gpus-per-task=1: SLURM_LOCALID 3, one GPU visible.
-        assert_eq!(cuda_device_index(3, 1, Some("3")), Ok(0));
+        assert_eq!(cuda_device_index(5, Some(8), 8, None), Ok(5));
+        // srun --gpus-per-task=1: SLURM_LOCALID 3 of 8, one GPU visible.
+        assert_eq!(cuda_device_index(3, Some(8), 1, Some("3")), Ok(0));
         // CUDA_VISIBLE_DEVICES=2,3 for two local ranks.
-        assert_eq!(cuda_device_index(1, 2, Some("2,3")), Ok(1));
-        let e = cuda_device_index(4, 2, Some("0,1")).unwrap_err();
+        assert_eq!(cuda_device_index(1, Some(2), 2, Some("2,3")), Ok(1));
+        // One process on a one-GPU machine.
+        assert_eq!(cuda_device_index(0, None, 1, None), Ok(0));
+        let e = cuda_device_index(4, Some(8), 2, Some("0,1")).unwrap_err();
         assert!(
             e.contains("local rank 4") && e.contains("2 GPUs") && e.contains("\"0,1\""),
             "{e}"
         );
-        let e = cuda_device_index(0, 0, Some("")).unwrap_err();
+        let e = cuda_device_index(0, Some(1), 0, Some("")).unwrap_err();
         assert!(
             e.contains("no GPU") && e.contains("CUDA_VISIBLE_DEVICES"),
+            "{e}"
+        );
+        // torchrun --nproc-per-node 2 on a one-GPU machine: both ranks would take GPU 0.
+        let e = cuda_device_index(1, Some(2), 1, None).unwrap_err();
+        assert!(
+            e.contains("2 ranks on this node") && e.contains("same one GPU"),
             "{e}"
         );
     }

@@ -190,7 +190,12 @@ impl Nccl {
             .map_err(|e| nccl_error(format!("starting the joining thread: {e}")))?;
         let comm = match receiver.recv_timeout(timeout) {
             Ok(joined) => joined?.0,
-            Err(_) => {
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(nccl_error(
+                    "the joining thread ended without a communicator",
+                ));
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                 return Err(CommError::Timeout {
                     rank,
                     op: "joining the NCCL communicator (ncclCommInitRank)",

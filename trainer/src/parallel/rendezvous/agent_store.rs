@@ -70,7 +70,7 @@ pub(crate) fn exchange_with_nonce(
     let addr = format!("{host}:{port} (torchrun's store)");
     let deadline = Instant::now() + timeout;
     let failed = |e: StoreError| match e {
-        StoreError::Unreachable(last_error) => RendezvousError::NoRankZero {
+        StoreError::Unreachable(last_error) => RendezvousError::NoStore {
             addr: addr.clone(),
             timeout_s: timeout.as_secs_f64(),
             last_error,
@@ -138,14 +138,14 @@ pub(crate) fn exchange_with_nonce(
                 message: String::from_utf8_lossy(&verdict).into_owned(),
             });
         }
-        return store.get(&id_key, deadline).map_err(&failed);
+        // The id was set before the verdict: within the verdict's grace too.
+        return store
+            .get(&id_key, deadline + VERDICT_GRACE)
+            .map_err(&failed);
     }
     // Rank 0: every other rank must arrive, once, with the same world size.
     let refuse = |store: &mut TcpStore, error: RendezvousError| {
-        let message = match &error {
-            RendezvousError::Refused { message, .. } => message.clone(),
-            other => other.to_string(),
-        };
+        let message = error.reason();
         // Best effort: the others time out on their own if this fails too.
         let _ = store.set(&verdict_key, message.as_bytes());
         error

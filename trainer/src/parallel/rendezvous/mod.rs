@@ -32,6 +32,20 @@ pub enum RendezvousError {
         /// The last connection error.
         last_error: String,
     },
+    /// The launcher's store never answered at the address (torchrun's agent store).
+    #[error(
+        "rendezvous at {addr}: the store did not answer within {timeout_s:.1} s (last attempt: \
+         {last_error}); is torchrun's agent running, and are MASTER_ADDR and MASTER_PORT as it \
+         set them?"
+    )]
+    NoStore {
+        /// `MASTER_ADDR:MASTER_PORT`.
+        addr: String,
+        /// The timeout in force, seconds.
+        timeout_s: f64,
+        /// The last connection error.
+        last_error: String,
+    },
     /// Rank 0 waited in vain for some ranks.
     #[error("rendezvous at {addr}: rank(s) {missing:?} did not arrive within {timeout_s:.1} s")]
     MissingRanks {
@@ -88,6 +102,26 @@ pub enum RendezvousError {
         /// The operating system's message, with a hint.
         reason: String,
     },
+}
+
+impl RendezvousError {
+    /// What went wrong, without the address (rank 0 publishes it to the other ranks, which
+    /// put their own address before it).
+    pub fn reason(&self) -> String {
+        let full = self.to_string();
+        let addr = match self {
+            RendezvousError::NoRankZero { addr, .. }
+            | RendezvousError::NoStore { addr, .. }
+            | RendezvousError::MissingRanks { addr, .. }
+            | RendezvousError::WorldMismatch { addr, .. }
+            | RendezvousError::Refused { addr, .. }
+            | RendezvousError::Address { addr, .. } => addr,
+            RendezvousError::NoAddress { .. } => return full,
+        };
+        full.strip_prefix(&format!("rendezvous at {addr}: "))
+            .map(str::to_string)
+            .unwrap_or(full)
+    }
 }
 
 /// Hands `make_blob()`'s bytes from rank 0 to every rank of the job `launch` describes and

@@ -43,6 +43,8 @@ const STOP_WAITING: u8 = 0;
 const WAIT_CANCELED: u8 = 1;
 /// The largest value accepted in a reply (the libuv server's own limit is 8 MiB).
 const MAX_VALUE: u64 = 8 << 20;
+/// How long the store may take to answer a query that does not wait for keys.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What went wrong talking to the store.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -148,6 +150,7 @@ impl TcpStore {
     /// # Errors
     /// [`StoreError::Unreachable`] when the connection breaks.
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.set_timeout(REPLY_TIMEOUT)?;
         let mut message = vec![query::SET];
         push_bytes(&mut message, wire_key(key).as_bytes());
         push_bytes(&mut message, value);
@@ -159,6 +162,7 @@ impl TcpStore {
     /// # Errors
     /// [`StoreError::Unreachable`] when the connection breaks.
     pub fn add(&mut self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        self.set_timeout(REPLY_TIMEOUT)?;
         let mut message = vec![query::ADD];
         push_bytes(&mut message, wire_key(key).as_bytes());
         message.extend_from_slice(&delta.to_ne_bytes());
@@ -171,6 +175,7 @@ impl TcpStore {
     /// # Errors
     /// As [`TcpStore::add`]; [`StoreError::Protocol`] for an answer that is neither.
     pub fn check(&mut self, key: &str) -> Result<bool, StoreError> {
+        self.set_timeout(REPLY_TIMEOUT)?;
         let mut message = vec![query::CHECK];
         push_keys(&mut message, &[key]);
         self.stream.write_all(&message).map_err(broken)?;
@@ -187,6 +192,7 @@ impl TcpStore {
     /// # Errors
     /// [`StoreError::Timeout`]; as [`TcpStore::add`].
     pub fn wait(&mut self, keys: &[&str], deadline: Instant) -> Result<(), StoreError> {
+        self.set_timeout(REPLY_TIMEOUT)?;
         let mut message = vec![query::WAIT];
         push_keys(&mut message, keys);
         self.stream.write_all(&message).map_err(broken)?;
@@ -231,6 +237,7 @@ impl TcpStore {
     /// As [`TcpStore::wait`]; [`StoreError::Protocol`] for a value over 8 MiB.
     pub fn get(&mut self, key: &str, deadline: Instant) -> Result<Vec<u8>, StoreError> {
         self.wait(&[key], deadline)?;
+        self.set_timeout(REPLY_TIMEOUT)?;
         let mut message = vec![query::GET];
         push_bytes(&mut message, wire_key(key).as_bytes());
         self.stream.write_all(&message).map_err(broken)?;
