@@ -4,7 +4,6 @@ pub mod counting;
 mod kernels;
 mod multi_tensor_kernels;
 
-use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
