@@ -46,7 +46,7 @@ pub use bert::{
     BertModelOutput, BertOutput, BertPooler, BertSelfAttention, BertSelfOutput, gelu, mean_pool,
 };
 pub use config::{BertConfig, Preset};
-pub use embed::{Embedder, Pooling};
+pub use embed::{Activation, Embedder, Hit, Pooling, cos_sim, normalize, semantic_search};
 pub use ember_backend_ext::Kernels;
 pub use error::ModelError;
 pub use hook::{ForwardHook, NoHook};

@@ -56,6 +56,9 @@ pub enum BenchCommand {
     /// Pre-training example creation (text → HDF5 shard): ember's prepare-data against
     /// create_pretraining_data.py's algorithm in Python, on the same text, in the same run.
     Data(crate::bench_data::DataBenchArgs),
+    /// Sentence embeddings: ember's Embedder against sentence-transformers, the same folder and
+    /// sentences, in the same run (sentences/s, ratio, largest difference of the vectors).
+    Embed(crate::bench_embed::EmbedBenchArgs),
 }
 
 /// `cargo xtask bench [--setup-reference] [COMMAND]`.
@@ -124,6 +127,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         BenchCommand::Onebit(args) => crate::bench_onebit::run(args),
         BenchCommand::TrainStep(args) => crate::bench_train_step::run(args),
         BenchCommand::Data(args) => crate::bench_data::run(args),
+        BenchCommand::Embed(args) => crate::bench_embed::run(args),
     }
 }
 

@@ -52,7 +52,8 @@ pub(crate) fn results_base(out: Option<&Path>, name: &str) -> Result<PathBuf> {
 }
 
 /// `cargo xtask bench --setup-reference`: the reference virtualenv with torch, transformers,
-/// safetensors, numpy and h5py from PyPI (`bench train-step` and `bench data`).
+/// sentence-transformers, safetensors, numpy and h5py from PyPI (`bench train-step`, `bench
+/// data` and `bench embed`).
 pub fn setup_reference() -> Result<()> {
     let dir = reference_venv();
     let status = Command::new("python3")
@@ -69,6 +70,7 @@ pub fn setup_reference() -> Result<()> {
             "install",
             "torch",
             "transformers",
+            "sentence-transformers",
             "safetensors",
             "numpy",
             "h5py",

@@ -1,19 +1,21 @@
 //! `embed --model DIR --input texts.txt --out embeddings.jsonl`: one embedding per input line
-//! ([`ember_model::Embedder`]), written as one JSON array per line.
+//! ([`ember_model::Embedder`]: the folder's sentence-transformers pipeline), written as one JSON
+//! array per line.
 
 use std::io::Write;
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
-use burn::backend::NdArray;
+use anyhow::{Context, Result, bail};
 use clap::Args;
+use ember_backend_ext::FusedOps;
 use ember_model::{Embedder, Pooling};
 
 /// Flags of `embed`.
 #[derive(Args, Debug)]
 pub struct EmbedArgs {
-    /// Model folder: config.json, model.safetensors, tokenizer.json or vocab.txt (for instance
-    /// all-MiniLM-L6-v2)
+    /// Model folder: a sentence-transformers folder (modules.json, 1_Pooling, ..., as
+    /// all-MiniLM-L6-v2), or a BERT folder (config.json, model.safetensors, tokenizer.json or
+    /// vocab.txt: mean pooling)
     #[arg(long)]
     model: PathBuf,
     /// Text file, one text per line
@@ -22,23 +24,69 @@ pub struct EmbedArgs {
     /// Output: one JSON array of floats per input line
     #[arg(long)]
     out: PathBuf,
-    /// mean (over real tokens) or cls
-    #[arg(long, default_value = "mean")]
-    pooling: Pooling,
-    /// L2-normalise each embedding
+    /// Pool with this mode instead of the folder's: mean, cls, max, mean_sqrt_len_tokens,
+    /// weightedmean or lasttoken
     #[arg(long)]
+    pooling: Option<Pooling>,
+    /// L2-normalise each embedding (the folder's Normalize module, or none, otherwise)
+    #[arg(long, overrides_with = "no_normalize")]
     normalize: bool,
+    /// Leave out the folder's Normalize module
+    #[arg(long, overrides_with = "normalize")]
+    no_normalize: bool,
+    /// Tokens per text at most, [CLS] and [SEP] included [default: the folder's
+    /// max_seq_length]
+    #[arg(long)]
+    max_seq_length: Option<usize>,
     /// Texts per forward pass
     #[arg(long, default_value_t = 32)]
     batch_size: usize,
+    /// Where to compute: cpu, cuda (the `cuda` feature) or wgpu (the `wgpu` feature)
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda", "wgpu"])]
+    device: String,
 }
 
 pub fn run(args: EmbedArgs) -> Result<()> {
-    let device = Default::default();
-    let embedder = Embedder::<NdArray>::from_pretrained(&args.model, &device)?
-        .with_pooling(args.pooling)
-        .with_normalize(args.normalize)
-        .with_batch_size(args.batch_size);
+    match args.device.as_str() {
+        "cuda" => run_cuda(&args),
+        "wgpu" => run_wgpu(&args),
+        _ => embed::<burn::backend::NdArray>(&args, &Default::default()),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn run_cuda(args: &EmbedArgs) -> Result<()> {
+    let gpu = crate::cuda::start(&ember_trainer::parallel::LaunchEnv::single(), false)?;
+    embed::<burn::backend::Cuda>(args, &burn::backend::cuda::CudaDevice::new(gpu))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cuda(_: &EmbedArgs) -> Result<()> {
+    bail!("--device cuda needs a build with the `cuda` feature (cargo install ... --features cuda)")
+}
+
+#[cfg(feature = "wgpu")]
+fn run_wgpu(args: &EmbedArgs) -> Result<()> {
+    embed::<burn::backend::Wgpu>(args, &burn::backend::wgpu::WgpuDevice::DefaultDevice)
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn run_wgpu(_: &EmbedArgs) -> Result<()> {
+    bail!("--device wgpu needs a build with the `wgpu` feature (cargo install ... --features wgpu)")
+}
+
+fn embed<B: FusedOps>(args: &EmbedArgs, device: &B::Device) -> Result<()> {
+    let mut embedder =
+        Embedder::<B>::from_pretrained(&args.model, device)?.with_batch_size(args.batch_size);
+    if let Some(pooling) = args.pooling {
+        embedder = embedder.with_pooling(pooling);
+    }
+    if args.normalize || args.no_normalize {
+        embedder = embedder.with_normalize(args.normalize);
+    }
+    if let Some(tokens) = args.max_seq_length {
+        embedder = embedder.with_max_seq_length(tokens);
+    }
     let text = std::fs::read_to_string(&args.input)
         .with_context(|| format!("{}: cannot read the texts", args.input.display()))?;
     let lines: Vec<&str> = text.lines().collect();

@@ -16,6 +16,7 @@
 mod bench;
 mod bench_checkpoint;
 mod bench_data;
+mod bench_embed;
 #[doc(hidden)]
 pub use bench_data::number_after;
 mod bench_kernels;

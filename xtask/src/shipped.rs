@@ -35,6 +35,7 @@ const SCRIPTS: &[(&str, &str)] = &[
         "create_pretraining_data.py",
         include_str!("../../bench/reference/create_pretraining_data.py"),
     ),
+    ("embed.py", include_str!("../../bench/reference/embed.py")),
 ];
 
 /// The shipped configuration a `--config` value names, if it names one: `tiny-cpu`,
