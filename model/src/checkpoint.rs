@@ -126,38 +126,43 @@ impl<B: Backend> BertForPreTraining<B> {
     /// # Errors
     /// [`ModelError::Checkpoint`] if the file cannot be written or renamed.
     pub fn save_hf_safetensors(&self, path: &Path) -> Result<(), ModelError> {
-        let tensors = hf_tensors(self);
-        let views = tensors
-            .iter()
-            .map(|(name, data)| {
-                TensorView::new(Dtype::F32, data.shape.as_slice().to_vec(), data.as_bytes())
-                    .map(|view| (name.clone(), view))
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| checkpoint_error(path, e.to_string()))?;
-        let tmp = temp_path(path);
-        let metadata = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-        let written = safetensors::serialize_to_file(views, Some(metadata), &tmp)
-            .map_err(|e| checkpoint_error(path, e.to_string()))
-            .and_then(|()| {
-                // On disk before the rename: a crash of the node never leaves a renamed file
-                // whose contents are still in the page cache only.
-                std::fs::File::open(&tmp)
-                    .and_then(|f| f.sync_all())
-                    .map_err(|e| checkpoint_error(path, e.to_string()))
-            });
-        if let Err(e) = written {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e);
-        }
-        std::fs::rename(&tmp, path).map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            checkpoint_error(
-                path,
-                format!("cannot rename {} into place: {e}", tmp.display()),
-            )
-        })
+        write_hf_tensors(path, hf_tensors(self))
     }
+}
+
+/// Writes `tensors` (Hugging Face keys, f32) to a safetensors file at `path`, through a
+/// temporary file, flushed to disk and renamed into place.
+fn write_hf_tensors(path: &Path, tensors: Vec<(String, TensorData)>) -> Result<(), ModelError> {
+    let views = tensors
+        .iter()
+        .map(|(name, data)| {
+            TensorView::new(Dtype::F32, data.shape.as_slice().to_vec(), data.as_bytes())
+                .map(|view| (name.clone(), view))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| checkpoint_error(path, e.to_string()))?;
+    let tmp = temp_path(path);
+    let metadata = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    let written = safetensors::serialize_to_file(views, Some(metadata), &tmp)
+        .map_err(|e| checkpoint_error(path, e.to_string()))
+        .and_then(|()| {
+            // On disk before the rename: a crash of the node never leaves a renamed file
+            // whose contents are still in the page cache only.
+            std::fs::File::open(&tmp)
+                .and_then(|f| f.sync_all())
+                .map_err(|e| checkpoint_error(path, e.to_string()))
+        });
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        checkpoint_error(
+            path,
+            format!("cannot rename {} into place: {e}", tmp.display()),
+        )
+    })
 }
 
 /// A tensor's values, read at memory speed even while another handle holds the tensor (a
@@ -237,6 +242,17 @@ impl<B: Backend> BertModel<B> {
     ///
     /// # Errors
     /// As [`BertForPreTraining::load_hf_safetensors`].
+    /// Writes the encoder's parameters under Hugging Face's `BertModel` keys (no `bert.`
+    /// prefix), so that `BertModel.from_pretrained(dir)` and sentence-transformers read the
+    /// file (with `config.json` from [`crate::BertConfig::to_hf_json_as`]); written as
+    /// [`BertForPreTraining::save_hf_safetensors`] writes.
+    ///
+    /// # Errors
+    /// [`ModelError::Checkpoint`] if the file cannot be written or renamed.
+    pub fn save_hf_safetensors(&self, path: &Path) -> Result<(), ModelError> {
+        write_hf_tensors(path, hf_tensors(self))
+    }
+
     pub fn load_hf_safetensors(mut self, path: &Path) -> Result<Self, ModelError> {
         ensure_file(path)?;
         let mut store = hf_load_store(path).with_key_remapping(r"^bert\.", "");

@@ -162,14 +162,17 @@ impl BertConfig {
     /// The configuration as Hugging Face `config.json` text (with `architectures` and
     /// `model_type`, so `BertForPreTraining.from_pretrained` reads it).
     pub fn to_hf_json(&self) -> String {
+        self.to_hf_json_as("BertForPreTraining")
+    }
+
+    /// [`BertConfig::to_hf_json`] naming another transformers class in `architectures`
+    /// (`"BertModel"` for an encoder without the pre-training heads).
+    pub fn to_hf_json_as(&self, architecture: &str) -> String {
         let mut value = serde_json::to_value(self).expect("BertConfig always serialises");
         let object = value
             .as_object_mut()
             .expect("a struct serialises to an object");
-        object.insert(
-            "architectures".into(),
-            serde_json::json!(["BertForPreTraining"]),
-        );
+        object.insert("architectures".into(), serde_json::json!([architecture]));
         object.insert("model_type".into(), serde_json::json!("bert"));
         serde_json::to_string_pretty(&value).expect("a JSON value always serialises")
     }

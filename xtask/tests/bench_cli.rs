@@ -139,3 +139,63 @@ fn train_step_bench_on_wgpu_without_the_feature_says_so() {
         "{stderr}"
     );
 }
+
+/// `bench embed` without the sentence-transformers side (CI has no torch), on a given model
+/// folder (the tests' small random BERT): a row per batch size with the sentences embedded and
+/// a rate; batch 1 takes a quarter of the sentences.
+#[test]
+fn embed_bench_writes_its_results() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/st_tiny");
+    let output = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["bench", "embed", "--reference", "none", "--model"])
+        .arg(&model)
+        .args([
+            "--batch-size",
+            "4,1",
+            "--sentences",
+            "12",
+            "--rounds",
+            "1",
+            "--out",
+        ])
+        .arg(dir.path())
+        .output()
+        .expect("running xtask");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let json = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "json"))
+        .expect("a JSON result");
+    let results: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    let rows = results["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(
+        (
+            rows[0]["batch_size"].as_u64(),
+            rows[0]["sentences"].as_u64()
+        ),
+        (Some(4), Some(12))
+    );
+    assert_eq!(
+        (
+            rows[1]["batch_size"].as_u64(),
+            rows[1]["sentences"].as_u64()
+        ),
+        (Some(1), Some(3))
+    );
+    for row in rows {
+        assert!(row["ember_s"].as_f64().unwrap() > 0.0, "{row}");
+        assert!(row["reference_s"].is_null(), "{row}");
+    }
+    assert!(
+        stdout.contains("| ember sentences/s |") || stdout.contains("ember sentences/s"),
+        "{stdout}"
+    );
+}

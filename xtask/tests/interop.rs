@@ -156,3 +156,67 @@ fn embed_writes_one_array_per_line_equal_to_sentence_transformers() {
         "{text}"
     );
 }
+
+/// An encoder-only folder (`tests/fixtures/st_tiny`, a `BertModel` as sentence-transformers
+/// models ship) converts as what it holds, `BertModel`, with the same tensors; asked for
+/// `BertForPreTraining` it is refused naming the heads it lacks, and `--init-missing` adds them
+/// fresh and names them.
+#[test]
+fn an_encoder_only_folder_converts_as_bert_model_or_with_fresh_heads() {
+    let source = fixture().with_file_name("st_tiny");
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("encoder");
+    let (ok, text) = convert(&source, &out);
+    assert!(ok && text.contains("as BertModel"), "{text}");
+    let (original, converted) = (
+        tensors(&source.join("model.safetensors")),
+        tensors(&out.join("model.safetensors")),
+    );
+    assert_eq!(original.len(), converted.len());
+    for (name, tensor) in &original {
+        assert!(converted.get(name) == Some(tensor), "{name} differs");
+    }
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["architectures"][0], "BertModel");
+
+    let args = |extra: &[&str], to: &str| {
+        let mut all = vec![
+            "convert".to_string(),
+            "--from".into(),
+            source.display().to_string(),
+            "--to".into(),
+            dir.path().join(to).display().to_string(),
+        ];
+        all.extend(extra.iter().map(|s| s.to_string()));
+        all
+    };
+    let run = |all: Vec<String>| {
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
+        ember(&all)
+    };
+    let (ok, text) = run(args(&["--architecture", "bert-for-pretraining"], "refused"));
+    assert!(!ok);
+    assert!(
+        text.contains("lacks 7 parameter(s) of BertForPreTraining")
+            && text.contains("cls.seq_relationship.weight")
+            && text.contains("--init-missing"),
+        "{text}"
+    );
+    assert!(
+        !dir.path().join("refused").exists(),
+        "nothing written on error"
+    );
+    let (ok, text) = run(args(&["--init-missing"], "heads"));
+    assert!(ok && text.contains("as BertForPreTraining"), "{text}");
+    assert!(
+        text.contains("initialised fresh") && text.contains("cls.predictions.bias"),
+        "{text}"
+    );
+    let heads = tensors(&dir.path().join("heads/model.safetensors"));
+    assert!(heads.contains_key("cls.seq_relationship.weight"));
+    assert!(
+        heads.get("bert.embeddings.word_embeddings.weight")
+            == original.get("embeddings.word_embeddings.weight")
+    );
+}
