@@ -17,6 +17,9 @@
 #                  hand), a 2-step training run (its log names the GPU's UUID and bus id), and
 #                  real torchrun with 2 ranks exchanging a blob through the agent's store
 #                  (`comm-check --rendezvous`; no GPU needed) when the machine's Python has torch.
+#   embed          `xtask bench embed --device cuda`: sentence embeddings of all-MiniLM-L6-v2's and
+#                  BERT-base's shape, batch 32 and 1, against sentence-transformers on the same GPU
+#                  when the machine's Python has it (else ember alone), the vectors compared.
 #   step           `xtask bench step --check`: the device reducer against the host path on the
 #                  tiny model (NCCL with a world of one, 3 steps, weights within 1e-5), then
 #                  BERT-base and BERT-large training steps at sequence length 128: step time,
@@ -88,7 +91,7 @@ build)
 run)
     shift
     parts=("$@")
-    [ ${#parts[@]} -gt 0 ] || parts=(launch step kernels bench-kernels resume onebit train-step streaming precision)
+    [ ${#parts[@]} -gt 0 ] || parts=(launch step kernels bench-kernels resume onebit train-step streaming precision embed)
     out="${OUT:-$dir/out}"
     mkdir -p "$out"
     if [ ! -x "$dir/xtask" ] || [ ! -x "$dir/kernels" ]; then
@@ -123,6 +126,15 @@ run)
             else
                 echo "no torchrun beside the machine's torch: rendezvous not checked" | tee -a "$out/launch.txt"
             fi
+            ;;
+        embed)
+            echo "== sentence embeddings on CUDA against sentence-transformers"
+            reference=(--reference none)
+            if [ -n "$torch_python" ] && "$torch_python" -c "import sentence_transformers" 2>/dev/null; then
+                reference=(--reference pytorch --python "$torch_python")
+            fi
+            timeout 240 "$dir/xtask" bench embed --device cuda --sentences 512 --rounds 3 \
+                "${reference[@]}" --out "$out/embed" 2>&1 | tail -8 || status=$?
             ;;
         step)
             echo "== bench step: device reducer check, then BERT-base/large steps (seq 128)"
@@ -263,7 +275,7 @@ for seq, batch in ((128, 32), (512, 8)):
 PY
             ;;
         *)
-            echo "unknown part $part (launch, step, kernels, bench-kernels, resume, onebit, train-step, streaming, precision)" >&2
+            echo "unknown part $part (launch, step, kernels, bench-kernels, resume, onebit, train-step, streaming, precision, embed)" >&2
             status=2
             ;;
         esac
@@ -272,7 +284,7 @@ PY
     exit $status
     ;;
 *)
-    echo "usage: $0 build | run [launch|step|kernels|bench-kernels|resume|onebit|train-step|streaming|precision ...]" >&2
+    echo "usage: $0 build | run [launch|step|kernels|bench-kernels|resume|onebit|train-step|streaming|precision|embed ...]" >&2
     exit 2
     ;;
 esac
