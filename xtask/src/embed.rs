@@ -5,7 +5,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::Args;
 use ember_backend_ext::FusedOps;
 use ember_model::{Embedder, Pooling};
@@ -62,7 +62,9 @@ fn run_cuda(args: &EmbedArgs) -> Result<()> {
 
 #[cfg(not(feature = "cuda"))]
 fn run_cuda(_: &EmbedArgs) -> Result<()> {
-    bail!("--device cuda needs a build with the `cuda` feature (cargo install ... --features cuda)")
+    anyhow::bail!(
+        "--device cuda needs a build with the `cuda` feature (cargo install ... --features cuda)"
+    )
 }
 
 #[cfg(feature = "wgpu")]
@@ -72,7 +74,9 @@ fn run_wgpu(args: &EmbedArgs) -> Result<()> {
 
 #[cfg(not(feature = "wgpu"))]
 fn run_wgpu(_: &EmbedArgs) -> Result<()> {
-    bail!("--device wgpu needs a build with the `wgpu` feature (cargo install ... --features wgpu)")
+    anyhow::bail!(
+        "--device wgpu needs a build with the `wgpu` feature (cargo install ... --features wgpu)"
+    )
 }
 
 fn embed<B: FusedOps>(args: &EmbedArgs, device: &B::Device) -> Result<()> {
