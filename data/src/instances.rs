@@ -17,21 +17,27 @@ use serde::{Deserialize, Serialize};
 use crate::{DataError, Document, SpecialTokens};
 
 /// Settings of instance creation; names and defaults as the reference's flags.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
 #[serde(default, deny_unknown_fields)]
 pub struct PretrainingConfig {
     /// Longest instance, in tokens, `[CLS]` and both `[SEP]` included. Default: 128.
+    #[arg(long = "seq-len", visible_alias = "max-seq-length")]
     pub max_seq_length: usize,
     /// Most masked positions per instance. Default: 20 (the reference's value for 128).
+    #[arg(long = "max-predictions", visible_alias = "max-predictions-per-seq")]
     pub max_predictions_per_seq: usize,
     /// Fraction of tokens selected for prediction. Default: 0.15.
+    #[arg(long)]
     pub masked_lm_prob: f64,
     /// Probability of a shorter target length, drawn uniformly in [2, max_seq_length − 3].
     /// Default: 0.1.
+    #[arg(long)]
     pub short_seq_prob: f64,
     /// Number of passes over the documents, each with fresh masks and pairings. Default: 10.
+    #[arg(long)]
     pub dupe_factor: usize,
     /// Seed of the instance generator. Default: 12345, the reference's `random_seed`.
+    #[arg(long = "instances-seed", id = "instances.seed", value_name = "SEED")]
     pub seed: u64,
 }
 

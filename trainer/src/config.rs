@@ -33,24 +33,48 @@ pub use parallel_section::ParallelConfig;
 pub use schedule_section::ScheduleConfig;
 
 /// Everything a training run needs.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// Every field of every section is also a flag of `ember train` (`clap::Args`, derived here:
+/// the field's doc comment is the flag's help, the section its heading, and the flag is
+/// normally the field's name); the command line's flags are applied over the file with
+/// `clap::FromArgMatches::update_from_arg_matches`, which sets only the flags given.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrainConfig {
+    #[command(flatten, next_help_heading = "Model [model]")]
     pub model: ModelSection,
+    #[command(flatten, next_help_heading = "Data [data]")]
     pub data: DataSection,
     /// Instance creation, as `create_pretraining_data.py`'s flags (`max_seq_length`,
     /// `max_predictions_per_seq`, `masked_lm_prob`, `short_seq_prob`, `dupe_factor`, `seed`).
+    #[command(flatten, next_help_heading = "Instance creation [instances]")]
     pub instances: PretrainingConfig,
+    #[command(flatten, next_help_heading = "Optimizer [optimizer]")]
     pub optimizer: OptimizerConfig,
+    #[command(flatten, next_help_heading = "Learning-rate schedule [schedule]")]
     pub schedule: ScheduleConfig,
+    #[command(flatten, next_help_heading = "Training loop [train]")]
     pub train: LoopConfig,
+    #[command(flatten, next_help_heading = "Data parallel [parallel]")]
     pub parallel: ParallelConfig,
     /// When to write checkpoints, and which run to resume.
+    #[command(flatten, next_help_heading = "Checkpoints [checkpoint]")]
     pub checkpoint: CheckpointConfig,
     /// The MLPerf log (`:::MLLOG` lines) and its submission keys.
+    #[command(flatten, next_help_heading = "MLPerf log [mllog]")]
     pub mllog: crate::mllog::MllogConfig,
     /// Dynamic loss scaling (`crate::loss_scale`).
+    #[command(flatten, next_help_heading = "Loss scaling [loss_scale]")]
     pub loss_scale: LossScaleConfig,
+}
+
+/// Parses a flag's value as the TOML string serde reads for `T`: an enum's names as the
+/// configuration file writes them (`onebit-adam`, `frozen-or-fresh`).
+///
+/// # Errors
+/// serde's message naming the accepted values.
+pub fn parse_enum<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, String> {
+    T::deserialize(toml::Value::String(text.to_string())).map_err(|e| e.to_string())
 }
 
 impl Default for TrainConfig {

@@ -68,22 +68,32 @@ impl std::str::FromStr for LossScaleMode {
 
 /// `[loss_scale]`: dynamic loss scaling (PyTorch `GradScaler`'s arguments, DeepSpeed's
 /// `min_scale`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
 #[serde(default, deny_unknown_fields)]
 pub struct LossScaleConfig {
-    /// `auto` (dynamic in fp16), `none` or `dynamic`. Default: auto.
+    /// Loss scaling: `auto` (dynamic in fp16), `none` or `dynamic` (PyTorch `GradScaler`'s
+    /// rule: a step whose gradients overflow is skipped on every rank and the scale halves).
+    /// Default: auto.
+
+    #[arg(long = "loss-scale")]
     pub mode: LossScaleMode,
     /// The first step's scale. Default: 65536 (2¹⁶, PyTorch's `init_scale`).
+    #[arg(long = "init-loss-scale")]
     pub init_scale: f64,
     /// Factor after `growth_interval` clean steps. Default: 2.
+    #[arg(long = "loss-scale-growth-factor")]
     pub growth_factor: f64,
     /// Factor after an overflow. Default: 0.5.
+    #[arg(long = "loss-scale-backoff-factor")]
     pub backoff_factor: f64,
     /// Consecutive clean steps before the scale grows. Default: 2000.
+    #[arg(long = "loss-scale-growth-interval")]
     pub growth_interval: u64,
     /// The scale never goes below this. Default: 1 (DeepSpeed's `min_scale`).
+    #[arg(long = "min-loss-scale")]
     pub min_scale: f64,
     /// Consecutive skipped steps after which the run stops with an error. Default: 20.
+    #[arg(long)]
     pub max_skipped_steps: u64,
 }
 

@@ -52,19 +52,24 @@ impl std::str::FromStr for Division {
 }
 
 /// The `[mllog]` section: where to write the MLPerf log and what it says about the submission.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
 #[serde(default, deny_unknown_fields)]
 pub struct MllogConfig {
     /// The log file (rank 0 writes it); unset: no MLPerf log. Default: unset.
+    #[arg(long = "mllog", value_name = "FILE")]
     pub file: Option<PathBuf>,
     /// `submission_division`. Default: open (ember's runs change the reference's
     /// hyper-parameter rules unless configured as it).
+    #[arg(long = "mllog-division")]
     pub division: Division,
     /// `submission_org`. Default: "ember".
+    #[arg(long = "mllog-org")]
     pub org: String,
     /// `submission_platform`. Default: the host name, else "unknown".
+    #[arg(long = "mllog-platform")]
     pub platform: String,
     /// `submission_status`: onprem, cloud or research. Default: onprem.
+    #[arg(long = "mllog-status")]
     pub status: String,
 }
 

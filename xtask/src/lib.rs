@@ -33,6 +33,7 @@ mod data;
 mod embed;
 mod launch;
 mod plot;
+mod settings_flags;
 pub mod shipped;
 mod train;
 
@@ -80,10 +81,11 @@ enum Command {
     /// A BERT checkpoint (Hugging Face safetensors, pytorch_model.bin, ember run or
     /// checkpoint) into a folder transformers opens: config.json + model.safetensors.
     Convert(convert::ConvertArgs),
-    /// Sentence embeddings of a BERT model folder (mean or CLS pooling), one JSON array per
-    /// input line.
+    /// Sentence embeddings of a sentence-transformers or BERT model folder (its pooling,
+    /// Dense and Normalize modules), one JSON array per input line.
     Embed(embed::EmbedArgs),
-    /// Benchmarks.
+    /// Benchmarks, each against a reference measured in the same run (PyTorch, the unfused
+    /// path, the serial path).
     Bench(bench::BenchArgs),
     /// Where the GPU libraries are found (the NVIDIA driver, NVRTC, NCCL; under cudarc's names
     /// or linked to them) and which GPUs this process sees

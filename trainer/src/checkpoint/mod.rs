@@ -48,24 +48,29 @@ use crate::{EvalResult, TrainError};
 use manifest::checkpoint_error;
 
 /// `[checkpoint]`: when to write checkpoints and where to resume from.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, clap::Args)]
 #[serde(default, deny_unknown_fields)]
 pub struct CheckpointConfig {
     /// Write a checkpoint every this many optimizer steps; 0: only at the end and on SIGTERM or
     /// SIGINT. Default: 0.
+    #[arg(long = "checkpoint-every")]
     pub every: u64,
     /// Keep the newest this many complete checkpoints (older ones are deleted once a newer one
     /// is complete); 0 keeps all. Default: 0.
+    #[arg(long = "keep-checkpoints")]
     pub keep: usize,
     /// Continue the run whose output folder this is, from its newest complete checkpoint.
     /// Default: none.
+    #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
     /// Start from these weights with a fresh optimizer and schedule (MLPerf's phase 2 from the
     /// phase-1 checkpoint, or continued pre-training of a published BERT): a Hugging Face
     /// folder, a `.safetensors` or PyTorch `.bin` file, with or without the pre-training
-    /// heads, or an ember run or checkpoint folder (`ember_model::WeightsFile::find`). The
+    /// heads, or an ember run or checkpoint folder. The
+
     /// parameters it lacks keep their initialisation and are listed in the log. Not used when
     /// resuming: the checkpoint holds the weights. Default: none.
+    #[arg(long, value_name = "PATH")]
     pub init_from: Option<PathBuf>,
 }
 

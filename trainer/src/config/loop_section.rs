@@ -6,44 +6,59 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 /// The loop: how long, how big, when to evaluate and where to write.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
 #[serde(default, deny_unknown_fields)]
 pub struct LoopConfig {
     /// Optimizer steps. Default: 500.
+    #[arg(long)]
     pub steps: u64,
     /// Samples per rank and micro-batch (the local batch size). The global batch size, the
     /// samples behind one optimizer step, is `batch_size × parallel.grad_accum × world_size`.
     /// Default: 32.
+    #[arg(long)]
     pub batch_size: usize,
     /// Evaluate every this many steps (and after the last); not with
     /// `eval_interval_samples`. Default: unset, 100 steps when `eval_interval_samples` is
-    /// unset too ([`LoopConfig::eval_every_steps`]).
+    /// unset too.
+    #[arg(long, conflicts_with = "eval_interval_samples")]
     pub eval_every: Option<u64>,
     /// Evaluate every this many training samples instead of `eval_every` steps: after the
     /// first step at which the samples trained reach the next multiple (MLPerf's
     /// `eval_iter_samples`), and after the last step. A number, or `"mlperf"` for the BERT
-    /// rule `FLOOR(0.05 × (230.23 × global batch size + 3,000,000), 25,000)`
-    /// ([`EvalInterval`]). Default: unset.
+    /// rule `FLOOR(0.05 × (230.23 × global batch size + 3,000,000), 25,000)`.
+    /// Default: unset.
+    #[arg(long)]
     pub eval_interval_samples: Option<EvalInterval>,
     /// Held-out instances evaluated each time (at most the number available). Default: 1024.
+    #[arg(long)]
     pub eval_samples: usize,
     /// Stop as soon as an evaluation reaches this masked-LM accuracy (0..1). Default: none.
+    #[arg(long)]
     pub target_mlm_accuracy: Option<f64>,
     /// Write a metrics line every this many steps. Default: 10.
+    #[arg(long)]
     pub log_every: u64,
     /// Seed of the model initialisation, dropout and batch order. Dropout masks are keyed by
     /// (seed, rank, step, layer, sample, position): ranks draw different masks and a run
-    /// repeats bit for bit (`ember_backend_ext::DropoutScope`). Default: 42.
+    /// repeats bit for bit (`ember_backend_ext::DropoutScope`). On the command line, `--seed`
+    /// also sets `instances.seed` unless `--instances-seed` is given. Default: 42.
+    #[arg(long)]
     pub seed: u64,
     /// Output folder for metrics and the checkpoint. Default: `runs/latest`.
+    #[arg(long)]
     pub out: PathBuf,
-    /// How the losses of `parallel.grad_accum` micro-batches make the step's gradient
-    /// ([`LossNormalization`]). Default: micro-batch (NVIDIA's and Samsung's MLPerf code).
+    /// How the losses of `parallel.grad_accum` micro-batches make the step's gradient:
+    /// `micro-batch` (the mean of the micro-batches' mean losses) or `batch` (exactly the
+    /// gradient of the whole local batch, as transformers' `num_items_in_batch`).
+    /// Default: micro-batch (NVIDIA's and Samsung's MLPerf code).
+
+    #[arg(long)]
     pub loss_normalization: LossNormalization,
     /// The dtype the model computes in: `f32`, `bf16` or `fp16`, with f32 weights and
     /// optimizer state (Note [Autocast] in `ember_model`'s `precision.rs`). fp16 turns on
     /// dynamic loss scaling unless `loss_scale.mode` says otherwise. Default: bf16 where the
     /// backend has it (CUDA), else f32 (NdArray, wgpu).
+    #[arg(long)]
     pub precision: Option<ember_model::Precision>,
 }
 

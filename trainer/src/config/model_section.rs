@@ -4,22 +4,29 @@ use ember_model::{Kernels, Preset};
 use serde::{Deserialize, Serialize};
 
 /// Which model to build.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
 #[serde(default, deny_unknown_fields)]
 pub struct ModelSection {
     /// Model size. Default: tiny.
+    #[arg(long)]
     pub preset: Preset,
     /// Overrides the preset's `hidden_dropout_prob` (0.1) when set.
+    #[arg(long)]
     pub hidden_dropout_prob: Option<f64>,
     /// Overrides the preset's `attention_probs_dropout_prob` (0.1) when set.
+    #[arg(long)]
     pub attention_probs_dropout_prob: Option<f64>,
-    /// Encoder implementation: `auto` (fused where the backend has kernels), `fused` or
-    /// `reference` (see `ember_model::Kernels`). Default: auto.
+    /// Encoder implementation: `fused` (ember-backend-ext's ops: CubeCL kernels on cuda and
+    /// wgpu, host loops on the CPU), `reference` (Burn ops composed module by module) or
+    /// `auto` (fused where the backend has them: cuda, wgpu and cpu). Default: auto.
+    #[arg(long)]
     pub kernels: Kernels,
     /// Whose threads run the dense layers' GEMMs on the CPU (NdArray with OpenBLAS): `rayon`
     /// (each GEMM split over rayon's pool, which also runs the fused ops, OpenBLAS at one
-    /// thread per call) or `blas` (OpenBLAS's own threads); see `crate::blas::GemmThreads`.
-    /// Other backends ignore it. Default: rayon.
+    /// thread per call) or `blas` (OpenBLAS's own threads). Other backends ignore it.
+    /// Default: rayon.
+
+    #[arg(long)]
     pub gemm_threads: crate::blas::GemmThreads,
 }
 

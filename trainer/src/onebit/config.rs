@@ -6,36 +6,47 @@ use crate::TrainError;
 
 /// Settings of 1-bit Adam and 1-bit LAMB (`[optimizer.onebit]`); the defaults are DeepSpeed's
 /// (`deepspeed/runtime/fp16/onebit/lamb.py`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
 #[serde(default, deny_unknown_fields)]
 pub struct OnebitConfig {
     /// Steps of exact AdamW/LAMB before compression starts (DeepSpeed's `freeze_step`).
     /// Default: unset, 20% of `train.steps` (DeepSpeed's BERT examples freeze at 15–25%).
+    #[arg(long)]
     pub freeze_step: Option<u64>,
     /// 1-bit LAMB: the warm-up's trust ratios are clipped to `[min_coeff, max_coeff]` before
     /// they are averaged. Defaults: 0.01 and 10.
+    #[arg(long = "onebit-min-coeff")]
     pub min_coeff: f32,
-    /// See `min_coeff`.
+    /// 1-bit LAMB: the upper clip of the warm-up's trust ratios (see `min_coeff`).
+    /// Default: 10.
+    #[arg(long = "onebit-max-coeff")]
     pub max_coeff: f32,
     /// 1-bit LAMB: the averaging factor of the warm-up's trust ratios. Default: 0.9.
+    #[arg(long = "onebit-coeff-beta")]
     pub coeff_beta: f32,
     /// 1-bit LAMB: bounds of the compression stage's scaling factor. Defaults: 0.5 and 4.
+    #[arg(long = "onebit-factor-min")]
     pub factor_min: f32,
-    /// See `factor_min`.
+    /// 1-bit LAMB: the upper bound of the compression stage's scaling factor (see
+    /// `factor_min`). Default: 4.
+    #[arg(long = "onebit-factor-max")]
     pub factor_max: f32,
     /// 1-bit LAMB: the most the factor changes from one step to the next, as a fraction.
     /// Default: 0.1.
+    #[arg(long = "onebit-factor-threshold")]
     pub factor_threshold: f32,
     /// Masks the momentum of the elements whose variance is exactly 0 at the freeze (they
     /// never had a gradient, as position embeddings past the sequence length): 1-bit
     /// compression cannot send a 0, and their update divides by ε. DeepSpeed asks the user
     /// for this mask (`exp_avg_mask`). Default: true.
+    #[arg(long = "onebit-mask-unused")]
     pub mask_unused: bool,
     /// Elements per scale in the compressed allreduce (a multiple of 8): each block of a
     /// chunk is sent as its signs and its own RMS. 0 is DeepSpeed's granularity, one scale
     /// per buffer (per tensor for 1-bit Adam, for all momenta for 1-bit LAMB), which ruins
     /// the elements whose momentum is far below the buffer's RMS while their variance is small
-    /// (rare tokens' embedding rows with small batches: see the README). Default: 128.
+    /// (rare tokens' embedding rows with small batches: docs/parallel.md). Default: 128.
+    #[arg(long = "onebit-scale-block")]
     pub scale_block: usize,
     /// The denominator of the compression stage's update: `frozen` (the papers' and
     /// DeepSpeed's: the variance at the freeze), `frozen-or-fresh` (element by element the
@@ -43,17 +54,20 @@ pub struct OnebitConfig {
     /// 1-bit LAMB rebuilds it: no communication) or `frozen-bounded` (the frozen variance,
     /// each element's |m̂|/√v̂ bounded by 1). A frozen variance is wrong for what had no
     /// gradient in the warm-up: a rare token first seen after the freeze gets an update
-    /// divided by the variance of its near-zero gradients (the README's run: embedding entries
+    /// divided by the variance of its near-zero gradients (docs/parallel.md's run: embedding entries
     /// of 21, accuracy at the baseline). Default (unset): `frozen-bounded` for 1-bit Adam,
     /// `frozen-or-fresh` for 1-bit LAMB, the best of the three measured on the embedded corpus
-    /// (README, 1-bit Adam and 1-bit LAMB).
+    /// (docs/parallel.md, 1-bit Adam and 1-bit LAMB).
+    #[arg(long = "onebit-variance", value_parser = crate::config::parse_enum::<OnebitVariance>)]
     pub variance: Option<OnebitVariance>,
     /// 1-bit LAMB's per-tensor scaling in the compression stage: `frozen-factor` (DeepSpeed's:
     /// the warm-up's averaged trust ratio times a factor from the fresh variance, clamped and
     /// moved at most `factor_threshold` per step) or `computed` (each step's trust ratio
     /// ‖w‖/‖u‖ of the update u computed from the averaged momenta, as exact LAMB computes
     /// it; the same on every rank, no communication). Default: `computed` (measured better
-    /// on the embedded corpus: README).
+    /// on the embedded corpus: docs/parallel.md).
+
+    #[arg(long = "onebit-lamb-coeff", value_parser = crate::config::parse_enum::<OnebitLambCoeff>)]
     pub lamb_coeff: OnebitLambCoeff,
 }
 
