@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::TrainError;
 
 mod data_section;
+mod flags;
 mod loop_section;
 mod model_section;
 mod optimizer_section;
@@ -26,6 +27,7 @@ use crate::parallel::ClipMode;
 pub use data_section::{DataSection, MAX_PREFETCH};
 use ember_data::PretrainingConfig;
 pub use ember_model::Precision;
+pub use flags::{SettingFlags, setting_key};
 pub use loop_section::{EvalInterval, EvalRule, LoopConfig, LossNormalization};
 pub use model_section::ModelSection;
 pub use optimizer_section::{OptimizerConfig, OptimizerKind};

@@ -77,7 +77,9 @@ pub struct LossScaleConfig {
 
     #[arg(long = "loss-scale")]
     pub mode: LossScaleMode,
-    /// The first step's scale. Default: 65536 (2¹⁶, PyTorch's `init_scale`).
+    /// The first step's scale (at most f32's 3.4e38; this and the other scaling settings are
+    /// refused when the loss is not scaled). Default: 65536 (2¹⁶, PyTorch's `init_scale`).
+
     #[arg(long = "init-loss-scale")]
     pub init_scale: f64,
     /// Factor after `growth_interval` clean steps. Default: 2.

@@ -33,7 +33,6 @@ mod data;
 mod embed;
 mod launch;
 mod plot;
-mod settings_flags;
 pub mod shipped;
 mod train;
 
@@ -104,7 +103,7 @@ unsafe extern "C" {
 /// Keeps freed memory in the process: mimalloc by default returns freed pages to the OS after
 /// 10 ms, and a training step that allocates the same activation buffers again then pays a
 /// page fault and the kernel's zeroing per page (17% of BERT-base's CPU step in perf, the
-/// `clear_page_erms` of the README's profile); never purging made the step 1.3× faster. Peak
+/// `clear_page_erms` of docs/performance.md's profile); never purging made the step 1.3× faster. Peak
 /// memory is unchanged, the resident set stays at it. `MIMALLOC_PURGE_DELAY` still wins.
 fn keep_freed_memory() {
     if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {

@@ -5,10 +5,9 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use burn::backend::{Autodiff, NdArray};
 use clap::Args;
+use ember_trainer::config::SettingFlags;
 use ember_trainer::parallel::LaunchEnv;
 use ember_trainer::{RunOptions, TrainConfig};
-
-use crate::settings_flags::SettingFlags;
 
 /// Flags of `train`: how to run, then every setting of the configuration (`SettingFlags`),
 /// each overriding the config file's value.
@@ -41,19 +40,8 @@ impl TrainArgs {
     /// The config file with the flags applied.
     fn resolve(&self) -> Result<TrainConfig> {
         let mut config = crate::shipped::load_config(self.config.as_deref())?;
-        self.settings.apply(&mut config)?;
-        let given = |id| self.settings.given(id);
-        // `--seed` seeds instance creation too, as it always has, unless --instances-seed says.
-        if given("seed") && !given("instances.seed") {
-            config.instances.seed = config.train.seed;
-        }
-        // A cadence given on the command line replaces the config's, in steps or samples.
-        if given("eval_every") {
-            config.train.eval_interval_samples = None;
-        }
-        if given("eval_interval_samples") {
-            config.train.eval_every = None;
-        }
+        let origin = self.config.clone().unwrap_or_else(|| "tiny-cpu".into());
+        self.settings.apply(&mut config, &origin)?;
         Ok(config)
     }
 }
@@ -245,46 +233,4 @@ fn train_cuda(
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 fn host_syncs() -> u64 {
     ember_backend_ext::HostSyncs::now().total()
-}
-
-#[cfg(test)]
-mod tests {
-    use clap::{Command, CommandFactory, FromArgMatches};
-
-    use super::*;
-
-    fn resolved(flags: &[&str]) -> TrainConfig {
-        let matches = TrainArgs::augment_args(Command::new("train"))
-            .try_get_matches_from(std::iter::once("train").chain(flags.iter().copied()))
-            .unwrap();
-        TrainArgs::from_arg_matches(&matches)
-            .unwrap()
-            .resolve()
-            .unwrap()
-    }
-
-    /// `--seed` seeds instance creation too unless `--instances-seed` is given; either cadence
-    /// flag replaces the config's other one.
-    #[test]
-    fn seed_and_cadence_flags_follow_their_rules() {
-        let shipped = resolved(&[]);
-        assert_eq!(shipped.instances.seed, 12345);
-        let seeded = resolved(&["--seed", "7"]);
-        assert_eq!((seeded.train.seed, seeded.instances.seed), (7, 7));
-        let both = resolved(&["--seed", "7", "--instances-seed", "9"]);
-        assert_eq!((both.train.seed, both.instances.seed), (7, 9));
-        let by_samples = resolved(&["--eval-interval-samples", "mlperf"]);
-        assert_eq!(by_samples.train.eval_every, None);
-        assert!(by_samples.train.eval_interval_samples.is_some());
-        let by_steps = resolved(&["--eval-every", "3"]);
-        assert_eq!(by_steps.train.eval_every, Some(3));
-        assert_eq!(by_steps.train.eval_interval_samples, None);
-    }
-
-    /// The whole command line is consistent (clap's own checks: no id twice, every
-    /// `overrides_with` and `conflicts_with` names a flag).
-    #[test]
-    fn the_command_line_passes_clap_s_checks() {
-        crate::Cli::command().debug_assert();
-    }
 }

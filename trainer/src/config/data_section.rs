@@ -16,7 +16,8 @@ pub struct DataSection {
     /// Default: the embedded Wikipedia corpus.
     #[arg(long)]
     pub corpus: Option<PathBuf>,
-    /// WordPiece `vocab.txt`. Default: the shipped bert-base-uncased vocabulary.
+    /// WordPiece `vocab.txt`, holding `[PAD]`, `[UNK]`, `[CLS]`, `[SEP]` and `[MASK]`.
+    /// Default: the shipped bert-base-uncased vocabulary.
     #[arg(long)]
     pub vocab: Option<PathBuf>,
     /// Documents held out at the end of the corpus for evaluation. Default: 300.
@@ -35,7 +36,8 @@ pub struct DataSection {
     #[arg(long = "eval-data", value_name = "PATH")]
     pub eval_shards: Option<PathBuf>,
     /// Local batches the background reader prepares ahead of the step that needs them
-    /// (shards only). Default: 2.
+    /// (shards only; at most 64). Default: 2.
+
     #[arg(long)]
     pub prefetch: usize,
     /// Sampler over the shards: random, stratified or presort. Default: random.

@@ -29,7 +29,9 @@ pub struct LoopConfig {
     /// Default: unset.
     #[arg(long)]
     pub eval_interval_samples: Option<EvalInterval>,
-    /// Held-out instances evaluated each time (at most the number available). Default: 1024.
+    /// Held-out instances evaluated each time (at most the number available; MLPerf: 10,000).
+    /// Default: 1024.
+
     #[arg(long)]
     pub eval_samples: usize,
     /// Stop as soon as an evaluation reaches this masked-LM accuracy (0..1). Default: none.

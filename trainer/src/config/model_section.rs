@@ -7,7 +7,9 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
 #[serde(default, deny_unknown_fields)]
 pub struct ModelSection {
-    /// Model size. Default: tiny.
+    /// Model size: tiny (2 layers, hidden size 128), mini (4 × 256), small (4 × 512), base
+    /// (12 × 768) or large (24 × 1024, MLPerf's). Default: tiny.
+
     #[arg(long)]
     pub preset: Preset,
     /// Overrides the preset's `hidden_dropout_prob` (0.1) when set.

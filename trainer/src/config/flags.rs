@@ -7,13 +7,18 @@
 //! `--x`, `--x=false` and `--no-x`, and numbers may be negative (so that the configuration's own
 //! check names the setting instead of clap calling `-3` an unknown flag). The flags are applied
 //! over the configuration file with `update_from_arg_matches`, which sets only what was given:
-//! defaults, then the file, then the flags, as PyTorch Lightning's `LightningCLI` and
-//! Hugging Face's `HfArgumentParser` layer them.
+//! defaults, then the file, then the flags, as PyTorch Lightning's `LightningCLI` layers them;
+//! the flags come from the fields as Hugging Face's `HfArgumentParser` makes them from a
+//! dataclass's fields.
 
-use anyhow::{Context, Result};
+use std::path::Path;
+
 use clap::parser::ValueSource;
+
 use clap::{Arg, ArgAction, ArgMatches, Args, Command, FromArgMatches};
-use ember_trainer::TrainConfig;
+
+use super::TrainConfig;
+use crate::TrainError;
 
 /// The id prefix of a `--no-x` flag; the rest of its id is the setting's TOML key.
 const NEGATION: &str = "no-setting:";
@@ -127,41 +132,56 @@ impl SettingFlags {
             && self.matches.value_source(id) == Some(ValueSource::CommandLine)
     }
 
-    /// `config` with the flags given applied over it.
+    /// `config` with the flags given applied over it; `origin` names the configuration in
+    /// errors. Two flags do a little more than set their field, as `train` always has:
+    /// `--seed` also seeds instance creation unless `--instances-seed` is given, and
+    /// `--eval-every` or `--eval-interval-samples` replaces the configuration's other cadence.
     ///
     /// # Errors
-    /// A value clap parsed that the configuration cannot hold (none for the derived flags), or
-    /// a `--no-x` whose setting is missing from the configuration's TOML form.
-    pub fn apply(&self, config: &mut TrainConfig) -> Result<()> {
+    /// [`TrainError::Config`] naming `origin`: a value the configuration cannot hold (none for
+    /// the derived flags), or a `--no-x` whose setting is missing from the TOML form.
+    pub fn apply(&self, config: &mut TrainConfig, origin: &Path) -> Result<(), TrainError> {
+        let error = |reason: String| TrainError::Config {
+            path: origin.to_path_buf(),
+            reason,
+        };
         config
             .update_from_arg_matches(&self.matches)
-            .context("applying the command line's settings")?;
+            .map_err(|e| error(format!("applying the command line's settings: {e}")))?;
         let negated: Vec<&str> = self
             .matches
             .ids()
             .filter_map(|id| id.as_str().strip_prefix(NEGATION))
             .filter(|key| self.matches.get_flag(&format!("{NEGATION}{key}")))
             .collect();
-        if negated.is_empty() {
-            return Ok(());
-        }
-        let mut value = toml::Value::try_from(&*config).context("the configuration as TOML")?;
-        for key in negated {
-            let (path, field) = key.rsplit_once('.').expect("keys have a section");
-            let mut table = &mut value;
-            for part in path.split('.') {
-                table = table
-                    .get_mut(part)
-                    .with_context(|| format!("no section [{path}] for --no flag of {key}"))?;
+        if !negated.is_empty() {
+            let mut value = toml::Value::try_from(&*config).map_err(|e| error(e.to_string()))?;
+            for key in negated {
+                let (path, field) = key.rsplit_once('.').expect("keys have a section");
+                let mut table = &mut value;
+                for part in path.split('.') {
+                    table = table.get_mut(part).ok_or_else(|| {
+                        error(format!("no section [{path}] for --no flag of {key}"))
+                    })?;
+                }
+                table
+                    .as_table_mut()
+                    .ok_or_else(|| error(format!("[{path}] is not a table")))?
+                    .insert(field.to_string(), toml::Value::Boolean(false));
             }
-            table
-                .as_table_mut()
-                .with_context(|| format!("[{path}] is not a table"))?
-                .insert(field.to_string(), toml::Value::Boolean(false));
+            *config = value
+                .try_into()
+                .map_err(|e: toml::de::Error| error(e.to_string()))?;
         }
-        *config = value
-            .try_into()
-            .context("the configuration after --no flags")?;
+        if self.given("seed") && !self.given("instances.seed") {
+            config.instances.seed = config.train.seed;
+        }
+        if self.given("eval_every") {
+            config.train.eval_interval_samples = None;
+        }
+        if self.given("eval_interval_samples") {
+            config.train.eval_every = None;
+        }
         Ok(())
     }
 }
@@ -169,8 +189,9 @@ impl SettingFlags {
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeSet;
+    use std::path::Path;
 
-    use ember_trainer::OptimizerKind;
+    use crate::config::OptimizerKind;
 
     use super::*;
 
@@ -183,10 +204,10 @@ mod tests {
         let matches = command()
             .try_get_matches_from(std::iter::once("train").chain(flags.iter().copied()))
             .unwrap_or_else(|e| panic!("{flags:?}: {e}"));
-        let mut config = TrainConfig::parse(file, std::path::Path::new("test.toml")).unwrap();
+        let mut config = TrainConfig::parse(file, Path::new("test.toml")).unwrap();
         SettingFlags::from_arg_matches(&matches)
             .unwrap()
-            .apply(&mut config)
+            .apply(&mut config, Path::new("test.toml"))
             .unwrap();
         config
     }
@@ -200,7 +221,7 @@ mod tests {
     /// have reset them to false).
     #[test]
     fn the_file_stands_where_no_flag_is_given() {
-        let file = TrainConfig::parse(FILE, std::path::Path::new("test.toml")).unwrap();
+        let file = TrainConfig::parse(FILE, Path::new("test.toml")).unwrap();
         assert_eq!(applied(FILE, &[]), file);
         assert!(file.optimizer.nvlamb && file.data.skip_bad_shards);
         assert!(!file.optimizer.onebit.mask_unused);
@@ -236,13 +257,13 @@ mod tests {
                 "9.5",
             ],
         );
-        let mut expected = TrainConfig::parse(FILE, std::path::Path::new("test.toml")).unwrap();
+        let mut expected = TrainConfig::parse(FILE, Path::new("test.toml")).unwrap();
         expected.optimizer.lr = 2e-3;
         expected.instances.max_seq_length = 64;
         expected.schedule.power = 2.0;
         expected.data.bin_quota = Some(vec![1, 2, 3]);
         expected.optimizer.name = OptimizerKind::OnebitLamb;
-        expected.optimizer.onebit.variance = Some(ember_trainer::onebit::OnebitVariance::Frozen);
+        expected.optimizer.onebit.variance = Some(crate::onebit::OnebitVariance::Frozen);
         expected.optimizer.nvlamb = false;
         expected.optimizer.onebit.mask_unused = true;
         expected.data.skip_bad_shards = false;
@@ -294,7 +315,7 @@ mod tests {
     fn fields_of(section: &str) -> Vec<String> {
         let error = TrainConfig::parse(
             &format!("[{section}]\nno_such_field = 1\n"),
-            std::path::Path::new("probe.toml"),
+            Path::new("probe.toml"),
         )
         .unwrap_err()
         .to_string();
@@ -345,5 +366,44 @@ mod tests {
         let keys: BTreeSet<String> = keys.into_iter().collect();
         assert_eq!(keys, fields);
         assert!(fields.len() > 70, "{fields:?}");
+    }
+
+    /// `--seed` seeds instance creation too unless `--instances-seed` is given; either cadence
+    /// flag replaces the file's other one.
+    #[test]
+    fn seed_and_cadence_flags_follow_their_rules() {
+        let file = "[instances]\nseed = 12345\n[train]\neval_every = 5\n";
+        assert_eq!(applied(file, &[]).instances.seed, 12345);
+        let seeded = applied(file, &["--seed", "7"]);
+        assert_eq!((seeded.train.seed, seeded.instances.seed), (7, 7));
+        let both = applied(file, &["--seed", "7", "--instances-seed", "9"]);
+        assert_eq!((both.train.seed, both.instances.seed), (7, 9));
+        let by_samples = applied(file, &["--eval-interval-samples", "mlperf"]);
+        assert_eq!(by_samples.train.eval_every, None);
+        assert!(by_samples.train.eval_interval_samples.is_some());
+        let by_steps = applied(
+            "[train]\neval_interval_samples = 640\n",
+            &["--eval-every", "3"],
+        );
+        assert_eq!(by_steps.train.eval_every, Some(3));
+        assert_eq!(by_steps.train.eval_interval_samples, None);
+        assert!(
+            command()
+                .try_get_matches_from([
+                    "train",
+                    "--eval-every",
+                    "2",
+                    "--eval-interval-samples",
+                    "4"
+                ])
+                .is_err()
+        );
+    }
+
+    /// clap's own consistency checks: no id twice, every `overrides_with` and
+    /// `conflicts_with` names a flag.
+    #[test]
+    fn the_flags_pass_clap_s_checks() {
+        command().debug_assert();
     }
 }
