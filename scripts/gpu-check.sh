@@ -42,8 +42,10 @@
 #                  nothing (the average of one), so this measures the host path's cost alone.
 #   train-step     `xtask bench train-step --device cuda`: BERT-large at batch 32, sequence length
 #                  128 and 512, ember's f32 step against Hugging Face + torch.optim.AdamW on the
-#                  same GPU (eager and torch.compile; f32 both, ember has no bf16 yet), when the
-#                  machine's Python has torch (/opt/torch/.venv), else ember alone.
+#                  same GPU (eager and torch.compile; f32 both: bench train-step has no
+#                  precision setting yet), when the machine's Python has torch
+#                  (/opt/torch/.venv), else ember alone.
+
 #   streaming      shards streamed per rank on a GPU's step time: `prepare-data` (seq 512, 76
 #                  predictions, uncompressed and gzip), then BERT-large batch 16 for 12 steps on
 #                  each; prints the mean data wait per step against the step time (on the CPU it

@@ -6,7 +6,7 @@
 //! threads, and OpenBLAS's own worker threads spin (`sched_yield`) for about 0.1 s after each
 //! GEMM before they sleep (OpenBLAS's `THREAD_TIMEOUT`, 2^28 cycles), so on 2 cores three or
 //! four threads took turns on two cores all step long: 12–14% of tiny's and mini's samples
-//! were the scheduler and `sched_yield` (perf, AMD EPYC, README's CPU-performance section).
+//! were the scheduler and `sched_yield` (perf, AMD EPYC, docs/performance.md, CPU performance).
 //! With the GEMMs on rayon's pool one pool runs everything, as PyTorch's one intra-op pool
 //! (OpenMP) runs both MKL's GEMMs and its own ops (`torch.set_num_threads`).
 //!

@@ -5,14 +5,14 @@
 //! The reference composition (`reference.rs`) computes each of them as five to twelve
 //! whole-tensor Burn ops, and Burn 0.21's NdArray runs every one of those on one thread into a
 //! freshly allocated array: for BERT at batch 8 × 128 on 2 cores the layer's elementwise work
-//! was the largest cost of a step after the GEMMs (README, CPU performance). The arithmetic
+//! was the largest cost of a step after the GEMMs (docs/performance.md, CPU performance). The arithmetic
 //! here is the reference's, in f32, in the same order per element; reductions over a row
 //! (LayerNorm's mean and variance, softmax's sum) are summed left to right, so results agree
 //! with the reference to f32 rounding (`tests/tests/integration/kernels/mod.rs`, module
 //! `ndarray`, holds the forward to 2e-5 absolute + 2e-5 relative and the backward to 1e-4 +
 //! 1e-4, as for the kernels;
 //! since the host loops became the default the training step's gain was small on its own:
-//! OpenBLAS's worker spins on the other core while they run, README's CPU performance). Dropout masks
+//! OpenBLAS's worker spins on the other core while they run, docs/performance.md, CPU performance). Dropout masks
 //! are the same keyed masks ([`DropoutSpec::keeps`]), computed per element instead of read.
 //!
 //! Each function returns `None` for what it does not handle (dtypes other than f32, shapes

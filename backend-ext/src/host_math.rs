@@ -4,7 +4,7 @@
 //!
 //! The scalar `f32::exp` and `libm::erff` are calls that the compiler cannot vectorize: with
 //! them GELU forward and backward cost ~3 ns per element on this project's 2-core Xeon, several
-//! times PyTorch's vectorized CPU kernels (README, CPU performance). The polynomials follow
+//! times PyTorch's vectorized CPU kernels (docs/performance.md, CPU performance). The polynomials follow
 //! PyTorch's CPU kernels, which vectorize the same way:
 //! - `erf`: Abramowitz & Stegun 7.1.26 (absolute error ≤ 1.5e-7), the formula and coefficients
 //!   of PyTorch's `Vectorized<float>::erf` (`aten/src/ATen/cpu/vec/vec256/vec256_float.h`),

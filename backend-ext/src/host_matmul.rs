@@ -9,7 +9,7 @@
 //! matrixmultiply's `sgemm`, which takes any row and column strides, into a new contiguous
 //! output. matrixmultiply rather than BLAS: these products are small (BERT: 128 × 128 × 64),
 //! where one single-threaded GEMM per rayon task beats OpenBLAS splitting each small product
-//! over its own threads (measured in the README's CPU-performance section).
+//! over its own threads (measured in the docs/performance.md, CPU performance).
 
 use burn_ndarray::NdArrayTensor;
 use ndarray::{ArrayD, ArrayView4, Ix4, IxDyn, s};

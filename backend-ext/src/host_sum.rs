@@ -6,7 +6,7 @@
 //! NdArray writes a new array on one thread, and a bias's gradient with `sum_dim`, also on one
 //! thread. In a BERT step the largest of those sums was the tied word-embedding table's two
 //! shares (`[V, H]`: 31 MB for mini), the rest the encoder's residual and Q/K/V input
-//! gradients: on 2 cores, while they ran, the other core waited (README, CPU performance).
+//! gradients: on 2 cores, while they ran, the other core waited (docs/performance.md, CPU performance).
 //! Both sums are elementwise or in the same order as Burn's, so the results are Burn's.
 
 use burn_ndarray::NdArrayTensor;

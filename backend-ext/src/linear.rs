@@ -5,8 +5,8 @@
 //! those reshapes copies the array (`to_shape(..).into_shared()` turns the borrowed view into a
 //! new array, contiguous or not); a transposed weight (the tied MLM decoder, every `dx = g·Wᵀ`)
 //! is copied once more to standard layout. For BERT-base at batch 8 × 128 those copies and the
-//! page faults of their fresh buffers were about a fifth of the CPU step (perf, README's
-//! performance section). Here NdArray multiplies views: one GEMM into a new output (the bias
+//! page faults of their fresh buffers were about a fifth of the CPU step (perf, docs/performance.md,
+//! CPU performance). Here NdArray multiplies views: one GEMM into a new output (the bias
 //! broadcast into it first, then `C = 1·A·B + 1·C`), transposes passed to the GEMM as strides
 //! (ndarray's `general_mat_mul`: BLAS `sgemm` with the transpose flags when the `blas` feature
 //! is on, matrixmultiply otherwise), split over rayon's threads when [`crate::gemm_parts`] says

@@ -3,13 +3,13 @@
 //! With the `openblas` feature (on by default in `xtask` and the tests), Burn's NdArray backend
 //! multiplies through the system OpenBLAS (Debian: `libopenblas-dev`, 0.3.21 on bookworm)
 //! instead of the matrixmultiply crate: 1.4–1.5× the training step of BERT on 2 cores
-//! (README, "CPU performance"). Each rank's GEMMs get its share of the cores ([`share_cores`]):
+//! (docs/performance.md, "CPU performance"). Each rank's GEMMs get its share of the cores ([`share_cores`]):
 //! 4 in-process ranks on 2 cores trained at 1,552 tokens/s with 2 OpenBLAS threads per GEMM and
 //! 2,849 with 1 (matrixmultiply: 2,190). Whose threads run them is [`GemmThreads`]: by default
 //! rayon's, the pool that runs the fused ops, each GEMM split into parts that are single-threaded
 //! OpenBLAS calls (`ember_backend_ext::set_gemm_parts`); OpenBLAS's own pool spins on the cores
 //! for ~0.1 s after each GEMM, which on 2 cores took turns with rayon's threads all step long
-//! (README, "CPU performance").
+//! (docs/performance.md, "CPU performance").
 //!
 //! OpenBLAS picks its kernels from the CPU it detects at start-up; some builds misdetect newer
 //! x86 CPUs and fall back to SSE3 kernels at a quarter of the speed. [`describe`] names the

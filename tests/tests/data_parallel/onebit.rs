@@ -1,7 +1,7 @@
 //! 1-bit Adam and 1-bit LAMB through the trainer: the warm-up is the exact optimizer bit for
 //! bit, the compression stage leaves the gradients local and sends over 16× fewer bytes, and
 //! it trains (the convergence comparison on the embedded corpus is `onebit_convergence` in
-//! `xtask/tests/train_cli.rs`, and the README's table).
+//! `xtask/tests/train_cli.rs`, and docs/parallel.md's table).
 
 use super::*;
 use ember_trainer::config::OptimizerKind;
@@ -74,13 +74,13 @@ fn warm_up_is_the_exact_optimizer_and_compression_sends_over_16_times_fewer_byte
 }
 
 /// Convergence on the smoke run's recipe (`configs/tiny-cpu.toml`: the embedded corpus, tiny
-/// model; AdamW at its 2e-3, LAMB at 5e-3) with 2 in-process ranks × batch 4 (the README's
+/// model; AdamW at its 2e-3, LAMB at 5e-3) with 2 in-process ranks × batch 4 (docs/parallel.md's
 /// measurements: 4 ranks × batch 2, the same global batch; 2 ranks take half the time on 2
 /// cores, this test having been the slowest of the suite at about 15 minutes) and the freeze
 /// at 20% of the steps, 1-bit settings at their defaults: all four learn (above the unigram
 /// baseline by a point), and each 1-bit optimizer ends within 1.5 points of held-out
 /// masked-LM accuracy of its exact optimizer. The target, 1 point, is met on every run
-/// measured (README: gaps 0.6–0.9 over three seeds; this test's own run here: AdamW 0.0930 /
+/// measured (docs/parallel.md: gaps 0.6–0.9 over three seeds; this test's own run here: AdamW 0.0930 /
 /// 1-bit Adam 0.0874, LAMB 0.0890 / 1-bit LAMB 0.0798); the half point of margin is for
 /// another CPU's arithmetic (a different GEMM kernel takes another trajectory; seed to seed
 /// the exact optimizers moved by 0.5–0.7 points). DeepSpeed's exact settings (`variance =

@@ -7,6 +7,7 @@
 //! kernels' own tests (`kernels/`) are here too, on this binary's wgpu backend type.
 
 mod device_reducer;
+mod docs;
 mod embed;
 mod eval_shards;
 mod fused_training;
