@@ -23,7 +23,9 @@
 #   step           `xtask bench step --check`: the device reducer against the host path on the
 #                  tiny model (NCCL with a world of one, 3 steps, weights within 1e-5), then
 #                  BERT-base and BERT-large training steps at sequence length 128: step time,
-#                  backward time and host synchronisations per step, device vs host buckets.
+#                  backward time, host synchronisations and kernel launches per step (the
+#                  GPU-speed issue's target: at most 1,500 launches per BERT-large step),
+#                  device vs host buckets, and the 15 kernels launched most per step.
 #   kernels        the kernel tests on CUDA (tests/tests/integration/kernels/, module
 #                  `kernels::cuda` of the integration test binary built with `--features cuda`):
 #                  every fused op against the reference, the dropout masks keyed by sample and
@@ -140,8 +142,9 @@ run)
             ;;
         step)
             echo "== bench step: device reducer check, then BERT-base/large steps (seq 128)"
-            timeout 300 "$dir/xtask" bench step --device cuda --check --presets base,large \
-                --batch-size 64,32 --seq-len 128 --steps 4 2>&1 | tee "$out/step.md" || status=$?
+            timeout 360 "$dir/xtask" bench step --device cuda --check --presets base,large \
+                --batch-size 64,32 --seq-len 128 --steps 4 --top-kernels 15 2>&1 \
+                | tee "$out/step.md" || status=$?
             ;;
         kernels)
             echo "== kernel tests on CUDA (f32): forward and backward vs the reference composition"

@@ -51,7 +51,7 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
 
 #[cfg(feature = "cube")]
-pub use cube::counting::{CountingRuntime, HostSyncs};
+pub use cube::counting::{CountingRuntime, HostSyncs, KernelLaunches};
 
 /// Burn's CUDA backend (`burn::backend::Cuda`) with its host synchronisations counted
 /// ([`CountingRuntime`], [`HostSyncs`]).

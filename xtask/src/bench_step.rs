@@ -12,6 +12,10 @@
 //! - backward time comes from a second run that waits for the device before and after
 //!   backward (`RunOptions::sync_backward`), so that it is the device's time.
 //!
+//! `--top-kernels N` adds a third run per model and bucket storage that records the launches
+//! by kernel (`KernelLaunches`) and prints the N kernels launched most per step: where a step's
+//! launches come from (the run's evaluation after its last step, a forward pass, included).
+//!
 //! `--check` first trains the tiny model for 3 steps with device and with host buckets and
 //! compares the weights (1e-5): the device reducer against the host path on this device.
 
@@ -56,6 +60,10 @@ pub struct StepArgs {
     /// First compare device and host buckets on the tiny model (3 steps, weights within 1e-5)
     #[arg(long)]
     check: bool,
+    /// After the table, the N kernels launched most per step, per model and bucket storage
+    /// (GPU backends; from a third run, after autotuning, its final evaluation included)
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    top_kernels: usize,
 }
 
 pub fn run(args: StepArgs) -> Result<()> {
@@ -64,6 +72,7 @@ pub fn run(args: StepArgs) -> Result<()> {
             &args,
             &Default::default(),
             &|| Communicator::Device(Box::new(ember_trainer::parallel::SingleRank)),
+            None,
             None,
         ),
         "wgpu" => bench_wgpu(&args),
@@ -79,6 +88,7 @@ fn bench_wgpu(args: &StepArgs) -> Result<()> {
         &burn::backend::wgpu::WgpuDevice::DefaultDevice,
         &|| Communicator::Device(Box::new(ember_trainer::parallel::SingleRank)),
         Some(|| ember_backend_ext::HostSyncs::now().total()),
+        Some(|| ember_backend_ext::HostSyncs::now().launches),
     )
 }
 
@@ -111,6 +121,7 @@ fn bench_cuda(args: &StepArgs) -> Result<()> {
         &burn::backend::cuda::CudaDevice::new(gpu),
         &|| Communicator::Device(Box::new(nccl().expect("NCCL formed above"))),
         Some(|| ember_backend_ext::HostSyncs::now().total()),
+        Some(|| ember_backend_ext::HostSyncs::now().launches),
     )
 }
 
@@ -150,6 +161,7 @@ fn bench<B: GradHookBackend>(
     device: &B::Device,
     comm: &dyn Fn() -> Communicator<B::InnerBackend>,
     counter: Option<fn() -> u64>,
+    launches: Option<fn() -> u64>,
 ) -> Result<()> {
     let dir = tempfile::tempdir().context("a temporary folder for the runs")?;
     let train = |config: &TrainConfig, data: &Arc<PreparedData>, options: RunOptions| {
@@ -188,9 +200,10 @@ fn bench<B: GradHookBackend>(
     }
     println!();
     println!(
-        "| model | batch × seq | buckets | step ms | backward ms | samples/s | host syncs in backward | host syncs per step |"
+        "| model | batch × seq | buckets | step ms | backward ms | samples/s | host syncs in backward | host syncs per step | kernel launches per step |"
     );
-    println!("|---|---|---|---:|---:|---:|---:|---:|");
+    println!("|---|---|---|---:|---:|---:|---:|---:|---:|");
+    let mut by_kernel = Vec::new();
     for (i, &preset) in args.presets.iter().enumerate() {
         let batch_size = *args
             .batch_size
@@ -212,6 +225,7 @@ fn bench<B: GradHookBackend>(
                 &data,
                 RunOptions {
                     host_sync_counter: counter,
+                    launch_counter: launches,
                     ..RunOptions::default()
                 },
             )?;
@@ -237,7 +251,8 @@ fn bench<B: GradHookBackend>(
                     .skip(1)
                     .map(|r| r["backward_s"].as_f64().unwrap_or(f64::NAN)),
             );
-            let syncs = |key: &str| match counter {
+            // The most of the steps after the first (which autotunes and compiles).
+            let most = |key: &str, counter: Option<fn() -> u64>| match counter {
                 Some(_) => records
                     .iter()
                     .skip(1)
@@ -248,13 +263,55 @@ fn bench<B: GradHookBackend>(
                 None => "–".to_string(),
             };
             println!(
-                "| {preset} | {batch_size} × {} | {buckets} | {:.1} | {:.1} | {:.1} | {} | {} |",
+                "| {preset} | {batch_size} × {} | {buckets} | {:.1} | {:.1} | {:.1} | {} | {} | {} |",
                 args.seq_len,
                 step_s * 1e3,
                 backward_s * 1e3,
                 batch_size as f64 / step_s,
-                syncs("host_syncs_backward"),
-                syncs("host_syncs_step"),
+                most("host_syncs_backward", counter),
+                most("host_syncs_step", counter),
+                match launches {
+                    // The mean: a step that does not wait for the device may count its last
+                    // launches in the next step's figure.
+                    Some(_) =>
+                        format!(
+                            "{:.0}",
+                            mean(records.iter().skip(1).map(|r| {
+                                r["kernel_launches_step"].as_f64().unwrap_or(f64::NAN)
+                            }))
+                        ),
+                    None => "–".to_string(),
+                },
+            );
+            if args.top_kernels > 0 && launches.is_some() {
+                run.train.out = dir.path().join(format!("{name}-kernels"));
+                ember_backend_ext::KernelLaunches::record(true);
+                let before = ember_backend_ext::KernelLaunches::now();
+                train(&run, &data, RunOptions::default())?;
+                let counts = ember_backend_ext::KernelLaunches::since(
+                    &ember_backend_ext::KernelLaunches::now(),
+                    &before,
+                );
+                ember_backend_ext::KernelLaunches::record(false);
+                by_kernel.push((name, run.train.steps, counts));
+            }
+        }
+    }
+    for (name, steps, counts) in by_kernel {
+        let total: u64 = counts.iter().map(|(_, n)| n).sum();
+        println!();
+        println!(
+            "{name}: {:.0} launches per step over {steps} steps and an evaluation ({} kernels), most launched:",
+            total as f64 / steps as f64,
+            counts.len()
+        );
+        println!("| kernel | launches per step |");
+        println!("|---|---:|");
+        for (kernel, n) in counts.iter().take(args.top_kernels) {
+            println!(
+                "| `{}` | {:.1} |",
+                short_name(kernel),
+                *n as f64 / steps as f64
             );
         }
     }
@@ -262,6 +319,33 @@ fn bench<B: GradHookBackend>(
         bail!("the device reducer differs from the host path");
     }
     Ok(())
+}
+
+/// A kernel's Rust type name without module paths, the runtime argument and the matmul's
+/// long list of type parameters: `KernelBinop<AddOp>`, `MatmulEntry<..>`.
+fn short_name(kernel: &str) -> String {
+    let mut out = String::new();
+    let mut word = String::new();
+    for c in kernel.chars() {
+        if c.is_alphanumeric() || c == '_' {
+            word.push(c);
+        } else if c == ':' {
+            word.clear();
+        } else {
+            out.push_str(&std::mem::take(&mut word));
+            out.push(c);
+        }
+    }
+    out.push_str(&word);
+    let out = out
+        .replace(", CountingRuntime<CudaRuntime>", "")
+        .replace(", CountingRuntime<WgpuRuntime>", "")
+        .replace("<CountingRuntime<CudaRuntime>>", "")
+        .replace("<CountingRuntime<WgpuRuntime>>", "");
+    match out.find('<') {
+        Some(open) if out.len() > 80 => format!("{}<..>", &out[..open]),
+        _ => out,
+    }
 }
 
 fn mean(values: impl Iterator<Item = f64>) -> f64 {

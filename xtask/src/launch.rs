@@ -82,9 +82,11 @@ pub fn train_launched_cuda(
         );
     }
     let device = burn::backend::cuda::CudaDevice::new(gpu);
-    // Burn's CUDA backend with its host synchronisations counted (reported in the metrics).
+    // Burn's CUDA backend with its host synchronisations and kernel launches counted (both
+    // reported in the metrics).
     let options = RunOptions {
         host_sync_counter: Some(|| ember_backend_ext::HostSyncs::now().total()),
+        launch_counter: Some(|| ember_backend_ext::HostSyncs::now().launches),
         ..options
     };
     Ok(ember_trainer::train_rank::<

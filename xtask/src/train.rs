@@ -172,6 +172,7 @@ fn train_cuda(
     let device = burn::backend::cuda::CudaDevice::new(crate::cuda::start(launch, false)?);
     let options = RunOptions {
         host_sync_counter: Some(host_syncs),
+        launch_counter: Some(launches),
         ..options
     };
     ember_trainer::train::<Autodiff<ember_backend_ext::CountingCuda>>(config, &device, options)
@@ -194,6 +195,7 @@ fn train_wgpu(
     let device = burn::backend::wgpu::WgpuDevice::DefaultDevice;
     let options = RunOptions {
         host_sync_counter: Some(host_syncs),
+        launch_counter: Some(launches),
         ..options
     };
     if nproc > 1 {
@@ -233,4 +235,10 @@ fn train_cuda(
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 fn host_syncs() -> u64 {
     ember_backend_ext::HostSyncs::now().total()
+}
+
+/// The kernels the calling thread launched (`kernel_launches_step` in the metrics).
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+fn launches() -> u64 {
+    ember_backend_ext::HostSyncs::now().launches
 }

@@ -1,6 +1,10 @@
-//! A CubeCL runtime that counts host synchronisations: [`CountingRuntime<R>`] runs `R`
-//! unchanged and counts every read of device memory to the host and every wait of the host
-//! for the device (`ComputeServer::read`, `ComputeServer::sync`), per calling thread.
+//! A CubeCL runtime that counts host synchronisations and kernel launches:
+//! [`CountingRuntime<R>`] runs `R` unchanged and counts every read of device memory to the
+//! host and every wait of the host for the device (`ComputeServer::read`,
+//! `ComputeServer::sync`), and every kernel launch (`ComputeServer::launch`), per calling
+//! thread. Launches are what a GPU step pays per kernel whatever its size (a few microseconds
+//! of the host's enqueueing and the device's scheduling): a step of thousands of small kernels
+//! is bound by them, which is why apex's multi-tensor kernels and fused epilogues exist.
 //!
 //! A training step on a GPU should not wait for the GPU except where it must decide something
 //! (a loss read at log time): each wait empties the device's queue and leaves it idle until
@@ -15,6 +19,7 @@
 
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cubecl::Runtime;
@@ -46,13 +51,65 @@ fn count(stream_id: StreamId, f: impl FnOnce(&mut HostSyncs)) {
     f(counts.entry(stream_id.value).or_default());
 }
 
-/// Host synchronisations counted by [`CountingRuntime`] servers.
+/// Launches per calling thread and kernel name, kept while [`KernelLaunches::record`] is on.
+static BY_KERNEL: Mutex<BTreeMap<(u64, &'static str), u64>> = Mutex::new(BTreeMap::new());
+static RECORD_BY_KERNEL: AtomicBool = AtomicBool::new(false);
+
+/// Kernel launches by kernel, to find what a step launches (a diagnostic: off by default, one
+/// map update per launch while on). The names are CubeCL's `KernelMetadata::name`: the
+/// kernel's Rust type, such as `burn_cubecl::kernel::binary::..` for an element-wise op, or
+/// this crate's kernels by their function's name.
+pub struct KernelLaunches;
+
+impl KernelLaunches {
+    /// Start (or stop) recording launches by kernel, for every thread.
+    pub fn record(on: bool) {
+        RECORD_BY_KERNEL.store(on, Ordering::Relaxed);
+    }
+
+    /// The calling thread's launches by kernel name since recording started, most first.
+    pub fn now() -> Vec<(&'static str, u64)> {
+        let stream = StreamId::current().value;
+        let by_kernel = BY_KERNEL.lock().unwrap_or_else(|e| e.into_inner());
+        let mut counts: Vec<(&'static str, u64)> = by_kernel
+            .iter()
+            .filter(|((s, _), _)| *s == stream)
+            .map(|((_, name), n)| (*name, *n))
+            .collect();
+        counts.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+        counts
+    }
+
+    /// The launches by kernel between `earlier` and `later` (two [`KernelLaunches::now`]),
+    /// most first, kernels launched in between only.
+    pub fn since(
+        later: &[(&'static str, u64)],
+        earlier: &[(&'static str, u64)],
+    ) -> Vec<(&'static str, u64)> {
+        let before: BTreeMap<&str, u64> = earlier.iter().copied().collect();
+        let mut counts: Vec<(&'static str, u64)> = later
+            .iter()
+            .map(|&(name, n)| (name, n - before.get(name).copied().unwrap_or(0)))
+            .filter(|&(_, n)| n > 0)
+            .collect();
+        counts.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+        counts
+    }
+}
+
+/// Host synchronisations and kernel launches counted by [`CountingRuntime`] servers.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HostSyncs {
     /// Reads of device memory to the host (a tensor's `into_data`, `into_scalar`, ...).
     pub reads: u64,
     /// Waits for the device's queue to drain without a read (`Backend::sync`).
     pub syncs: u64,
+    /// Kernels launched (not a synchronisation: counted here because the same server calls
+    /// see them). Autotuning launches its candidates once per shape, on first use. The server
+    /// counts a launch when it takes it from the caller's queue: the count is complete after
+    /// a read or a sync, and a count taken without one may leave out the last few launches
+    /// (they are counted in the next interval, so sums over several intervals are exact).
+    pub launches: u64,
 }
 
 impl HostSyncs {
@@ -73,10 +130,11 @@ impl HostSyncs {
             .fold(HostSyncs::default(), |a, c| HostSyncs {
                 reads: a.reads + c.reads,
                 syncs: a.syncs + c.syncs,
+                launches: a.launches + c.launches,
             })
     }
 
-    /// Reads plus syncs: every time the host waited for the device.
+    /// Reads plus syncs: every time the host waited for the device (launches are not waits).
     pub fn total(&self) -> u64 {
         self.reads + self.syncs
     }
@@ -86,6 +144,7 @@ impl HostSyncs {
         HostSyncs {
             reads: self.reads - earlier.reads,
             syncs: self.syncs - earlier.syncs,
+            launches: self.launches - earlier.launches,
         }
     }
 }
@@ -209,6 +268,13 @@ impl<S: ComputeServer> ComputeServer for CountingServer<S> {
         kind: ExecutionMode,
         stream_id: StreamId,
     ) {
+        self::count(stream_id, |c| c.launches += 1);
+        if RECORD_BY_KERNEL.load(Ordering::Relaxed) {
+            use cubecl_runtime::kernel::KernelMetadata;
+            let name = kernel.name();
+            let mut by_kernel = BY_KERNEL.lock().unwrap_or_else(|e| e.into_inner());
+            *by_kernel.entry((stream_id.value, name)).or_default() += 1;
+        }
         // SAFETY: the caller's guarantees for `kind` are passed on unchanged.
         unsafe { self.inner.launch(kernel, count, bindings, kind, stream_id) }
     }

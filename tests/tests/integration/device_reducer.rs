@@ -49,6 +49,7 @@ fn counter() -> u64 {
 fn run(config: &TrainConfig, world_size: usize) -> (PathBuf, Vec<serde_json::Value>) {
     let options = RunOptions {
         host_sync_counter: Some(counter),
+        launch_counter: Some(|| HostSyncs::now().launches),
         ..RunOptions::default()
     };
     let summary = ember_trainer::train_in_process_with_data::<B>(
@@ -138,6 +139,22 @@ fn a_step_with_device_buckets_never_waits_for_the_device() {
     for r in &steps {
         assert_eq!(r["host_syncs_backward"], 0, "reads during backward: {r}");
     }
+    // Each step's kernels are counted: hundreds for two layers (forward, backward, the
+    // buckets, the optimizer; 519, 383 and 426 on lavapipe when written). Step 1 autotunes
+    // besides what step 3 does (both re-check the hooks' gradients); step 2, a plain step,
+    // launches fewer than step 3 (a launch counted late moves from step 2 into step 3).
+    let launches: Vec<u64> = steps
+        .iter()
+        .map(|r| r["kernel_launches_step"].as_u64().unwrap())
+        .collect();
+
+    assert!(launches.iter().all(|&n| n > 100), "{launches:?}");
+    assert!(launches[2] <= launches[0], "{launches:?}");
+    assert!(
+        launches[1] < launches[2],
+        "the re-check launches kernels: {launches:?}"
+    );
+
     let plain = &steps[1];
     assert_eq!(plain["host_syncs_step"], 0, "reads in the step: {plain}");
     for checked in [&steps[0], &steps[2]] {
@@ -205,4 +222,26 @@ fn in_process_device_allreduce_sees_every_threads_writes() {
         };
         assert_eq!(results, vec![expected.clone(), expected], "{op:?}");
     }
+}
+
+/// The counting runtime counts each kernel launch on the thread that launched it: an addition
+/// and an exponential are two launches here and none on another thread's count. The server
+/// counts a launch when it takes it from the queue, so the count is complete after a read.
+#[test]
+fn kernel_launches_are_counted_per_thread() {
+    use burn::tensor::{Tensor, TensorData};
+    let device = WgpuDevice::DefaultDevice;
+    let a = Tensor::<crate::Wgpu, 1>::from_data(TensorData::from([1.0f32, 2.0, 3.0]), &device);
+    let b = Tensor::<crate::Wgpu, 1>::from_data(TensorData::from([0.5f32, 0.5, 0.5]), &device);
+    let _warm = (a.clone() + b.clone()).exp().into_data();
+    let before = HostSyncs::now();
+    let sum = a.clone() + b.clone();
+    let values = sum.exp().into_data().to_vec::<f32>().unwrap();
+    let counted = HostSyncs::now().since(before);
+    assert_eq!((counted.launches, counted.reads), (2, 1), "{counted:?}");
+    assert!((values[0] - 1.5f32.exp()).abs() < 1e-5, "{values:?}");
+    let other = std::thread::spawn(|| HostSyncs::now().launches)
+        .join()
+        .unwrap();
+    assert_eq!(other, 0, "a thread that launched nothing counts nothing");
 }

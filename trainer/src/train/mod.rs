@@ -49,6 +49,13 @@ pub struct RunOptions {
     /// set, each `train` record of `metrics.jsonl` reports `host_syncs_backward` and
     /// `host_syncs_step` for its step.
     pub host_sync_counter: Option<fn() -> u64>,
+    /// A counter of the kernels the rank's thread launched, such as
+    /// `|| ember_backend_ext::HostSyncs::now().launches`: when set, each `train` record
+    /// reports `kernel_launches_step` for its step (data, forward, backward, reduction and
+    /// optimizer; evaluation is not in a step). A step without a host sync may count a few of
+    /// its last launches in the next step's figure (the counter sees launches as the device's
+    /// queue takes them); the mean over steps is exact.
+    pub launch_counter: Option<fn() -> u64>,
     /// Wait for the device before and after each backward, so that `backward_s` in the metrics
     /// is the device's time (two host syncs more per micro-batch: for benchmarks).
     pub sync_backward: bool,

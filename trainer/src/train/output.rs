@@ -118,6 +118,8 @@ pub(crate) struct StepRecord<B: Backend> {
     /// Seconds the step waited for its buckets after backward.
     pub comm_wait_s: f64,
     pub host_syncs: Option<HostSyncCounts>,
+    /// Kernels this rank launched in the step ([`crate::RunOptions::launch_counter`]).
+    pub kernel_launches: Option<u64>,
     /// Bytes this rank sent for the step's gradients (a ring allreduce's 2(W−1)/W of the
     /// buckets) or, in 1-bit Adam/LAMB's compression stage, for its momenta.
     pub comm_bytes: u64,
@@ -293,6 +295,9 @@ impl<B: Backend> RunLog<B> {
             if let Some(syncs) = last.host_syncs {
                 line["host_syncs_backward"] = json!(syncs.backward);
                 line["host_syncs_step"] = json!(syncs.step);
+            }
+            if let Some(launches) = last.kernel_launches {
+                line["kernel_launches_step"] = json!(launches);
             }
             metrics.write(line)?;
         }

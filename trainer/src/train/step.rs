@@ -59,6 +59,8 @@ impl<B: GradHookBackend> Trainer<B> {
         let started = Instant::now();
         let count = || options.host_sync_counter.map(|count| count());
         let syncs_at_start = count();
+        let launches = || options.launch_counter.map(|count| count());
+        let launches_at_start = launches();
         let k = micro_batches.len();
         let weights = loss_weights(&micro_batches, self.loss_normalization);
         let mut tokens = 0;
@@ -182,6 +184,9 @@ impl<B: GradHookBackend> Trainer<B> {
             }),
             _ => None,
         };
+        let kernel_launches = launches_at_start
+            .zip(launches())
+            .map(|(start, end)| end - start);
         let record = StepRecord {
             step: step + 1,
             losses: losses.expect("a step has at least one micro-batch"),
@@ -192,6 +197,7 @@ impl<B: GradHookBackend> Trainer<B> {
             backward_seconds,
             comm_wait_s: reduced.timings.wait_after_backward.as_secs_f64(),
             host_syncs,
+            kernel_launches,
             comm_bytes,
             compressed: onebit.compressed,
             data_wait_s: 0.0,
