@@ -48,7 +48,7 @@ pub mod reference;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 
 #[cfg(feature = "cube")]
 pub use cube::counting::{CountingRuntime, HostSyncs, KernelLaunches};
@@ -417,6 +417,29 @@ pub trait FusedOps: Backend {
             })
             .collect();
         prim(Tensor::cat(sums, 0))
+    }
+
+    /// Many tensors flattened into one, back to back: `[Σ n_i]`, tensor i's elements (in
+    /// row-major order) from `Σ_{j<i} n_j` on. What a gradient bucket is made of (PyTorch
+    /// DDP's flat buckets, apex's `multi_tensor_scale` copying gradients into them). The
+    /// default body is Burn's `cat` of the flattened tensors; CubeCL backends copy up to 32
+    /// tensors per launch instead of one per tensor.
+    ///
+    /// # Shapes
+    /// `xs` (not empty, one dtype), any shapes → `[Σ numel(x_i)]`
+    ///
+    /// # Panics
+    /// If `xs` is empty or mixes dtypes.
+    fn flatten_multi_tensor(xs: Vec<FloatTensor<Self>>) -> FloatTensor<Self> {
+        assert!(!xs.is_empty(), "flatten_multi_tensor of no tensors");
+        let flat = xs
+            .into_iter()
+            .map(|x| {
+                let n = x.shape().num_elements();
+                float::<Self, 1>(Self::float_reshape(x, Shape::new([n])))
+            })
+            .collect();
+        prim(Tensor::cat(flat, 0))
     }
 
     /// `Σ x` of a flat tensor in a fixed order: the same bits on every run and in every

@@ -530,6 +530,35 @@ where
         sum_rows_ordered(partials)
     }
 
+    fn flatten_multi_tensor(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
+        assert!(!xs.is_empty(), "flatten_multi_tensor of no tensors");
+        let xs: Vec<_> = xs.into_iter().map(into_contiguous).collect();
+        let dtype = xs[0].dtype;
+        assert!(
+            xs.iter().all(|x| x.dtype == dtype),
+            "flatten_multi_tensor of tensors of several dtypes"
+        );
+        let total: usize = xs.iter().map(numel).sum();
+        let output = empty_like(&xs[0], Shape::new([total]));
+        let per_launch = tensors_per_launch(&xs[0], 1, 1);
+        let mut first = 0;
+        for group in launches(xs, per_launch, |x| x.dtype) {
+            let largest = group.iter().map(numel).max().unwrap_or(0);
+            let (count, dim, _) = multi_launch(largest, group.len());
+            multi_tensor_kernels::multi_flatten_kernel::launch::<R>(
+                &output.client,
+                count,
+                dim,
+                group.iter().map(|x| x.clone().into_tensor_arg()).collect(),
+                output.clone().into_tensor_arg(),
+                first,
+                storage(dtype),
+            );
+            first += group.iter().map(numel).sum::<usize>();
+        }
+        output
+    }
+
     fn sum_ordered(x: CubeTensor<R>) -> CubeTensor<R> {
         // Two passes over large tensors (one cube per chunk, then one over the partials): the
         // same fixed order, without one cube reading everything.

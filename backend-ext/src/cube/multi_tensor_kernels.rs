@@ -132,6 +132,34 @@ pub fn multi_sum_squares_kernel<F: Float>(
     }
 }
 
+/// Every tensor in `xs` copied into `output` back to back, from element `first` on: tensor t
+/// at `first + Σ_{s<t} len(xs[s])` (apex's `multi_tensor_scale` at scale 1, as apex's DDP
+/// flattens gradients into its allreduce buckets). Cube `(g, t)` copies part of tensor t.
+#[cube(launch)]
+pub fn multi_flatten_kernel<F: Float>(
+    xs: &Sequence<Tensor<F>>,
+    output: &mut Tensor<F>,
+    first: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let count = xs.len().comptime();
+    let tensor = CUBE_POS_Y as usize;
+    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+    let mut offset = first;
+    #[unroll]
+    for t in 0..count {
+        let x = &xs[t];
+        if tensor == t {
+            let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+            while i < x.len() {
+                output[offset + i] = x[i];
+                i += stride;
+            }
+        }
+        offset += x.len();
+    }
+}
+
 /// LAMB's second half for every tensor: `w − lr · r · u`, `r = ‖w‖/‖u‖` from the squared norms
 /// `param_sq[first + t]`, `update_sq[first + t]` (1 if either is 0).
 #[cube(launch)]

@@ -163,26 +163,26 @@ impl<B: FusedOps> Buffer<B> {
     }
 
     /// The gradients of a bucket's parameters, in bucket order, as one flat buffer: on the
-    /// device by concatenation, or on the host (each gradient read from the device: the host
-    /// path's cost, Note [Bucket storage]).
+    /// device by [`FusedOps::flatten_multi_tensor`] (a launch per 32 gradients on CubeCL
+    /// backends, where a `cat` launched one per gradient), or on the host (each gradient read
+    /// from the device: the host path's cost, Note [Bucket storage]).
     pub(crate) fn flatten(on_device: bool, grads: Vec<FloatTensor<B>>) -> Self {
-        let flat = grads.into_iter().map(|g| {
+        if on_device {
+            return Buffer::Device(Tensor::from_primitive(TensorPrimitive::Float(
+                B::flatten_multi_tensor(grads),
+            )));
+        }
+        let mut values = Vec::new();
+        for g in grads {
             let n = g.shape().num_elements();
-            Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::float_reshape(
+            let g = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::float_reshape(
                 g,
                 Shape::new([n]),
-            )))
-        });
-        if on_device {
-            Buffer::Device(Tensor::cat(flat.collect(), 0))
-        } else {
-            let mut values = Vec::new();
-            for g in flat {
-                let data = g.into_data().convert::<f32>();
-                values.extend_from_slice(data.as_slice::<f32>().expect("f32 after convert"));
-            }
-            Buffer::Host(values)
+            )));
+            let data = g.into_data().convert::<f32>();
+            values.extend_from_slice(data.as_slice::<f32>().expect("f32 after convert"));
         }
+        Buffer::Host(values)
     }
 
     /// `self + other`, element-wise (gradient accumulation over micro-batches).

@@ -21,6 +21,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use ember_backend_ext::{DropoutSpec, FusedOps, keep_mask, reference};
 
 mod common;
+mod flatten;
 mod half_precision;
 use common::{assert_close, mask_bias, random, values};
 
@@ -557,6 +558,11 @@ macro_rules! kernel_tests {
         }
 
         #[test]
+        fn flattening_equals_cat() {
+            flatten::check_flatten::<$backend>(&$device);
+        }
+
+        #[test]
         fn ordered_sums_are_exact_to_rounding_and_repeat() {
             check_ordered_sums::<$backend>(&$device);
         }
@@ -584,6 +590,11 @@ mod ndarray {
 /// any adapter fails here, loudly (`.ci/run` installs `mesa-vulkan-drivers`).
 mod wgpu {
     kernel_tests!(crate::Wgpu, device());
+
+    #[test]
+    fn flattening_launches_a_kernel_per_32_tensors() {
+        super::flatten::check_flatten_launches();
+    }
 
     pub fn device() -> burn::backend::wgpu::WgpuDevice {
         burn::backend::wgpu::WgpuDevice::DefaultDevice

@@ -1,0 +1,85 @@
+//! Bucket flattening (`FusedOps::flatten_multi_tensor`): the same elements, in the same order,
+//! as Burn's `cat` of the flattened tensors, and on CubeCL a launch per 32 tensors instead of
+//! one per tensor.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorPrimitive};
+use ember_backend_ext::FusedOps;
+
+use super::common::{random, values};
+
+/// 41 tensors, more than one launch takes (32): one element, one larger than a tensor's grid
+/// of 1024 cubes × 256 units, odd sizes, and a transposed (strided) one.
+fn inputs<B: Backend>(device: &B::Device) -> Vec<Tensor<B, 2>> {
+    let mut xs = vec![
+        random::<B, 2>([1, 1], device),
+        random::<B, 2>([3, 100_001], device),
+        random::<B, 2>([7, 13], device).transpose(),
+        random::<B, 2>([768, 3], device),
+    ];
+    xs.extend((0..37).map(|i| random::<B, 2>([1 + i * 37 % 301, 2], device)));
+    xs
+}
+
+/// The flattened tensors equal `cat` of their flattened views, bit for bit (a copy).
+pub fn check_flatten<B: FusedOps>(device: &B::Device) {
+    let xs = inputs::<B>(device);
+    let expected: Vec<f32> = values(Tensor::cat(
+        xs.iter()
+            .map(|x| x.clone().reshape([x.shape().num_elements()]))
+            .collect(),
+        0,
+    ));
+    let flat = flatten(&xs);
+    let got = values(flat);
+    assert_eq!(got.len(), expected.len());
+    let first_difference = got
+        .iter()
+        .zip(&expected)
+        .position(|(a, b)| a.to_bits() != b.to_bits());
+    assert_eq!(first_difference, None, "flattened differs from cat");
+    // One tensor alone is itself, flattened.
+    let one = values(flatten(&xs[2..3]));
+    assert_eq!(one, values(xs[2].clone().reshape([91])));
+}
+
+pub fn flatten<B: FusedOps>(xs: &[Tensor<B, 2>]) -> Tensor<B, 1> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::flatten_multi_tensor(
+        xs.iter()
+            .map(|x| x.clone().into_primitive().tensor())
+            .collect(),
+    )))
+}
+
+/// On the counting wgpu runtime: 41 tensors take 2 launches where `cat` takes one per tensor.
+pub fn check_flatten_launches() {
+    use ember_backend_ext::HostSyncs;
+    type B = crate::Wgpu;
+    let device = burn::backend::wgpu::WgpuDevice::DefaultDevice;
+    let xs = inputs::<B>(&device);
+    // Compile first (and make the transposed input's contiguous copy part of the count below).
+    let _ = values(flatten(&xs));
+    let before = HostSyncs::now();
+    let flat = values(flatten(&xs));
+    let counted = HostSyncs::now().since(before);
+    assert_eq!(
+        flat.len(),
+        1 + 300_003 + 91 + 2304 + (0..37).map(|i| 2 * (1 + i * 37 % 301)).sum::<usize>()
+    );
+    // Two launches of at most 32 tensors (the device may bind fewer per launch: at most 4),
+    // plus the transposed tensor's copy to contiguous memory.
+    assert!(
+        (3..=5).contains(&counted.launches),
+        "{} launches for 41 tensors",
+        counted.launches
+    );
+    let before = HostSyncs::now();
+    let _ = values(Tensor::cat(
+        xs.iter()
+            .map(|x| x.clone().reshape([x.shape().num_elements()]))
+            .collect(),
+        0,
+    ));
+    let by_cat = HostSyncs::now().since(before).launches;
+    assert!(by_cat >= 41, "cat launched {by_cat}");
+}
