@@ -2,6 +2,7 @@
 
 pub mod counting;
 mod kernels;
+mod multi_tensor;
 mod multi_tensor_kernels;
 
 use burn::tensor::{DType, Shape, TensorMetadata};
@@ -11,6 +12,8 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
+
+use multi_tensor::{adam_launch, launches, multi_launch, tensors_per_launch};
 
 use crate::{
     AdamHyper, AdamKind, AdamOutput, AdamTensors, DropoutSpec, FusedOps, LayerNormBackward,
@@ -74,47 +77,6 @@ fn dropout_args(dropout: DropoutSpec, shape: &[usize]) -> MaskArgs {
     }
 }
 
-/// Most tensors one multi-tensor launch takes (each is unrolled into the kernel).
-const MAX_TENSORS_PER_LAUNCH: usize = 32;
-/// Most cubes a multi-tensor kernel gives one tensor: enough to fill a large GPU; more
-/// elements are strided over.
-const MAX_CUBES_PER_TENSOR: usize = 1024;
-
-/// Splits `items` into launches of at most `per_launch`, and of one dtype each.
-fn launches<T>(items: Vec<T>, per_launch: usize, dtype: impl Fn(&T) -> DType) -> Vec<Vec<T>> {
-    let mut out: Vec<Vec<T>> = Vec::new();
-    for item in items {
-        match out.last_mut() {
-            Some(last) if last.len() < per_launch && dtype(&last[0]) == dtype(&item) => {
-                last.push(item)
-            }
-            _ => out.push(vec![item]),
-        }
-    }
-    out
-}
-
-/// How many tensors of `bindings_per_tensor` buffers each (plus `extra`) one launch can bind.
-fn tensors_per_launch<R: CubeRuntime>(
-    t: &CubeTensor<R>,
-    bindings_per_tensor: usize,
-    extra: usize,
-) -> usize {
-    // One binding is kept for the kernel's metadata.
-    let bindings = t.client.properties().hardware.max_bindings as usize;
-    (bindings.saturating_sub(extra + 1) / bindings_per_tensor).clamp(1, MAX_TENSORS_PER_LAUNCH)
-}
-
-/// The `[G, T]` grid of a multi-tensor kernel: G cubes per tensor, from the largest.
-fn multi_launch(largest: usize, tensors: usize) -> (CubeCount, CubeDim, usize) {
-    let cubes = largest.div_ceil(ROW_BLOCK).clamp(1, MAX_CUBES_PER_TENSOR);
-    (
-        CubeCount::Static(cubes as u32, tensors as u32, 1),
-        CubeDim::new_1d(ROW_BLOCK as u32),
-        cubes,
-    )
-}
-
 fn numel<R: CubeRuntime>(t: &CubeTensor<R>) -> usize {
     t.shape().num_elements()
 }
@@ -146,73 +108,6 @@ fn sum_chunks_ordered<R: CubeRuntime>(x: CubeTensor<R>, chunk: usize) -> CubeTen
         storage(x.dtype),
     );
     out
-}
-
-/// One launch of [`multi_tensor_kernels::multi_adam_kernel`].
-fn adam_launch<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
-    tensors: Vec<AdamTensors<CubeBackend<R, F, I, BT>>>,
-    hyper: AdamHyper,
-    kind: AdamKind,
-) -> Vec<AdamOutput<CubeBackend<R, F, I, BT>>> {
-    let tensors: Vec<_> = tensors
-        .into_iter()
-        .map(|t| AdamTensors::<CubeBackend<R, F, I, BT>> {
-            param: into_contiguous(t.param),
-            grad: into_contiguous(t.grad),
-            moment_1: into_contiguous(t.moment_1),
-            moment_2: into_contiguous(t.moment_2),
-        })
-        .collect();
-    let first = &tensors[0].param;
-    let (client, dtype) = (first.client.clone(), storage(first.dtype));
-    let outputs: Vec<_> = tensors
-        .iter()
-        .map(|t| {
-            let empty = || empty_like(&t.param, t.param.shape());
-            AdamOutput::<CubeBackend<R, F, I, BT>> {
-                param: empty(),
-                moment_1: empty(),
-                moment_2: empty(),
-            }
-        })
-        .collect();
-    let largest = tensors.iter().map(|t| numel(&t.param)).max().unwrap_or(0);
-    let (count, dim, _) = multi_launch(largest, tensors.len());
-    let (c1, c2) = hyper.corrections();
-    let args = |f: &dyn Fn(&AdamTensors<CubeBackend<R, F, I, BT>>) -> &CubeTensor<R>| {
-        tensors
-            .iter()
-            .map(|t| f(t).clone().into_tensor_arg())
-            .collect()
-    };
-    let outs = |f: &dyn Fn(&AdamOutput<CubeBackend<R, F, I, BT>>) -> &CubeTensor<R>| {
-        outputs
-            .iter()
-            .map(|o| f(o).clone().into_tensor_arg())
-            .collect()
-    };
-    multi_tensor_kernels::multi_adam_kernel::launch::<R>(
-        &client,
-        count,
-        dim,
-        args(&|t| &t.param),
-        args(&|t| &t.grad),
-        args(&|t| &t.moment_1),
-        args(&|t| &t.moment_2),
-        outs(&|o| &o.param),
-        outs(&|o| &o.moment_1),
-        outs(&|o| &o.moment_2),
-        hyper.lr as f32,
-        hyper.weight_decay as f32,
-        hyper.beta_1 as f32,
-        hyper.beta_2 as f32,
-        hyper.epsilon as f32,
-        c1 as f32,
-        c2 as f32,
-        kind == AdamKind::LambUpdate,
-        dtype,
-    );
-    outputs
 }
 
 fn check_rows(n_elements: usize) {
@@ -531,32 +426,7 @@ where
     }
 
     fn flatten_multi_tensor(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
-        assert!(!xs.is_empty(), "flatten_multi_tensor of no tensors");
-        let xs: Vec<_> = xs.into_iter().map(into_contiguous).collect();
-        let dtype = xs[0].dtype;
-        assert!(
-            xs.iter().all(|x| x.dtype == dtype),
-            "flatten_multi_tensor of tensors of several dtypes"
-        );
-        let total: usize = xs.iter().map(numel).sum();
-        let output = empty_like(&xs[0], Shape::new([total]));
-        let per_launch = tensors_per_launch(&xs[0], 1, 1);
-        let mut first = 0;
-        for group in launches(xs, per_launch, |x| x.dtype) {
-            let largest = group.iter().map(numel).max().unwrap_or(0);
-            let (count, dim, _) = multi_launch(largest, group.len());
-            multi_tensor_kernels::multi_flatten_kernel::launch::<R>(
-                &output.client,
-                count,
-                dim,
-                group.iter().map(|x| x.clone().into_tensor_arg()).collect(),
-                output.clone().into_tensor_arg(),
-                first,
-                storage(dtype),
-            );
-            first += group.iter().map(numel).sum::<usize>();
-        }
-        output
+        multi_tensor::flatten(xs)
     }
 
     fn sum_ordered(x: CubeTensor<R>) -> CubeTensor<R> {
