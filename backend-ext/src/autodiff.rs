@@ -240,14 +240,14 @@ impl<B: FusedOps> Backward<B, 3> for LinearBackward {
         let [node_x, node_weight, node_bias] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let (x, weight) = ops.state;
-        let [dx, dweight, dbias] = B::dense_backward(x, weight, grad);
+        let (dx, dweight, dbias) = B::dense_backward(x, weight, grad, node_bias.is_some());
         if let Some(node) = node_x {
             register_sum!(grads, &node, dx);
         }
         if let Some(node) = node_weight {
             register_sum!(grads, &node, dweight);
         }
-        if let Some(node) = node_bias {
+        if let (Some(node), Some(dbias)) = (node_bias, dbias) {
             register_sum!(grads, &node, dbias);
         }
     }
@@ -264,7 +264,7 @@ impl<B: FusedOps> Backward<B, 2> for LinearNoBiasBackward {
         let [node_x, node_weight] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let (x, weight) = ops.state;
-        let [dx, dweight, _] = B::dense_backward(x, weight, grad);
+        let (dx, dweight, _) = B::dense_backward(x, weight, grad, false);
         if let Some(node) = node_x {
             register_sum!(grads, &node, dx);
         }

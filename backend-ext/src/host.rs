@@ -134,10 +134,11 @@ where
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         grad: FloatTensor<Self>,
-    ) -> [FloatTensor<Self>; 3] {
-        match linear::ndarray_linear_backward(&x, &weight, &grad) {
+        with_bias: bool,
+    ) -> crate::DenseGrads<Self> {
+        match linear::ndarray_linear_backward(&x, &weight, &grad, with_bias) {
             Some(grads) => grads,
-            None => linear::reference_linear_backward::<Self>(x, weight, grad),
+            None => linear::reference_linear_backward::<Self>(x, weight, grad, with_bias),
         }
     }
 

@@ -43,6 +43,7 @@ mod host_layer;
 mod host_math;
 mod host_matmul;
 mod host_sum;
+mod kernels_choice;
 mod linear;
 pub mod reference;
 
@@ -72,57 +73,7 @@ pub use functions::{
     embedding, lamb_multi_tensor, reshape, sum_ordered, sum_squares, tied_decoder_weight,
 };
 pub use host_gemm::{gemm_parts, set_gemm_parts};
-
-/// Which implementation of the fused ops a model uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Kernels {
-    /// [`Kernels::Fused`] where the backend has kernels or NdArray's host loops
-    /// ([`FusedOps::FUSED_BY_DEFAULT`]), else [`Kernels::Reference`].
-    #[default]
-    Auto,
-    /// The [`FusedOps`] ops (kernels and their custom backward passes).
-    Fused,
-    /// The composition of Burn ops, differentiated by Burn's autodiff.
-    Reference,
-}
-
-impl Kernels {
-    /// Whether backend `B` runs the fused ops under this choice.
-    pub fn fused<B: FusedOps>(self) -> bool {
-        match self {
-            Kernels::Auto => B::FUSED_BY_DEFAULT,
-            Kernels::Fused => true,
-            Kernels::Reference => false,
-        }
-    }
-
-    /// Whether the optimizer steps through the multi-tensor ops on backend `B` under this
-    /// choice: `auto` where the backend has its own ([`FusedOps::HAS_MULTI_TENSOR`]: the
-    /// kernels, and NdArray's fused host loop), `fused` always, `reference` never (Burn's
-    /// `AdamW` and ember's `Lamb`, tensor by tensor).
-    pub fn multi_tensor<B: FusedOps>(self) -> bool {
-        match self {
-            Kernels::Auto => B::HAS_MULTI_TENSOR,
-            Kernels::Fused => true,
-            Kernels::Reference => false,
-        }
-    }
-}
-
-impl std::str::FromStr for Kernels {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "auto" => Ok(Kernels::Auto),
-            "fused" => Ok(Kernels::Fused),
-            "reference" => Ok(Kernels::Reference),
-            other => Err(format!(
-                "unknown kernels `{other}` (expected auto, fused or reference)"
-            )),
-        }
-    }
-}
+pub use kernels_choice::Kernels;
 
 /// What [`FusedOps::bias_dropout_add_layer_norm`] returns: the output and what backward needs.
 #[derive(Debug, Clone)]
@@ -157,6 +108,9 @@ pub struct SoftmaxForward<B: Backend> {
     /// `probs` after dropout (kept values scaled by `1 / (1 − p)`), `[B, nh, S, S]`.
     pub dropped: FloatTensor<B>,
 }
+
+/// [`FusedOps::dense_backward`]'s gradients: `(dx, dweight, dbias)`, `dbias` when asked for.
+pub type DenseGrads<B> = (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>);
 
 fn float<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(x))
@@ -234,14 +188,22 @@ pub trait FusedOps: Backend {
     }
 
     /// Gradients of [`FusedOps::dense`] from the output's gradient `grad` `[.., O]`:
-    /// `[dx = grad · weightᵀ` `[.., I]`, `dweight = xᵀ · grad` `[I, O]` (summed over every
-    /// leading dimension), `dbias = Σ grad` `[O]]`.
+    /// `(dx = grad · weightᵀ` `[.., I]`, `dweight = xᵀ · grad` `[I, O]` (summed over every
+    /// leading dimension), `dbias = Σ grad` `[O]` when `with_bias)`.
+    ///
+    /// The default body multiplies the rows flattened, `x` `[R, I]` and `grad` `[R, O]` with
+    /// R the product of the leading dimensions, as PyTorch's `linear` backward does (one
+    /// `mm` per gradient): one GEMM for `dweight` and one reduction for `dbias`, where Burn's
+    /// `linear_weight_backward` multiplies per sample and sums the `[B, I, O]` products
+    /// (an intermediate of B weights) and `linear_bias_backward` sums over each leading
+    /// dimension in turn. NdArray multiplies views (`linear.rs`).
     fn dense_backward(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         grad: FloatTensor<Self>,
-    ) -> [FloatTensor<Self>; 3] {
-        linear::reference_linear_backward::<Self>(x, weight, grad)
+        with_bias: bool,
+    ) -> DenseGrads<Self> {
+        linear::flattened_linear_backward::<Self>(x, weight, grad, with_bias)
     }
 
     /// `GELU(x + bias)` with the exact erf GELU (Hendrycks & Gimpel 2016; BERT's `"gelu"`).

@@ -17,8 +17,10 @@ use burn_ndarray::NdArrayTensor;
 use ndarray::{Array2, ArrayD, ArrayView2, ArrayViewD, Axis, CowArray, Ix2, IxDyn};
 use rayon::prelude::*;
 
-use crate::FusedOps;
+use burn::tensor::{Shape, TensorMetadata};
+
 use crate::host_gemm::product;
+use crate::{DenseGrads, FusedOps};
 
 /// Burn's composition: the default body of [`FusedOps::dense`].
 pub(crate) fn reference_linear<B: FusedOps>(
@@ -29,17 +31,41 @@ pub(crate) fn reference_linear<B: FusedOps>(
     <B as burn::tensor::ops::ModuleOps<B>>::linear(x, weight, bias)
 }
 
-/// Burn's composition: the default body of [`FusedOps::dense_backward`].
+/// Burn's composition of [`FusedOps::dense_backward`] (NdArray's fallback for other dtypes).
 pub(crate) fn reference_linear_backward<B: FusedOps>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     grad: FloatTensor<B>,
-) -> [FloatTensor<B>; 3] {
-    [
+    with_bias: bool,
+) -> DenseGrads<B> {
+    (
         <B as burn::tensor::ops::ModuleOps<B>>::linear_x_backward(weight, grad.clone()),
         <B as burn::tensor::ops::ModuleOps<B>>::linear_weight_backward(x, grad.clone()),
-        <B as burn::tensor::ops::ModuleOps<B>>::linear_bias_backward(grad),
-    ]
+        with_bias.then(|| <B as burn::tensor::ops::ModuleOps<B>>::linear_bias_backward(grad)),
+    )
+}
+
+/// The default body of [`FusedOps::dense_backward`]: the rows flattened to `[R, I]` and
+/// `[R, O]` (views of contiguous tensors), `dx = g·Wᵀ`, `dW = xᵀ·g`, `db = Σ_rows g`.
+pub(crate) fn flattened_linear_backward<B: FusedOps>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    with_bias: bool,
+) -> DenseGrads<B> {
+    let x_shape = x.shape();
+    let (i, o) = (
+        x_shape[x_shape.num_dims() - 1],
+        grad.shape()[grad.shape().num_dims() - 1],
+    );
+    let rows = x_shape.num_elements() / i.max(1);
+    let x2 = B::float_reshape(x, Shape::new([rows, i]));
+    let g2 = B::float_reshape(grad, Shape::new([rows, o]));
+    let dx = B::float_matmul(g2.clone(), B::float_swap_dims(weight, 0, 1));
+    let dx = B::float_reshape(dx, x_shape);
+    let dweight = B::float_matmul(B::float_swap_dims(x2, 0, 1), g2.clone());
+    let dbias = with_bias.then(|| B::float_reshape(B::float_sum_dim(g2, 0), Shape::new([o])));
+    (dx, dweight, dbias)
 }
 
 /// `x` `[.., I]` as a `[R, I]` view (zero-copy when `x` is in standard layout, else a copy),
@@ -187,12 +213,14 @@ pub(crate) fn ndarray_linear(
     Some(shared(out, &lead))
 }
 
-/// NdArray's backward: `[dx, dweight, dbias]`, `None` for dtypes other than f32.
+/// NdArray's backward: `(dx, dweight, dbias)` (`dbias` when `with_bias`), `None` for dtypes
+/// other than f32.
 pub(crate) fn ndarray_linear_backward(
     x: &NdArrayTensor,
     weight: &NdArrayTensor,
     grad: &NdArrayTensor,
-) -> Option<[NdArrayTensor; 3]> {
+    with_bias: bool,
+) -> Option<DenseGrads<burn_ndarray::NdArray>> {
     let (NdArrayTensor::F32(x), NdArrayTensor::F32(w), NdArrayTensor::F32(g)) = (x, weight, grad)
     else {
         return None;
@@ -211,12 +239,15 @@ pub(crate) fn ndarray_linear_backward(
     } else {
         product(&x2.t(), &g2.view()) // [I, R] · [R, O]
     };
-    let db = crate::host_sum::column_sums(&g2.view()); // [O]
-    Some([
+    let db = with_bias.then(|| {
+        let db = crate::host_sum::column_sums(&g2.view()); // [O]
+        NdArrayTensor::from(db.into_dyn().into_shared())
+    });
+    Some((
         shared(dx, &lead),
         NdArrayTensor::from(dw.into_dyn().into_shared()),
-        NdArrayTensor::from(db.into_dyn().into_shared()),
-    ])
+        db,
+    ))
 }
 
 #[cfg(test)]

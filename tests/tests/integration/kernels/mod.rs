@@ -21,6 +21,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use ember_backend_ext::{DropoutSpec, FusedOps, keep_mask, reference};
 
 mod common;
+mod dense;
 mod flatten;
 mod half_precision;
 use common::{assert_close, mask_bias, random, values};
@@ -555,6 +556,11 @@ macro_rules! kernel_tests {
         #[test]
         fn optimizer_steps_match_reference() {
             check_optimizer_ops::<$backend>(&$device);
+        }
+
+        #[test]
+        fn dense_backward_matches_burns_linear() {
+            dense::check_dense::<B>(&$device);
         }
 
         #[test]
