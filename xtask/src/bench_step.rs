@@ -12,9 +12,10 @@
 //! - backward time comes from a second run that waits for the device before and after
 //!   backward (`RunOptions::sync_backward`), so that it is the device's time.
 //!
-//! `--top-kernels N` adds a third run per model and bucket storage that records the launches
-//! by kernel (`KernelLaunches`) and prints the N kernels launched most per step: where a step's
-//! launches come from (the run's evaluation after its last step, a forward pass, included).
+//! `--top-kernels N` adds two runs per model and bucket storage that record the launches by
+//! kernel (`KernelLaunches`), `--steps` steps apart, and prints the N kernels launched most per
+//! step from their difference (start-up, first step and evaluation cancel): where a step's
+//! launches come from.
 //!
 //! `--check` first trains the tiny model for 3 steps with device and with host buckets and
 //! compares the weights (1e-5): the device reducer against the host path on this device.
@@ -61,7 +62,7 @@ pub struct StepArgs {
     #[arg(long)]
     check: bool,
     /// After the table, the N kernels launched most per step, per model and bucket storage
-    /// (GPU backends; from a third run, after autotuning, its final evaluation included)
+    /// (GPU backends; from two more runs, `steps` steps apart)
     #[arg(long, default_value_t = 0, value_name = "N")]
     top_kernels: usize,
 }
@@ -284,16 +285,24 @@ fn bench<B: GradHookBackend>(
                 },
             );
             if args.top_kernels > 0 && launches.is_some() {
-                run.train.out = dir.path().join(format!("{name}-kernels"));
-                ember_backend_ext::KernelLaunches::record(true);
-                let before = ember_backend_ext::KernelLaunches::now();
-                train(&run, &data, RunOptions::default())?;
-                let counts = ember_backend_ext::KernelLaunches::since(
-                    &ember_backend_ext::KernelLaunches::now(),
-                    &before,
-                );
-                ember_backend_ext::KernelLaunches::record(false);
-                by_kernel.push((name, run.train.steps, counts));
+                // A run of n + steps steps less a run of n: the model's initialisation, the
+                // first step, the evaluation and the checkpoint cancel.
+                use ember_backend_ext::KernelLaunches;
+                let n = run.train.steps;
+                let mut by_run = Vec::new();
+                for steps in [n, n + args.steps] {
+                    let mut counted = run.clone();
+                    counted.train.steps = steps;
+                    counted.train.eval_every = Some(steps);
+                    counted.train.out = dir.path().join(format!("{name}-kernels-{steps}"));
+                    KernelLaunches::record(true);
+                    let before = KernelLaunches::now();
+                    train(&counted, &data, RunOptions::default())?;
+                    by_run.push(KernelLaunches::since(&KernelLaunches::now(), &before));
+                    KernelLaunches::record(false);
+                }
+                let counts = KernelLaunches::since(&by_run[1], &by_run[0]);
+                by_kernel.push((name, args.steps, counts));
             }
         }
     }
@@ -301,7 +310,7 @@ fn bench<B: GradHookBackend>(
         let total: u64 = counts.iter().map(|(_, n)| n).sum();
         println!();
         println!(
-            "{name}: {:.0} launches per step over {steps} steps and an evaluation ({} kernels), most launched:",
+            "{name}: {:.0} launches per step over {steps} steps ({} kernels), most launched:",
             total as f64 / steps as f64,
             counts.len()
         );

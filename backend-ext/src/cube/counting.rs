@@ -80,8 +80,8 @@ impl KernelLaunches {
         counts
     }
 
-    /// The launches by kernel between `earlier` and `later` (two [`KernelLaunches::now`]),
-    /// most first, kernels launched in between only.
+    /// The launches by kernel of `later` less those of `earlier` (two [`KernelLaunches::now`],
+    /// or two such differences), most first; kernels with more in `later` only.
     pub fn since(
         later: &[(&'static str, u64)],
         earlier: &[(&'static str, u64)],
@@ -89,7 +89,12 @@ impl KernelLaunches {
         let before: BTreeMap<&str, u64> = earlier.iter().copied().collect();
         let mut counts: Vec<(&'static str, u64)> = later
             .iter()
-            .map(|&(name, n)| (name, n - before.get(name).copied().unwrap_or(0)))
+            .map(|&(name, n)| {
+                (
+                    name,
+                    n.saturating_sub(before.get(name).copied().unwrap_or(0)),
+                )
+            })
             .filter(|&(_, n)| n > 0)
             .collect();
         counts.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));

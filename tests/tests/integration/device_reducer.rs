@@ -140,7 +140,7 @@ fn a_step_with_device_buckets_never_waits_for_the_device() {
         assert_eq!(r["host_syncs_backward"], 0, "reads during backward: {r}");
     }
     // Each step's kernels are counted: hundreds for two layers (forward, backward, the
-    // buckets, the optimizer; 519, 383 and 426 on lavapipe when written). Step 1 autotunes
+    // buckets, the optimizer). Step 1 autotunes
     // besides what step 3 does (both re-check the hooks' gradients); step 2, a plain step,
     // launches fewer than step 3 (a launch counted late moves from step 2 into step 3).
     let launches: Vec<u64> = steps

@@ -51,17 +51,32 @@ pub fn flatten<B: FusedOps>(xs: &[Tensor<B, 2>]) -> Tensor<B, 1> {
     )))
 }
 
-/// On the counting wgpu runtime: 41 tensors take 2 launches where `cat` takes one per tensor.
+/// On the counting wgpu runtime: 41 tensors take 2 launches where `cat` takes one per tensor;
+/// the launches by kernel (`KernelLaunches`) add up to the launch count and name the kernels.
 pub fn check_flatten_launches() {
-    use ember_backend_ext::HostSyncs;
+    use ember_backend_ext::{HostSyncs, KernelLaunches};
     type B = crate::Wgpu;
     let device = burn::backend::wgpu::WgpuDevice::DefaultDevice;
     let xs = inputs::<B>(&device);
     // Compile first (and make the transposed input's contiguous copy part of the count below).
     let _ = values(flatten(&xs));
+    KernelLaunches::record(true);
+    let by_kernel_before = KernelLaunches::now();
     let before = HostSyncs::now();
     let flat = values(flatten(&xs));
     let counted = HostSyncs::now().since(before);
+    let by_kernel = KernelLaunches::since(&KernelLaunches::now(), &by_kernel_before);
+    KernelLaunches::record(false);
+    assert_eq!(
+        by_kernel.iter().map(|(_, n)| n).sum::<u64>(),
+        counted.launches,
+        "{by_kernel:?}"
+    );
+    let flattening = by_kernel
+        .iter()
+        .find(|(name, _)| name.contains("MultiFlattenKernel"))
+        .map(|(_, n)| *n);
+    assert!(matches!(flattening, Some(2..=4)), "{by_kernel:?}");
     assert_eq!(
         flat.len(),
         1 + 300_003 + 91 + 2304 + (0..37).map(|i| 2 * (1 + i * 37 % 301)).sum::<usize>()
