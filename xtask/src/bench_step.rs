@@ -285,23 +285,12 @@ fn bench<B: GradHookBackend>(
                 },
             );
             if args.top_kernels > 0 && launches.is_some() {
-                // A run of n + steps steps less a run of n: the model's initialisation, the
-                // first step, the evaluation and the checkpoint cancel.
-                use ember_backend_ext::KernelLaunches;
-                let n = run.train.steps;
-                let mut by_run = Vec::new();
-                for steps in [n, n + args.steps] {
-                    let mut counted = run.clone();
-                    counted.train.steps = steps;
-                    counted.train.eval_every = Some(steps);
-                    counted.train.out = dir.path().join(format!("{name}-kernels-{steps}"));
-                    KernelLaunches::record(true);
-                    let before = KernelLaunches::now();
-                    train(&counted, &data, RunOptions::default())?;
-                    by_run.push(KernelLaunches::since(&KernelLaunches::now(), &before));
-                    KernelLaunches::record(false);
-                }
-                let counts = KernelLaunches::since(&by_run[1], &by_run[0]);
+                let counts = launches_by_kernel(
+                    &|config| train(config, &data, RunOptions::default()).map(drop),
+                    &run,
+                    args.steps,
+                    &dir.path().join(format!("{name}-kernels")),
+                )?;
                 by_kernel.push((name, args.steps, counts));
             }
         }
@@ -328,6 +317,45 @@ fn bench<B: GradHookBackend>(
         bail!("the device reducer differs from the host path");
     }
     Ok(())
+}
+
+/// Launches per kernel over `steps` steps of `run`: a run of n + `steps` steps less a run of n,
+/// so that the model's initialisation, the first step, the evaluation and the checkpoint
+/// cancel (GPU backends: the counting runtime).
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+fn launches_by_kernel(
+    train: &dyn Fn(&TrainConfig) -> Result<()>,
+    run: &TrainConfig,
+    steps: u64,
+    out: &Path,
+) -> Result<Vec<(&'static str, u64)>> {
+    use ember_backend_ext::KernelLaunches;
+    let n = run.train.steps;
+    let mut by_run = Vec::new();
+    for total in [n, n + steps] {
+        let mut counted = run.clone();
+        counted.train.steps = total;
+        counted.train.eval_every = Some(total);
+        counted.train.out = out.join(total.to_string());
+        KernelLaunches::record(true);
+        let before = KernelLaunches::now();
+        let trained = train(&counted);
+        by_run.push(KernelLaunches::since(&KernelLaunches::now(), &before));
+        KernelLaunches::record(false);
+        trained?;
+    }
+    Ok(KernelLaunches::since(&by_run[1], &by_run[0]))
+}
+
+/// Without a GPU backend nothing counts launches (`bench` passes no launch counter).
+#[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+fn launches_by_kernel(
+    _: &dyn Fn(&TrainConfig) -> Result<()>,
+    _: &TrainConfig,
+    _: u64,
+    _: &Path,
+) -> Result<Vec<(&'static str, u64)>> {
+    Ok(Vec::new())
 }
 
 /// A kernel's Rust type name without module paths, the runtime argument and the matmul's
