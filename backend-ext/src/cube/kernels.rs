@@ -215,6 +215,17 @@ pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
 
 /// One cube per row: `dy = rstd · (g − mean(g) − x̂ · mean(g·x̂))`, `g = grad · gamma`; writes
 /// dy, dy through the dropout mask, and `grad · x̂`.
+///
+/// Note [LayerNorm backward order]: dy is computed as apex's `cuComputeGradInput`
+/// (csrc/layer_norm_cuda_kernel.cu) does, `(N·g − Σg − x̂·Σ(g·x̂)) · rstd / N`, not as
+/// `(g − Σg/N − ..) · rstd`. Both are the same number in exact arithmetic, but rstd can be
+/// huge (`1/√eps` = 1e6 for a constant row, and for hidden size 1 every row is constant), so
+/// a rounding difference between the `g` inside `Σg` and the `g` of the second pass is
+/// amplified a million times. NVRTC contracts `g − mean` into `fma(grad, gamma, −mean)`, an
+/// unrounded `g` against the rounded one of the sum: on an H200 hidden size 1 gave dx =
+/// 0.014 where 0 is exact. In apex's order `g` enters only as a rounded factor
+/// (`fma(g, N, −Σg)`), so a constant row's `N·g − Σg` is exactly 0 for N = 1 and the
+/// difference of two roundings of the same sum otherwise.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn layer_norm_backward_kernel<F: Float>(
@@ -270,16 +281,18 @@ pub fn layer_norm_backward_kernel<F: Float>(
         grad_x_hat[idx] = F::cast_from(dy * x_hat);
         j += block as usize;
     }
-    let inv_n = f32::new(1.0) / f32::cast_from(n as u32);
-    let mean_g = cube_sum(&mut shared, sum_g) * inv_n;
-    let mean_gx = cube_sum(&mut shared, sum_gx) * inv_n;
+    // Note [LayerNorm backward order].
+    let n_f = f32::cast_from(n as u32);
+    let sum_g = cube_sum(&mut shared, sum_g);
+    let sum_gx = cube_sum(&mut shared, sum_gx);
+    let scale = rs / n_f;
 
     let mut j = unit;
     while j < n {
         let idx = base + j;
         let x_hat = (f32::cast_from(pre_norm[idx]) - mu) * rs;
         let g = f32::cast_from(grad[idx]) * f32::cast_from(gamma[j]);
-        let d = (g - mean_g - x_hat * mean_gx) * rs;
+        let d = (g * n_f - sum_g - x_hat * sum_gx) * scale;
         grad_pre_norm[idx] = F::cast_from(d);
         if dropout {
             grad_x[idx] = F::cast_from(d * dropout_scale(j, rk, threshold, keep_scale));
