@@ -6,7 +6,7 @@
 #                                       # and theirs, not glibc's) into gpu-check/bins.tar.xz; carry
 #                                       # that file (the binaries are ~86 MB unpacked, over the
 #                                       # device machine's 64 MiB carry)
-#   scripts/gpu-check.sh run [PART...]  # on the GPU machine; PART: launch, step, kernels,
+#   scripts/gpu-check.sh run [PART...]  # on the GPU machine; PART: launch, step, gemm, kernels,
 #                                       # bench-kernels, resume, onebit, train-step, streaming,
 #                                       # precision (default: all, in that order); logs in $OUT (or
 #                                       # gpu-check/out), one table per part
@@ -26,6 +26,12 @@
 #                  backward time, host synchronisations and kernel launches per step (the
 #                  GPU-speed issue's target: at most 1,500 launches per BERT-large step),
 #                  device vs host buckets, and the 15 kernels launched most per step.
+#   gemm           the GEMM kernels (`model.gemm`, Note [GPU GEMMs] in backend-ext/src/gemm.rs):
+#                  `bench step` on BERT-large (seq 128, batch 32, device buckets) with `cmma` (one
+#                  tensor-core kernel family, what ran before) and with `autotune` (cubek times its
+#                  kernels per shape) twice, in separate processes sharing EMBER_KERNEL_CACHE: step
+#                  time, launches, and the time to the first step (the second autotune process
+#                  reads compiled kernels and autotune results from the cache; target <= 10 s).
 #   kernels        the kernel tests on CUDA (tests/tests/integration/kernels/, module
 #                  `kernels::cuda` of the integration test binary built with `--features cuda`):
 #                  every fused op against the reference, the dropout masks keyed by sample and
@@ -95,7 +101,7 @@ build)
 run)
     shift
     parts=("$@")
-    [ ${#parts[@]} -gt 0 ] || parts=(launch step kernels bench-kernels resume onebit train-step streaming precision embed)
+    [ ${#parts[@]} -gt 0 ] || parts=(launch step gemm kernels bench-kernels resume onebit train-step streaming precision embed)
     out="${OUT:-$dir/out}"
     mkdir -p "$out"
     if [ ! -x "$dir/xtask" ] || [ ! -x "$dir/kernels" ]; then
@@ -145,6 +151,17 @@ run)
             timeout 360 "$dir/xtask" bench step --device cuda --check --presets base,large \
                 --batch-size 64,32 --seq-len 128 --steps 4 --top-kernels 15 2>&1 \
                 | tee "$out/step.md" || status=$?
+            ;;
+        gemm)
+            echo "== GEMM kernels (model.gemm): a BERT-large step (seq 128, batch 32, device buckets)"
+            echo "   with cmma, then autotune in two processes (the second reads the kernel cache)"
+            export EMBER_KERNEL_CACHE="$out/kernel-cache"
+            for gemm in cmma autotune autotune; do
+                timeout 300 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
+                    --seq-len 128 --steps 4 --buckets device --gemm "$gemm" 2>&1 \
+                    | grep -E "^GEMMs|^\| (model|large)|rror" | tee -a "$out/gemm.md" || status=$?
+            done
+            du -sh "$out/kernel-cache"/* 2>/dev/null || echo "no kernel cache written"
             ;;
         kernels)
             echo "== kernel tests on CUDA (f32): forward and backward vs the reference composition"

@@ -297,6 +297,10 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
     const HAS_MULTI_TENSOR: bool = B::HAS_MULTI_TENSOR;
     const FUSED_BY_DEFAULT: bool = B::FUSED_BY_DEFAULT;
 
+    fn f32_gemm_precision(device: &Self::Device) -> crate::GemmPrecision {
+        B::f32_gemm_precision(device)
+    }
+
     fn reshape_contiguous(x: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
         match ReshapeBackward
             .prepare::<C>([x.node.clone()])

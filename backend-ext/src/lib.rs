@@ -35,6 +35,7 @@ mod cross_entropy;
 mod cube;
 mod dropout;
 mod functions;
+mod gemm;
 mod host;
 mod host_adam;
 mod host_embedding;
@@ -53,6 +54,8 @@ use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorMetadata, TensorPrimi
 
 #[cfg(feature = "cube")]
 pub use cube::counting::{CountingRuntime, HostSyncs, KernelLaunches};
+#[cfg(feature = "cube")]
+pub use cube::kernel_cache::{KERNEL_CACHE_VAR, KernelCache, set_kernel_cache};
 
 /// Burn's CUDA backend (`burn::backend::Cuda`) with its host synchronisations counted
 /// ([`CountingRuntime`], [`HostSyncs`]).
@@ -72,6 +75,7 @@ pub use functions::{
     attention, bias_dropout_add_layer_norm, bias_gelu, cross_entropy, dense, dense_module, dropout,
     embedding, lamb_multi_tensor, reshape, sum_ordered, sum_squares, tied_decoder_weight,
 };
+pub use gemm::{AUTOTUNE_BUILT, Gemm, GemmPrecision, gpu_gemm, set_gpu_gemm};
 pub use host_gemm::{gemm_parts, set_gemm_parts};
 pub use kernels_choice::Kernels;
 
@@ -203,7 +207,14 @@ pub trait FusedOps: Backend {
         grad: FloatTensor<Self>,
         with_bias: bool,
     ) -> DenseGrads<Self> {
-        linear::flattened_linear_backward::<Self>(x, weight, grad, with_bias)
+        linear::flattened_linear_backward::<Self>(x, weight, grad, with_bias, Self::float_matmul)
+    }
+
+    /// The precision this backend's GEMMs give f32 operands on `device`: exact f32 on NdArray
+    /// and wherever the GPU has no TF32, TF32 on NVIDIA tensor cores (Note [GPU GEMMs] in
+    /// `gemm.rs`). Tests derive their tolerances from it; benchmarks print it.
+    fn f32_gemm_precision(_device: &Self::Device) -> GemmPrecision {
+        GemmPrecision::F32
     }
 
     /// `GELU(x + bias)` with the exact erf GELU (Hendrycks & Gimpel 2016; BERT's `"gelu"`).

@@ -240,6 +240,9 @@ impl TrainConfig {
                 );
             }
         }
+        if let Err(reason) = self.model.gemm.resolve() {
+            return invalid("model.gemm", reason);
+        }
         let o = &self.optimizer;
         if !(o.lr.is_finite() && o.lr > 0.0) {
             return invalid(

@@ -148,4 +148,7 @@ pub enum TrainError {
     /// An error of the model crate.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The device reported a failure while waiting for its kernels (Burn's `ExecutionError`).
+    #[error("the device failed running the step's kernels: {0}")]
+    Device(String),
 }

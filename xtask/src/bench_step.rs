@@ -65,6 +65,9 @@ pub struct StepArgs {
     /// (GPU backends; from two more runs, `steps` steps apart)
     #[arg(long, default_value_t = 0, value_name = "N")]
     top_kernels: usize,
+    /// GEMM kernels on cuda and wgpu (`model.gemm`): auto, autotune or cmma
+    #[arg(long, default_value = "auto")]
+    gemm: ember_backend_ext::Gemm,
 }
 
 pub fn run(args: StepArgs) -> Result<()> {
@@ -154,6 +157,7 @@ fn config(
     // Timed steps are plain steps: the periodic re-check of the hooks' gradients reads the
     // device (Note [Re-checking late gradients]).
     config.parallel.check_gradients_every = 0;
+    config.model.gemm = args.gemm;
     config
 }
 
@@ -201,9 +205,16 @@ fn bench<B: GradHookBackend>(
     }
     println!();
     println!(
-        "| model | batch × seq | buckets | step ms | backward ms | samples/s | host syncs in backward | host syncs per step | kernel launches per step |"
+        "GEMMs: {} (f32 operands multiplied as {}). First step: from the run's start to the end \
+         of its first step (the process's first run compiles and autotunes; later runs reuse \
+         its kernels).",
+        args.gemm.resolve().map_err(anyhow::Error::msg)?.name(),
+        B::f32_gemm_precision(device).name()
     );
-    println!("|---|---|---|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| model | batch × seq | buckets | step ms | backward ms | samples/s | host syncs in backward | host syncs per step | kernel launches per step | first step s |"
+    );
+    println!("|---|---|---|---:|---:|---:|---:|---:|---:|---:|");
     let mut by_kernel = Vec::new();
     for (i, &preset) in args.presets.iter().enumerate() {
         let batch_size = *args
@@ -231,6 +242,9 @@ fn bench<B: GradHookBackend>(
                 },
             )?;
             let records = train_records(&counted.metrics)?;
+            let first_step_s = end_record(&counted.metrics)?["time_to_first_step_s"]
+                .as_f64()
+                .unwrap_or(f64::NAN);
             run.train.out = dir.path().join(format!("{name}-timed"));
             let timed = train(
                 &run,
@@ -264,7 +278,7 @@ fn bench<B: GradHookBackend>(
                 None => "–".to_string(),
             };
             println!(
-                "| {preset} | {batch_size} × {} | {buckets} | {:.1} | {:.1} | {:.1} | {} | {} | {} |",
+                "| {preset} | {batch_size} × {} | {buckets} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {first_step_s:.1} |",
                 args.seq_len,
                 step_s * 1e3,
                 backward_s * 1e3,
@@ -399,6 +413,16 @@ fn train_records(metrics: &Path) -> Result<Vec<serde_json::Value>> {
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter(|r| r["event"] == "train")
         .collect())
+}
+
+/// The `end` record of a run's metrics.
+fn end_record(metrics: &Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(metrics)
+        .with_context(|| format!("reading {}", metrics.display()))?;
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|r| r["event"] == "end")
+        .with_context(|| format!("{} has no end record", metrics.display()))
 }
 
 /// The largest absolute difference between the weights of two checkpoints of one model.

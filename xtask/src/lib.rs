@@ -139,6 +139,13 @@ pub fn cli_main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    {
+        // Before any device is opened (Note [GPU GEMMs]: autotune results and compiled
+        // kernels are kept from one process to the next).
+        let cache = ember_backend_ext::set_kernel_cache(&kernel_cache_dir());
+        tracing::debug!(%cache, "CubeCL's kernel and autotune cache");
+    }
     let result: Result<()> = match cli.command {
         Command::Train(args) => train::run(args),
         Command::Launch(args) => launch::run(args),
@@ -160,5 +167,25 @@ pub fn cli_main() -> ExitCode {
             eprintln!("error: {err:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Where CubeCL keeps compiled kernels and autotune results (`ember_backend_ext::set_kernel_cache`):
+/// `$EMBER_KERNEL_CACHE`, else `kernels/` in ember's cache folder (`$EMBER_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/ember`, else `~/.cache/ember`).
+pub fn kernel_cache_dir() -> std::path::PathBuf {
+    kernel_cache_dir_from(
+        std::env::var_os("EMBER_KERNEL_CACHE"),
+        ember_data::embedded::cache_dir(),
+    )
+}
+
+fn kernel_cache_dir_from(
+    var: Option<std::ffi::OsString>,
+    cache_dir: std::path::PathBuf,
+) -> std::path::PathBuf {
+    match var {
+        Some(dir) if !dir.is_empty() => dir.into(),
+        _ => cache_dir.join("kernels"),
     }
 }

@@ -1,10 +1,13 @@
 //! [`FusedOps`] for `CubeBackend<R, F, I, BT>`: one CubeCL source for CUDA and wgpu.
 
 pub mod counting;
+mod gemm;
+pub mod kernel_cache;
 mod kernels;
 mod multi_tensor;
 mod multi_tensor_kernels;
 
+use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
@@ -125,6 +128,37 @@ where
     BT: BoolElement,
 {
     const HAS_KERNELS: bool = true;
+
+    fn dense(
+        x: CubeTensor<R>,
+        weight: CubeTensor<R>,
+        bias: Option<CubeTensor<R>>,
+    ) -> CubeTensor<R> {
+        gemm::dense(
+            x,
+            weight,
+            bias,
+            <Self as FloatTensorOps<Self>>::float_reshape,
+            <Self as FloatTensorOps<Self>>::float_add,
+        )
+    }
+
+    fn dense_backward(
+        x: CubeTensor<R>,
+        weight: CubeTensor<R>,
+        grad: CubeTensor<R>,
+        with_bias: bool,
+    ) -> crate::DenseGrads<Self> {
+        crate::linear::flattened_linear_backward::<Self>(x, weight, grad, with_bias, gemm::matmul)
+    }
+
+    fn batched_matmul(a: CubeTensor<R>, b: CubeTensor<R>) -> CubeTensor<R> {
+        gemm::matmul(a, b)
+    }
+
+    fn f32_gemm_precision(device: &Self::Device) -> crate::GemmPrecision {
+        gemm::f32_precision::<R>(device)
+    }
 
     fn bias_gelu(x: CubeTensor<R>, bias: CubeTensor<R>) -> CubeTensor<R> {
         let x = into_contiguous(x);

@@ -30,6 +30,13 @@ pub struct ModelSection {
 
     #[arg(long)]
     pub gemm_threads: crate::blas::GemmThreads,
+    /// Which CubeCL matmul runs the GEMMs on cuda and wgpu (Note [GPU GEMMs] in
+    /// backend-ext/src/gemm.rs): `autotune` (cubek times its kernels per shape on the device
+    /// and keeps the fastest, cached on disk; builds with the `cuda` feature), `cmma` (one
+    /// tensor-core kernel family for every shape) or `auto` (autotune where built, else
+    /// cmma). The CPU ignores it. Default: auto.
+    #[arg(long)]
+    pub gemm: ember_backend_ext::Gemm,
 }
 
 impl Default for ModelSection {
@@ -40,6 +47,7 @@ impl Default for ModelSection {
             attention_probs_dropout_prob: None,
             kernels: Kernels::Auto,
             gemm_threads: crate::blas::GemmThreads::Rayon,
+            gemm: ember_backend_ext::Gemm::Auto,
         }
     }
 }

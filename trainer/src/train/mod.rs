@@ -152,8 +152,15 @@ pub fn train_rank<B: GradHookBackend>(
     data: Option<Arc<PreparedData>>,
 ) -> Result<TrainSummary, TrainError> {
     // Config and output.
+    let run_started = std::time::Instant::now();
     config.validate()?;
     config.check_paths()?;
+    ember_backend_ext::set_gpu_gemm(config.model.gemm).map_err(|reason| {
+        TrainError::InvalidSetting {
+            field: "model.gemm",
+            reason,
+        }
+    })?;
     let comm = Arc::new(CommThread::spawn(comm));
     let (rank, world_size) = (comm.rank(), comm.world_size());
     let out = &config.train.out;
@@ -244,6 +251,7 @@ pub fn train_rank<B: GradHookBackend>(
             .then(|| config.freeze_step()),
     };
     let mut data_wait_s = 0.0;
+    let mut time_to_first_step_s = None;
     let mut last_eval_step = None;
     let mut target_reached_at = None;
     while step < config.train.steps {
@@ -254,6 +262,19 @@ pub fn train_rank<B: GradHookBackend>(
         let mut record;
         (model, record) = trainer.step(model, step, micro_batches, device, &options)?;
         record.data_wait_s = waited;
+        if time_to_first_step_s.is_none() {
+            // The time to the first step (the GPU-speed issue's "fast start"): from this
+            // call to the end of the first step's kernels (one wait, outside the step's
+            // counted syncs), so data preparation, the device's start, kernel compilation
+            // and autotuning are in it; the kernel cache (`ember_backend_ext::
+            // set_kernel_cache`) is what makes a second process's shorter.
+            B::sync(device).map_err(|e| TrainError::Device(format!("{e:?}")))?;
+            let seconds = run_started.elapsed().as_secs_f64();
+            time_to_first_step_s = Some(seconds);
+            if rank == 0 {
+                info!(seconds = format!("{seconds:.1}"), "first step done");
+            }
+        }
         // A skipped step (its gradients overflowed: `crate::loss_scale`) is not counted: the
         // weights, moments and schedule stay, the next batch tries again; a signal still stops
         // the run, with the checkpoint of the last step taken.
@@ -383,6 +404,7 @@ pub fn train_rank<B: GradHookBackend>(
         "train_samples": samples_at(step) - samples_at(first_step),
         "mlm_accuracy": eval.mlm_accuracy, "unigram_baseline": rank_data.unigram_baseline,
         "train_seconds": train_seconds, "data_wait_s": data_wait_s,
+        "time_to_first_step_s": time_to_first_step_s,
         "peak_rss_mib": peak_rss_bytes.map(|b| b as f64 / (1 << 20) as f64),
         "corpus_lines_skipped": data.skipped_lines,
         "skipped_steps": scaler_state.map_or(0, |s| s.skipped_steps),

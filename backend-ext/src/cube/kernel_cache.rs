@@ -1,0 +1,132 @@
+//! Where CubeCL keeps its compiled kernels and its autotune results between processes.
+//!
+//! CubeCL 0.10 reads its configuration once per process (`CubeClRuntimeConfig::get`): from a
+//! `cubecl.toml` (or the `[cubecl]` section of a `burn.toml`) in the working folder or above,
+//! else its defaults, in which kernels are compiled again by every process (no compilation
+//! cache) and autotune results go to the `target/` folder of the Cargo project around the
+//! working folder (or `~/.cache/cubecl` outside one). On the H200 a BERT-large process spent
+//! ~30 s compiling 163 kernels and autotuning before its first step, every time
+//! (docs/gpu.md). [`set_kernel_cache`] gives both caches one stated folder before the first
+//! device is opened: PTX (CUDA) and SPIR-V (Vulkan) under `<dir>/<runtime>/`, autotune
+//! results under `<dir>/autotune/`, each file written under CubeCL's file lock, so the ranks
+//! of a node may share the folder.
+
+use std::path::{Path, PathBuf};
+
+use cubecl::config::cache::CacheConfig;
+use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+
+/// The environment variable that names the kernel cache folder (default:
+/// `<ember's cache folder>/kernels`).
+pub const KERNEL_CACHE_VAR: &str = "EMBER_KERNEL_CACHE";
+
+/// What [`set_kernel_cache`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KernelCache {
+    /// CubeCL keeps compiled kernels and autotune results in this folder.
+    Folder(PathBuf),
+    /// A CubeCL configuration file was found (its path): CubeCL follows it, caches included.
+    ConfigFile(PathBuf),
+    /// CubeCL's configuration was already in use in this process (read or set earlier, e.g.
+    /// by a device opened before): unchanged.
+    AlreadyInUse,
+}
+
+impl std::fmt::Display for KernelCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KernelCache::Folder(dir) => write!(f, "{}", dir.display()),
+            KernelCache::ConfigFile(file) => write!(f, "as {} says", file.display()),
+            KernelCache::AlreadyInUse => f.write_str("as CubeCL was configured before"),
+        }
+    }
+}
+
+/// Makes CubeCL cache compiled kernels and autotune results in `dir` for the rest of the
+/// process, unless a CubeCL configuration file applies (searched from the working folder up,
+/// as CubeCL does) or CubeCL's configuration is already in use. CubeCL's environment
+/// variables (`CUBECL_DEBUG_LOG`, `CUBECL_DEBUG_OPTION`, `CUBECL_AUTOTUNE_LEVEL`) still apply.
+/// Call it before the first tensor is made on a CubeCL device. Nothing is written until
+/// CubeCL compiles or autotunes; CubeCL creates the folder then.
+pub fn set_kernel_cache(dir: &Path) -> KernelCache {
+    if let Some(file) = std::env::current_dir()
+        .ok()
+        .and_then(|cwd| config_file_from(&cwd))
+    {
+        return KernelCache::ConfigFile(file);
+    }
+    let mut slot = CubeClRuntimeConfig::storage().lock();
+    if slot.is_some() {
+        return KernelCache::AlreadyInUse;
+    }
+    let config = with_cache(CubeClRuntimeConfig::default().override_from_env(), dir);
+    *slot = Some(std::sync::Arc::new(config));
+    KernelCache::Folder(dir.to_path_buf())
+}
+
+/// `config` with both caches in `dir`.
+fn with_cache(mut config: CubeClRuntimeConfig, dir: &Path) -> CubeClRuntimeConfig {
+    config.compilation.cache = Some(CacheConfig::File(dir.to_path_buf()));
+    config.autotune.cache = CacheConfig::File(dir.to_path_buf());
+    config
+}
+
+/// The CubeCL configuration file CubeCL would read, searching `start` and its parents:
+/// `cubecl.toml` or `CubeCL.toml`, or a `burn.toml` / `Burn.toml` with a `[cubecl]` section.
+fn config_file_from(start: &Path) -> Option<PathBuf> {
+    start.ancestors().find_map(|dir| {
+        let whole = CubeClRuntimeConfig::file_names()
+            .iter()
+            .map(|name| dir.join(name))
+            .find(|path| path.is_file());
+        whole.or_else(|| {
+            CubeClRuntimeConfig::section_file_names()
+                .iter()
+                .map(|(name, section)| (dir.join(name), format!("[{section}")))
+                .find(|(path, header)| {
+                    std::fs::read_to_string(path).is_ok_and(|text| {
+                        text.lines()
+                            .any(|line| line.trim_start().starts_with(header.as_str()))
+                    })
+                })
+                .map(|(path, _)| path)
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_caches_go_to_the_folder() {
+        let config = with_cache(CubeClRuntimeConfig::default(), Path::new("/k"));
+        assert!(
+            matches!(&config.compilation.cache, Some(CacheConfig::File(p)) if p == Path::new("/k"))
+        );
+        assert!(matches!(&config.autotune.cache, CacheConfig::File(p) if p == Path::new("/k")));
+        assert_eq!(config.autotune.cache.root(), PathBuf::from("/k"));
+    }
+
+    #[test]
+    fn a_cubecl_file_above_the_working_folder_is_found() {
+        let root = tempfile::tempdir().unwrap();
+        let inner = root.path().join("a/b");
+        std::fs::create_dir_all(&inner).unwrap();
+        assert_eq!(config_file_from(&inner), None);
+        // A burn.toml without a [cubecl] section is not CubeCL's configuration.
+        std::fs::write(root.path().join("a/burn.toml"), "[other]\nx = 1\n").unwrap();
+        assert_eq!(config_file_from(&inner), None);
+        std::fs::write(
+            root.path().join("a/burn.toml"),
+            "[cubecl.autotune]\nlevel = \"full\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            config_file_from(&inner),
+            Some(root.path().join("a/burn.toml"))
+        );
+        std::fs::write(inner.join("cubecl.toml"), "").unwrap();
+        assert_eq!(config_file_from(&inner), Some(inner.join("cubecl.toml")));
+    }
+}
