@@ -31,7 +31,7 @@ fn strategy() -> MatmulStrategy {
 pub(crate) fn matmul<R: CubeRuntime>(a: CubeTensor<R>, b: CubeTensor<R>) -> CubeTensor<R> {
     let dtype = a.dtype;
     cube_matmul(a, b, None, strategy(), dtype)
-        .unwrap_or_else(|e| panic!("matmul ({:?} by {:?}): {e:?}", dtype, dtype))
+        .unwrap_or_else(|e| panic!("matmul of {dtype:?} operands: {e:?}"))
 }
 
 /// `x · weight + bias` on the rows flattened to `[R, I]`: one `[R, I]·[I, O]` GEMM, where
