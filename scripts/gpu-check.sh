@@ -27,7 +27,9 @@
 #                  GPU-speed issue's target: at most 1,500 launches per BERT-large step),
 #                  device vs host buckets, and the 15 kernels launched most per step.
 #   gemm           the GEMM kernels (`model.gemm`, Note [GPU GEMMs] in backend-ext/src/gemm.rs):
-#                  `bench step` on BERT-large (seq 128, batch 32, device buckets) with `cmma` (one
+#                  `bench gemm` (every product of a BERT-large step at seq 128 and 512 alone,
+#                  TFLOP/s of autotune and cmma in f32 and bf16 against torch.matmul on the GPU),
+#                  then `bench step` on BERT-large (seq 128, batch 32, device buckets) with `cmma` (one
 #                  tensor-core kernel family, what ran before) and with `autotune` (cubek times its
 #                  kernels per shape) twice, in separate processes sharing EMBER_KERNEL_CACHE: step
 #                  time, launches, and the time to the first step (the second autotune process
@@ -156,6 +158,12 @@ run)
             echo "== GEMM kernels (model.gemm): a BERT-large step (seq 128, batch 32, device buckets)"
             echo "   with cmma, then autotune in two processes (the second reads the kernel cache)"
             export EMBER_KERNEL_CACHE="$out/kernel-cache"
+            reference=(--reference none)
+            [ -n "$torch_python" ] && reference=(--reference pytorch --python "$torch_python")
+            echo "   bench gemm: each product of a BERT-large step alone, autotune and cmma, f32 and bf16"
+            timeout 300 "$dir/xtask" bench gemm --device cuda --preset large --iters 5 \
+                "${reference[@]}" --out "$out/gemm" 2>&1 | grep -vE "^\s*$|INFO" \
+                | tee "$out/bench-gemm.md" || status=$?
             for gemm in cmma autotune autotune; do
                 timeout 300 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
                     --seq-len 128 --steps 4 --buckets device --gemm "$gemm" 2>&1 \

@@ -49,6 +49,7 @@ pub use config::{BertConfig, Preset};
 pub use embed::{Activation, Embedder, Hit, Pooling, cos_sim, normalize, semantic_search};
 pub use ember_backend_ext::Kernels;
 pub use error::ModelError;
+pub use flops::StepGemm;
 pub use hook::{ForwardHook, NoHook};
 pub use precision::{Precision, cast_to, dense_as, layer_norm_f32, softmax_f32};
 pub use pretrained::{LoadReport, WeightsFile};

@@ -59,6 +59,9 @@ pub enum BenchCommand {
     /// Sentence embeddings: ember's Embedder against sentence-transformers, the same folder and
     /// sentences, in the same run (sentences/s, ratio, largest difference of the vectors).
     Embed(crate::bench_embed::EmbedBenchArgs),
+    /// Every matrix product of a BERT training step alone, through ember's GEMM path (each
+    /// `model.gemm` choice, f32 and bf16) against torch.matmul on the same device: TFLOP/s.
+    Gemm(crate::bench_gemm::GemmArgs),
 }
 
 /// `cargo xtask bench [--setup-reference] [COMMAND]`.
@@ -128,6 +131,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         BenchCommand::TrainStep(args) => crate::bench_train_step::run(args),
         BenchCommand::Data(args) => crate::bench_data::run(args),
         BenchCommand::Embed(args) => crate::bench_embed::run(args),
+        BenchCommand::Gemm(args) => crate::bench_gemm::run(args),
     }
 }
 

@@ -125,7 +125,11 @@ fn bench_cuda(_: &KernelArgs, _: &[Shape], _: bool) -> Result<()> {
 
 /// Mean seconds of `f` over `iters` runs after one warm-up, the device synchronised before
 /// the clock stops.
-fn time<B: Backend>(device: &B::Device, iters: usize, mut f: impl FnMut()) -> Result<f64> {
+pub(crate) fn time<B: Backend>(
+    device: &B::Device,
+    iters: usize,
+    mut f: impl FnMut(),
+) -> Result<f64> {
     f();
     B::sync(device).map_err(|e| anyhow::anyhow!("device sync failed: {e:?}"))?;
     let start = Instant::now();

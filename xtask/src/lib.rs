@@ -17,6 +17,7 @@ mod bench;
 mod bench_checkpoint;
 mod bench_data;
 mod bench_embed;
+mod bench_gemm;
 #[doc(hidden)]
 pub use bench_data::number_after;
 mod bench_kernels;

@@ -36,6 +36,7 @@ const SCRIPTS: &[(&str, &str)] = &[
         include_str!("../../bench/reference/create_pretraining_data.py"),
     ),
     ("embed.py", include_str!("../../bench/reference/embed.py")),
+    ("gemm.py", include_str!("../../bench/reference/gemm.py")),
 ];
 
 /// The shipped configuration a `--config` value names, if it names one: `tiny-cpu`,

@@ -199,3 +199,78 @@ fn embed_bench_writes_its_results() {
         "{stdout}"
     );
 }
+
+/// `bench gemm` on the CPU without the PyTorch side (CI has no torch): the attention products
+/// of the tiny model, each timed, written with the shapes `BertConfig::train_step_gemms` gives;
+/// bf16 on the CPU and mismatched shape lists are clear errors.
+#[test]
+fn gemm_bench_times_the_step_products() {
+    let dir = tempfile::tempdir().unwrap();
+    let gemm = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_xtask"))
+            .args(["bench", "gemm", "--device", "cpu", "--preset", "tiny"])
+            .args(["--reference", "none", "--iters", "1", "--out"])
+            .arg(dir.path())
+            .args(extra)
+            .output()
+            .expect("running xtask")
+    };
+    let output = gemm(&[
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--max-predictions",
+        "4",
+        "--only",
+        "attn ",
+    ]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let json = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "json"))
+        .expect("a JSON result");
+    let results: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    let shape = &results.as_array().unwrap()[0];
+    let expected: Vec<_> = BertConfig::preset(Preset::Tiny)
+        .train_step_gemms(2, 32, 8)
+        .into_iter()
+        .filter(|g| g.name.starts_with("attn "))
+        .collect();
+    assert_eq!(expected.len(), 6);
+    assert_eq!(shape["gemms"], serde_json::to_value(&expected).unwrap());
+    let paths = shape["paths"].as_array().unwrap();
+    assert_eq!(paths.len(), 1, "NdArray's one path: {paths:?}");
+    assert_eq!(paths[0]["name"], "ember ndarray f32");
+    let seconds = paths[0]["seconds"].as_array().unwrap();
+    assert_eq!(seconds.len(), 6);
+    assert!(
+        seconds.iter().all(|s| s.as_f64().unwrap() > 0.0),
+        "{seconds:?}"
+    );
+    assert!(
+        stdout.contains("| attn Q·Kᵀ fwd | 2 | 4 × 32 × 64 × 32ᵀ |"),
+        "{stdout}"
+    );
+
+    let bf16 = gemm(&["--dtypes", "bf16"]);
+    assert!(!bf16.status.success());
+    assert!(
+        String::from_utf8_lossy(&bf16.stderr).contains("--dtypes bf16 needs --device cuda"),
+        "{}",
+        String::from_utf8_lossy(&bf16.stderr)
+    );
+    let mismatched = gemm(&["--seq-len", "128,512", "--batch-size", "8"]);
+    assert!(!mismatched.status.success());
+    assert!(
+        String::from_utf8_lossy(&mismatched.stderr).contains("one value each per sequence length"),
+        "{}",
+        String::from_utf8_lossy(&mismatched.stderr)
+    );
+}
