@@ -50,11 +50,13 @@
 #                  compression stage, which runs on the host (crate::onebit: gradients read to the
 #                  host, momenta compressed there, parameters written back). One rank compresses
 #                  nothing (the average of one), so this measures the host path's cost alone.
-#   train-step     `xtask bench train-step --device cuda`: BERT-large at batch 32, sequence length
-#                  128 and 512, ember's f32 step against Hugging Face + torch.optim.AdamW on the
-#                  same GPU (eager and torch.compile; f32 both: bench train-step has no
-#                  precision setting yet), when the machine's Python has torch
-#                  (/opt/torch/.venv), else ember alone.
+#   train-step     `xtask bench train-step --device cuda`: the GPU-speed issue's targets, BERT-large
+#                  at sequence length 128 (batch 32; eager and torch.compile) and 512 (batch 16;
+#                  eager), f32 and bf16 (ember's autocast against torch.autocast), ember's step
+#                  against Hugging Face + fused torch.optim.AdamW on the same GPU when the
+#                  machine's Python has torch (/opt/torch/.venv), else ember alone: samples/s,
+#                  ratio, MFU against each precision's GEMM peak, ember's kernel launches per
+#                  step (target <= 1,500), each side's reserved GPU memory.
 
 #   streaming      shards streamed per rank on a GPU's step time: `prepare-data` (seq 512, 76
 #                  predictions, uncompressed and gzip), then BERT-large batch 16 for 12 steps on
@@ -220,14 +222,19 @@ run)
             done
             ;;
         train-step)
-            echo "== training step against PyTorch on CUDA (large, batch 32, seq 128 and 512)"
+            echo "== training step against PyTorch on CUDA (large; seq 128 batch 32, seq 512 batch 16; f32, bf16)"
             reference=(--reference none)
+            compile=()
             if [ -n "$torch_python" ] && "$torch_python" -c "import transformers, safetensors" 2>/dev/null; then
-                reference=(--reference pytorch --python "$torch_python" --compile)
+                reference=(--reference pytorch --python "$torch_python")
+                compile=(--compile)
             fi
-            timeout 420 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
-                --seq-len 128,512 --steps 3 --rounds 2 "${reference[@]}" --out "$out/train-step" \
-                2>&1 | tail -20 || status=$?
+            timeout 300 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
+                --seq-len 128 --precision f32,bf16 --steps 3 --rounds 2 "${reference[@]}" "${compile[@]}" \
+                --out "$out/train-step" 2>&1 | tail -16 || status=$?
+            timeout 240 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 16 \
+                --seq-len 512 --precision f32,bf16 --steps 3 --rounds 2 "${reference[@]}" \
+                --out "$out/train-step" 2>&1 | tail -14 || status=$?
             ;;
         streaming)
             echo "== streamed shards: data wait against the step (BERT-large, batch 16, seq 512)"

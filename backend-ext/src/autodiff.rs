@@ -301,6 +301,10 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         B::f32_gemm_precision(device)
     }
 
+    fn memory_reserved(device: &Self::Device) -> Option<u64> {
+        B::memory_reserved(device)
+    }
+
     fn reshape_contiguous(x: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
         match ReshapeBackward
             .prepare::<C>([x.node.clone()])

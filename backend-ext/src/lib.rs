@@ -217,6 +217,15 @@ pub trait FusedOps: Backend {
         GemmPrecision::F32
     }
 
+    /// Device memory this backend's allocator holds on `device`, in bytes: CubeCL's reserved
+    /// pages (`MemoryUsage::bytes_reserved`; the counterpart of PyTorch's
+    /// `torch.cuda.memory_reserved`), which its pools keep for reuse rather than return, so
+    /// that a reading after a step's peak still includes it. `None` where device memory is
+    /// the process's heap (NdArray: see the peak resident set size instead).
+    fn memory_reserved(_device: &Self::Device) -> Option<u64> {
+        None
+    }
+
     /// `GELU(x + bias)` with the exact erf GELU (Hendrycks & Gimpel 2016; BERT's `"gelu"`).
     ///
     /// # Shapes

@@ -2,6 +2,13 @@
 """The PyTorch reference of `cargo xtask bench train-step`: Hugging Face `BertForPreTraining`
 trained with `torch.optim.AdamW` on the batch and weights that ember exported.
 
+Precision (`--precision`): f32, or `torch.autocast` to bf16 or fp16 around the forward and the
+losses (PyTorch's mixed precision: f32 parameters and optimizer, a cast per op; ember's Note
+[Autocast] is the same recipe). No loss scaling on either side: the benchmark times steps from
+a random initialisation, whose gradients fp16 holds; the trainer's fp16 scales the loss.
+On CUDA the optimizer is AdamW's fused kernel (`fused=True`: multi-tensor launches, what
+NVIDIA's and apex's recipes use); on the CPU its default (foreach).
+
 The step is the one NVIDIA's MLPerf BERT and ember take: the encoder over the whole batch, the
 masked-LM head only at the masked positions (`cls.predictions` over the gathered hidden states,
 as NVIDIA's `BertForPreTraining` with `masked_lm_positions`), the next-sentence head on the
@@ -11,8 +18,12 @@ AdamW with weight decay on every parameter but biases and LayerNorm (ember's gro
 
 Run by the harness as a server, one JSON object per line each way (stdin -> stdout):
   {"cmd": "loss"}                 -> {"loss", "mlm_loss", "nsp_loss"}   (forward, no update)
-  {"cmd": "steps", "n": N}        -> {"seconds": [N], "losses": [N]}     (N training steps)
-  {"cmd": "gemm", "n": S, "reps": R} -> {"gflops"}  (fp32 [S,S] x [S,S], best of R)
+  {"cmd": "steps", "n": N}        -> {"seconds": [N], "losses": [N], "reserved_bytes"}
+                                     (N training steps; reserved_bytes: the CUDA caching
+                                     allocator's peak, torch.cuda.max_memory_reserved; null on
+                                     the CPU)
+  {"cmd": "gemm", "n": S, "reps": R, "dtype": "f32"|"bf16"|"fp16"} -> {"gflops"}
+                                     ([S,S] x [S,S] in that dtype, best of R)
   {"cmd": "quit"}
 On start it prints {"ready": true, ...} with the versions, thread count and parameter count.
 
@@ -23,6 +34,7 @@ next_sentence_labels [B]). Needs: torch, transformers, safetensors (`cargo xtask
 --setup-reference` installs them into bench/reference/.venv).
 """
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -32,6 +44,9 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file
 from transformers import BertForPreTraining
+
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def reply(obj):
@@ -51,6 +66,7 @@ def main():
     parser.add_argument("--weight-decay", type=float, required=True)
     parser.add_argument("--compile", action="store_true", help="torch.compile the step's model")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--precision", default="f32", choices=sorted(DTYPES))
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -72,6 +88,7 @@ def main():
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         (no_decay if ("bias" in name or "LayerNorm" in name) else decay).append(param)
+    fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": args.weight_decay},
@@ -80,21 +97,29 @@ def main():
         lr=args.lr,
         betas=(args.beta1, args.beta2),
         eps=args.eps,
+        fused=fused,
     )
     hidden = model.config.hidden_size
+    dtype = DTYPES[args.precision]
+
+    def autocast():
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=dtype)
 
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
     def losses():
-        out = model.bert(
-            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
-        )
-        sequence_output, pooled = out[0], out[1]
-        masked = sequence_output.reshape(-1, hidden).index_select(0, flat)
-        mlm = F.cross_entropy(model.cls.predictions(masked), labels)
-        nsp = F.cross_entropy(model.cls.seq_relationship(pooled), nsp_labels)
+        with autocast():
+            out = model.bert(
+                input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
+            )
+            sequence_output, pooled = out[0], out[1]
+            masked = sequence_output.reshape(-1, hidden).index_select(0, flat)
+            mlm = F.cross_entropy(model.cls.predictions(masked).float(), labels)
+            nsp = F.cross_entropy(model.cls.seq_relationship(pooled).float(), nsp_labels)
         return mlm, nsp
 
     step_losses = torch.compile(losses) if args.compile else losses
@@ -108,6 +133,8 @@ def main():
             "device": str(device),
             "parameters": sum(p.numel() for p in model.parameters()),
             "attn_implementation": model.config._attn_implementation,
+            "precision": args.precision,
+            "optimizer": "AdamW (fused)" if fused else "AdamW (foreach)",
         }
     )
     for line in sys.stdin:
@@ -129,10 +156,13 @@ def main():
                 sync()
                 seconds.append(time.perf_counter() - start)
                 values.append(value)
-            reply({"seconds": seconds, "losses": values})
+            reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+            reply({"seconds": seconds, "losses": values, "reserved_bytes": reserved})
         elif cmd["cmd"] == "gemm":
             n, best = cmd["n"], float("inf")
-            a, c = torch.rand(n, n, device=device), torch.rand(n, n, device=device)
+            gemm_dtype = DTYPES[cmd.get("dtype", "f32")]
+            a = torch.rand(n, n, device=device, dtype=gemm_dtype)
+            c = torch.rand(n, n, device=device, dtype=gemm_dtype)
             a @ c
             sync()
             for _ in range(cmd["reps"]):

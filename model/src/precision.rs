@@ -50,6 +50,17 @@ impl Precision {
         }
     }
 
+    /// Unit roundoff u of the type's storage (half the distance from 1 to the next value):
+    /// f32 2⁻²⁴, bf16 2⁻⁸ (7 stored mantissa bits), fp16 2⁻¹¹ (10 bits). Tolerances of
+    /// comparisons across precisions are stated in multiples of it.
+    pub fn unit_roundoff(self) -> f64 {
+        match self {
+            Precision::F32 => 2f64.powi(-24),
+            Precision::Bf16 => 2f64.powi(-8),
+            Precision::Fp16 => 2f64.powi(-11),
+        }
+    }
+
     /// Whether this is a half type.
     pub fn is_half(self) -> bool {
         self != Precision::F32
@@ -143,5 +154,20 @@ mod tests {
         assert!(Precision::F32.supported::<N>(&device));
         assert!(!Precision::Bf16.supported::<N>(&device));
         assert!(!Precision::Fp16.supported::<N>(&device));
+    }
+
+    /// u is half the gap above 1: 1 + u rounds to 1 (ties to even), 1 + 2u is the next value.
+    #[test]
+    fn unit_roundoff_is_half_the_gap_above_one() {
+        use burn::tensor::{bf16, f16};
+        let u = Precision::Bf16.unit_roundoff();
+        assert_eq!(bf16::from_f64(1.0 + u).to_f64(), 1.0);
+        assert_eq!(bf16::from_f64(1.0 + 2.0 * u).to_f64(), 1.0 + 2.0 * u);
+        let u = Precision::Fp16.unit_roundoff();
+        assert_eq!(f16::from_f64(1.0 + u).to_f64(), 1.0);
+        assert_eq!(f16::from_f64(1.0 + 2.0 * u).to_f64(), 1.0 + 2.0 * u);
+        let u = Precision::F32.unit_roundoff();
+        assert_eq!((1.0 + u) as f32, 1.0);
+        assert_eq!((1.0 + 2.0 * u) as f32 as f64, 1.0 + 2.0 * u);
     }
 }

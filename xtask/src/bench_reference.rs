@@ -235,6 +235,14 @@ impl HostInputs {
     }
 }
 
+/// What [`Reference::steps`] measured.
+pub(crate) struct ReferenceSteps {
+    /// Each step's wall time, seconds.
+    pub(crate) seconds: Vec<f64>,
+    /// `torch.cuda.max_memory_reserved` after the steps, bytes (`None` on the CPU).
+    pub(crate) reserved_bytes: Option<u64>,
+}
+
 /// The reference process: one JSON request and one JSON reply per line.
 pub(crate) struct Reference {
     child: Child,
@@ -251,6 +259,7 @@ impl Reference {
         optimizer: &OptimizerConfig,
         compile: bool,
         device: &str,
+        precision: ember_model::Precision,
     ) -> Result<Self> {
         let script = crate::shipped::write_script("train_step.py", dir)?;
         let mut command = Command::new(python);
@@ -272,6 +281,7 @@ impl Reference {
             command.arg("--compile");
         }
         command.args(["--device", device]);
+        command.args(["--precision", &precision.to_string()]);
         let mut child = command
             .spawn()
             .with_context(|| format!("starting {} {}", python.display(), script.display()))?;
@@ -315,14 +325,20 @@ impl Reference {
             .with_context(|| format!("the reference's reply {value} lacks {key}"))
     }
 
-    pub(crate) fn steps(&mut self, n: usize) -> Result<Vec<f64>> {
+    /// `n` training steps: their seconds, and the peak memory of PyTorch's CUDA caching
+    /// allocator (`torch.cuda.max_memory_reserved`; `None` on the CPU).
+    pub(crate) fn steps(&mut self, n: usize) -> Result<ReferenceSteps> {
         let reply = self.ask(json!({"cmd": "steps", "n": n}))?;
-        reply["seconds"]
+        let seconds = reply["seconds"]
             .as_array()
             .with_context(|| format!("the reference's reply {reply} lacks seconds"))?
             .iter()
             .map(|s| s.as_f64().context("a step time that is not a number"))
-            .collect()
+            .collect::<Result<_>>()?;
+        Ok(ReferenceSteps {
+            seconds,
+            reserved_bytes: reply["reserved_bytes"].as_u64(),
+        })
     }
 }
 

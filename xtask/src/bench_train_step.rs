@@ -1,22 +1,34 @@
 //! `cargo xtask bench train-step`: ember's training step against PyTorch's in the same run.
 //!
-//! For each model × batch size × sequence length: ember initialises the model (dropout 0),
+//! For each model × precision × batch size × sequence length: ember initialises the model
+//! (dropout 0),
 //! exports its weights under Hugging Face's names and a random batch (no padding,
 //! `--max-predictions` masked positions per sequence) to a temporary folder, and starts
 //! `bench/reference/train_step.py` on them: Hugging Face `BertForPreTraining` with
 //! `torch.optim.AdamW`, the MLM head at the masked positions only, the same parameter groups
 //! and hyper-parameters. Both sides then:
-//! 1. compute the first step's loss on the same weights: they must agree within 1e-3, so that
-//!    a fast wrong step cannot win;
+//! 1. compute the first step's loss on the same weights: they must agree within 1e-3 in f32
+//!    (4u·|loss| more in a half precision, u its unit roundoff), so that a fast wrong step
+//!    cannot win;
 //! 2. take one warm-up step (excluded), then `--rounds` rounds of `--steps` steps, alternating
 //!    ember and PyTorch so that the machine's drift hits both, with a 0.5 s pause before each
 //!    round so that the other side's spinning thread pools have gone to sleep;
-//! 3. time an fp32 `[n, n] × [n, n]` GEMM (best of 5), ember's backend and PyTorch's.
+//! 3. time an `[n, n] × [n, n]` GEMM in each precision of the run (best of 5), ember's backend
+//!    and PyTorch's.
 //!
-//! Reported per row: each side's samples/s (median step), the ratio ember / PyTorch, and each
+//! `--precision` (f32, bf16, fp16; a row each) is mixed precision on both sides: ember's
+//! autocast (Note [Autocast] in `ember_model`'s `precision.rs`) and `torch.autocast`, f32
+//! weights and AdamW on both; neither scales the loss (steps from a random initialisation,
+//! whose gradients fp16 holds). PyTorch's AdamW on CUDA is its fused kernel (`fused=True`).
+//!
+//! Reported per row: each side's samples/s (median step), the ratio ember / PyTorch, each
 //! side's MFU = model FLOPs per step ([`BertConfig::train_step_flops`]) per second over the
-//! GEMM peak of this run (the faster of the two GEMMs). The table goes to stdout and, as
-//! markdown and JSON, to `--out` (`bench/results/`, git-ignored).
+//! GEMM peak of this run in the row's precision (the faster of the two GEMMs), ember's kernel
+//! launches per step (median; counted at the runtime, `ember_backend_ext::CountingRuntime`, on
+//! cuda and wgpu) and each side's device memory reserved by its allocator (ember: the most
+//! CubeCL's pools held at the end of a step's forward, backward or optimizer phase; PyTorch:
+//! `torch.cuda.max_memory_reserved`). The table goes to stdout and, as markdown and JSON, to
+//! `--out` (`bench/results/`, git-ignored).
 //!
 //! ember's step is the model-level step the trainer runs on one rank: forward with the fused or
 //! composed encoder as `model.kernels = auto` picks, the masked-LM and next-sentence losses,
@@ -35,7 +47,7 @@ use burn::tensor::backend::AutodiffBackend;
 use clap::Args;
 use ember_backend_ext::FusedOps;
 use ember_data::Batch;
-use ember_model::{BertConfig, BertForPreTraining, Preset};
+use ember_model::{BertConfig, BertForPreTraining, Precision, Preset};
 use ember_trainer::blas::GemmThreads;
 use ember_trainer::config::OptimizerConfig;
 use ember_trainer::eval::forward_loss;
@@ -43,6 +55,7 @@ use ember_trainer::optim::PreTrainingOptimizer;
 use serde_json::{Value, json};
 
 use crate::bench_reference::{HostInputs, Reference, reference_python};
+use crate::bench_train_step_report::{ReferenceResult, Row, row_line};
 
 /// Flags of `bench train-step`.
 #[derive(Args, Debug)]
@@ -62,7 +75,12 @@ pub struct TrainStepArgs {
     /// Backend: cpu (NdArray); cuda needs the `cuda` feature; wgpu (the default adapter: a
     /// GPU, else Mesa's lavapipe) needs the `wgpu` feature and times PyTorch on the CPU
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda", "wgpu"])]
-    device: String,
+    pub(crate) device: String,
+    /// Compute precisions (each value is a row per model): f32, or bf16 / fp16 mixed precision
+    /// on both sides (ember's autocast, torch.autocast; f32 weights and optimizer, no loss
+    /// scaling). The half types need cuda (bf16, fp16) or wgpu with shader f16 (fp16)
+    #[arg(long, value_delimiter = ',', default_value = "f32")]
+    pub(crate) precision: Vec<Precision>,
     /// Masked positions per sequence
     #[arg(long, default_value_t = 20)]
     max_predictions: usize,
@@ -87,31 +105,15 @@ pub struct TrainStepArgs {
     /// Also time the reference under torch.compile (a second reference column)
     #[arg(long)]
     compile: bool,
-    /// Size n of the fp32 [n, n] × [n, n] GEMM that measures the peak
+    /// Size n of the [n, n] × [n, n] GEMM that measures the peak (in each precision of the run)
     #[arg(long, default_value_t = 2048)]
-    gemm_size: usize,
+    pub(crate) gemm_size: usize,
     /// Folder of the markdown and JSON results
     #[arg(long)]
-    out: Option<PathBuf>,
+    pub(crate) out: Option<PathBuf>,
     /// Learning rate of both AdamW steps
     #[arg(long, default_value_t = 1e-4)]
     lr: f64,
-}
-
-/// One timed configuration.
-struct Row {
-    preset: Preset,
-    /// The CPU's GEMM threads of ember's step (`None` on GPUs).
-    gemm_threads: Option<GemmThreads>,
-    batch_size: usize,
-    seq_len: usize,
-    parameters: usize,
-    flops: f64,
-    ember_s: f64,
-    /// Medians of ember's forward, backward and optimizer seconds.
-    ember_phases: [f64; 3],
-    ember_loss: f64,
-    references: Vec<(String, f64, f64)>, // (name, median step seconds, first loss)
 }
 
 pub fn run(args: TrainStepArgs) -> Result<()> {
@@ -123,6 +125,9 @@ pub fn run(args: TrainStepArgs) -> Result<()> {
     }
     if args.gemm_threads.is_empty() {
         bail!("--gemm-threads needs at least one value (rayon, blas)");
+    }
+    if args.precision.is_empty() {
+        bail!("--precision needs at least one value (f32, bf16, fp16)");
     }
     let threads = match args.threads {
         Some(0) => bail!("--threads must be at least 1"),
@@ -147,6 +152,7 @@ pub fn run(args: TrainStepArgs) -> Result<()> {
             &Default::default(),
             python.as_deref(),
             threads,
+            None,
         ),
         "cuda" => bench_cuda(&args, python.as_deref(), threads),
         "wgpu" => bench_wgpu(&args, python.as_deref(), threads),
@@ -156,7 +162,7 @@ pub fn run(args: TrainStepArgs) -> Result<()> {
 
 /// The device PyTorch runs on for ember's `device`: the same one, except for wgpu, which
 /// PyTorch has no backend for (its CPU step is the reference there).
-fn reference_device(device: &str) -> &str {
+pub(crate) fn reference_device(device: &str) -> &str {
     match device {
         "wgpu" => "cpu",
         other => other,
@@ -165,11 +171,12 @@ fn reference_device(device: &str) -> &str {
 
 #[cfg(feature = "wgpu")]
 fn bench_wgpu(args: &TrainStepArgs, python: Option<&Path>, threads: usize) -> Result<()> {
-    bench::<burn::backend::Autodiff<burn::backend::Wgpu>>(
+    bench::<burn::backend::Autodiff<ember_backend_ext::CountingWgpu>>(
         args,
         &Default::default(),
         python,
         threads,
+        Some(|| ember_backend_ext::HostSyncs::now().launches),
     )
 }
 
@@ -183,11 +190,12 @@ fn bench_wgpu(_: &TrainStepArgs, _: Option<&Path>, _: usize) -> Result<()> {
 #[cfg(feature = "cuda")]
 fn bench_cuda(args: &TrainStepArgs, python: Option<&Path>, threads: usize) -> Result<()> {
     let gpu = crate::cuda::start(&ember_trainer::parallel::LaunchEnv::single(), false)?;
-    bench::<burn::backend::Autodiff<burn::backend::Cuda>>(
+    bench::<burn::backend::Autodiff<ember_backend_ext::CountingCuda>>(
         args,
         &burn::backend::cuda::CudaDevice::new(gpu),
         python,
         threads,
+        Some(|| ember_backend_ext::HostSyncs::now().launches),
     )
 }
 
@@ -204,6 +212,11 @@ struct EmberStep<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps> {
     optimizer: PreTrainingOptimizer<BertForPreTraining<B>, B>,
     inputs: Batch<B>,
     lr: f64,
+    device: B::Device,
+    /// The calling thread's kernel launches so far (the counting runtime's), if counted.
+    launches: Option<fn() -> u64>,
+    /// The most device memory the allocator held at a phase's end, bytes.
+    reserved: Option<u64>,
 }
 
 impl<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps> EmberStep<B> {
@@ -230,27 +243,40 @@ impl<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps> EmberStep<B> {
 
     /// One training step: its phases' seconds [forward and losses, backward, optimizer], each
     /// ended by a read to the host (the loss; a parameter's first value), which also waits for
-    /// the device.
-    fn step(&mut self) -> [f64; 3] {
+    /// the device; and its kernel launches where counted (the reads launch nothing).
+    fn step(&mut self) -> ([f64; 3], Option<u64>) {
         let model = self.model.take().expect("the model is held between steps");
+        let launches_before = self.launches.map(|count| count());
         let start = Instant::now();
         let (_, loss) = forward_loss(&model, self.inputs.clone());
         let _: f64 = loss.total.clone().into_scalar().elem();
         let forward = start.elapsed().as_secs_f64();
+        self.note_memory();
         let grads = GradientsParams::from_grads(loss.total.backward(), &model);
         wait_for(&model);
         let backward = start.elapsed().as_secs_f64() - forward;
+        self.note_memory();
         let model = self.optimizer.step(self.lr, model, grads);
         wait_for(&model);
+        let total = start.elapsed().as_secs_f64();
+        self.note_memory();
         self.model = Some(model);
-        [
-            forward,
-            backward,
-            start.elapsed().as_secs_f64() - forward - backward,
-        ]
+        let launches = self
+            .launches
+            .zip(launches_before)
+            .map(|(count, before)| count() - before);
+        ([forward, backward, total - forward - backward], launches)
     }
 
-    fn timed_steps(&mut self, n: usize) -> Vec<[f64; 3]> {
+    /// Keeps the most device memory the allocator has held (read between phases, outside
+    /// their timing).
+    fn note_memory(&mut self) {
+        if let Some(now) = B::memory_reserved(&self.device) {
+            self.reserved = Some(self.reserved.map_or(now, |most| most.max(now)));
+        }
+    }
+
+    fn timed_steps(&mut self, n: usize) -> Vec<([f64; 3], Option<u64>)> {
         (0..n).map(|_| self.step()).collect()
     }
 }
@@ -273,13 +299,18 @@ fn median(mut values: Vec<f64>) -> f64 {
     }
 }
 
-/// Best of 5 fp32 `[n, n] × [n, n]` products on `device`, in GFLOP/s, through
+/// Best of 5 `[n, n] × [n, n]` products in `precision` on `device`, in GFLOP/s, through
 /// [`ember_backend_ext::dense`], the path of the model's dense layers (on NdArray split over
-/// rayon's threads as `model.gemm_threads` says; Burn's matmul elsewhere).
-fn ember_gemm_gflops<B: FusedOps>(n: usize, device: &B::Device) -> f64 {
+/// rayon's threads as `model.gemm_threads` says; `model.gemm`'s kernel on GPUs).
+fn ember_gemm_gflops<B: FusedOps>(n: usize, precision: Precision, device: &B::Device) -> f64 {
     use burn::tensor::Distribution;
-    let a = Tensor::<B, 2>::random([n, n], Distribution::Default, device);
-    let b = Tensor::<B, 2>::random([n, n], Distribution::Default, device);
+    let operand = || {
+        ember_model::cast_to(
+            Tensor::<B, 2>::random([n, n], Distribution::Default, device),
+            precision.dtype().into(),
+        )
+    };
+    let (a, b) = (operand(), operand());
     let product = || ember_backend_ext::dense(a.clone(), b.clone(), None).into_data();
     let _ = product();
     let best = (0..5)
@@ -297,11 +328,16 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     device: &B::Device,
     python: Option<&Path>,
     threads: usize,
+    launches: Option<fn() -> u64>,
 ) -> Result<()> {
-    let optimizer_config = OptimizerConfig {
-        lr: args.lr,
-        ..OptimizerConfig::default()
-    };
+    for &precision in &args.precision {
+        if !precision.supported::<B>(device) {
+            bail!(
+                "--precision {precision}: --device {} does not compute in {precision} (NdArray has no half type, WGSL no bf16); f32 runs everywhere, bf16 and fp16 on cuda",
+                args.device
+            );
+        }
+    }
     let mut references: Vec<(&str, bool)> = Vec::new();
     if python.is_some() {
         references.push(("pytorch", false));
@@ -322,273 +358,220 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     };
     let mut rows = Vec::new();
     let mut versions = Value::Null;
-    let mut reference_gemm: Option<f64> = None;
+    // PyTorch's GEMM rate per precision, measured once.
+    let mut reference_gemm: Vec<(Precision, f64)> = Vec::new();
     for &preset in &args.presets {
         let config = BertConfig {
             hidden_dropout_prob: 0.0,
             attention_probs_dropout_prob: 0.0,
             ..BertConfig::preset(preset)
         };
-        for &batch_size in &args.batch_size {
-            for &seq_len in &args.seq_len {
-                if args.max_predictions == 0 || args.max_predictions >= seq_len {
-                    bail!(
-                        "--max-predictions {} must be in 1..{seq_len} (the sequence length)",
-                        args.max_predictions
-                    );
-                }
-                if seq_len > config.max_position_embeddings {
-                    bail!(
-                        "--seq-len {seq_len} exceeds the model's {} positions",
-                        config.max_position_embeddings
-                    );
-                }
-                let dir =
-                    tempfile::tempdir().context("a temporary folder for the exported model")?;
-                let model: BertForPreTraining<B> = config.init_for_pretraining(device);
-                model.save_hf_safetensors(&dir.path().join("model.safetensors"))?;
-                std::fs::write(dir.path().join("config.json"), config.to_hf_json())?;
-                let inputs = HostInputs::random(&config, batch_size, seq_len, args.max_predictions);
-                inputs.write_safetensors(&dir.path().join("batch.safetensors"))?;
-                let parameters = burn::module::Module::num_params(&model);
-                let fused = ember_model::Kernels::Auto.multi_tensor::<B>();
-                let mut ember = EmberStep {
-                    optimizer: PreTrainingOptimizer::new(&optimizer_config, &model, fused),
-                    model: Some(model),
-                    inputs: inputs.batch(device),
-                    lr: args.lr,
-                };
-                let ember_loss = ember.loss();
-                let mut procs = Vec::new();
-                for &(name, compile) in &references {
-                    let mut reference = Reference::start(
-                        python.expect("references need python"),
-                        dir.path(),
+        for &precision in &args.precision {
+            for &batch_size in &args.batch_size {
+                for &seq_len in &args.seq_len {
+                    let row = bench_row::<B>(
+                        args,
+                        &config,
+                        (preset, precision, batch_size, seq_len),
+                        device,
+                        python,
                         threads,
-                        &optimizer_config,
-                        compile,
-                        reference_device(&args.device),
+                        launches,
+                        &references,
+                        (&modes, &set_mode),
                     )?;
-                    if reference.ready["parameters"].as_u64() != Some(parameters as u64) {
-                        bail!(
-                            "{name} has {} parameters, ember {parameters}: not the same model",
-                            reference.ready["parameters"]
-                        );
+                    let (new_rows, ready, gemm) = row;
+                    if let Some(ready) = ready {
+                        versions = ready;
                     }
-                    let loss = Reference::number(&reference.ask(json!({"cmd": "loss"}))?, "loss")?;
-                    if (loss - ember_loss).abs() > 1e-3 {
-                        bail!(
-                            "{preset} batch {batch_size} seq {seq_len}: first-step loss ember {ember_loss:.6}, {name} {loss:.6}: differ by more than 1e-3, so the two steps are not the same computation"
-                        );
+                    if let Some(gflops) = gemm
+                        && !reference_gemm.iter().any(|(p, _)| *p == precision)
+                    {
+                        reference_gemm.push((precision, gflops));
                     }
-                    versions = reference.ready.clone();
-                    procs.push((name.to_string(), reference, loss, Vec::new()));
-                }
-                // Warm-up (excluded): one step each (ember one per GEMM setting).
-                for mode in &modes {
-                    set_mode(*mode);
-                    ember.step();
-                }
-                for (_, reference, _, _) in procs.iter_mut() {
-                    reference.steps(1)?;
-                }
-                let mut ember_times = vec![Vec::new(); modes.len()];
-                // A pause before each side's round: both sides' thread pools spin for a while
-                // after their last op (OpenBLAS ~0.1 s, OpenMP up to 0.2 s) and would otherwise
-                // take cores from the other side's first steps.
-                let settle = || std::thread::sleep(std::time::Duration::from_millis(500));
-                for _ in 0..args.rounds {
-                    for (mode, times) in modes.iter().zip(ember_times.iter_mut()) {
-                        set_mode(*mode);
-                        settle();
-                        times.extend(ember.timed_steps(args.steps));
-                    }
-                    for (_, reference, _, times) in procs.iter_mut() {
-                        settle();
-                        times.extend(reference.steps(args.steps)?);
-                    }
-                }
-                if reference_gemm.is_none() && !procs.is_empty() {
-                    let reply = procs[0]
-                        .1
-                        .ask(json!({"cmd": "gemm", "n": args.gemm_size, "reps": 5}))?;
-                    reference_gemm = Some(Reference::number(&reply, "gflops")?);
-                }
-                let references: Vec<(String, f64, f64)> = procs
-                    .into_iter()
-                    .map(|(name, _, loss, times)| (name, median(times), loss))
-                    .collect();
-                for (mode, times) in modes.iter().zip(ember_times) {
-                    let row = Row {
-                        preset,
-                        gemm_threads: *mode,
-                        batch_size,
-                        seq_len,
-                        parameters,
-                        flops: config.train_step_flops(batch_size, seq_len, inputs.predictions()),
-                        ember_s: median(times.iter().map(|p| p.iter().sum()).collect()),
-                        ember_phases: [0, 1, 2]
-                            .map(|i| median(times.iter().map(|p| p[i]).collect())),
-                        ember_loss,
-                        references: references.clone(),
-                    };
-                    eprintln!("{}", row_line(&row, None));
-                    rows.push(row);
+                    rows.extend(new_rows);
                 }
             }
         }
     }
-    // ember's GEMM under each setting: its rate, and what runs it.
-    let ember_gemms: Vec<(f64, String)> = modes
-        .iter()
-        .map(|&mode| {
+    // ember's GEMM under each setting and precision: its rate, and what runs it.
+    let mut ember_gemms: Vec<(Precision, f64, String)> = Vec::new();
+    for &precision in &args.precision {
+        for &mode in &modes {
             set_mode(mode);
-            let gflops = ember_gemm_gflops::<B::InnerBackend>(args.gemm_size, &Default::default());
+            let gflops = ember_gemm_gflops::<B::InnerBackend>(args.gemm_size, precision, device);
             let name = match mode {
                 Some(mode) => format!("{mode}: {}", ember_trainer::blas::describe()),
                 None => format!("{}'s GEMMs", args.device),
             };
-            (gflops, name)
-        })
-        .collect();
-    let ember_gemm = ember_gemms.iter().map(|(g, _)| *g).fold(0.0, f64::max);
-    let peak = reference_gemm.map_or(ember_gemm, |r| r.max(ember_gemm));
-    let ember_gemm_name = ember_gemms
-        .iter()
-        .map(|(_, name)| name.as_str())
-        .collect::<Vec<_>>()
-        .join("; ");
-    let ember_gemm_rates = ember_gemms
-        .iter()
-        .map(|(g, _)| format!("{g:.0}"))
-        .collect::<Vec<_>>()
-        .join(" / ");
-    let mut markdown = format!(
-        "Training step, {} on {threads} thread(s): ember ({}, {}) against {}; fp32 GEMM {n}³: ember {ember_gemm_rates} GFLOP/s{}; MFU against the peak {peak:.0} GFLOP/s.\n\n",
-        args.device,
-        std::any::type_name::<B::InnerBackend>()
-            .rsplit("::")
-            .next()
-            .unwrap_or("backend"),
-        ember_gemm_name,
-        if references.is_empty() {
-            "no reference".to_string()
-        } else {
-            format!(
-                "PyTorch {} + transformers {} ({} attention) on {}",
-                versions["torch"].as_str().unwrap_or("?"),
-                versions["transformers"].as_str().unwrap_or("?"),
-                versions["attn_implementation"].as_str().unwrap_or("?"),
-                reference_device(&args.device)
-            )
+            ember_gemms.push((precision, gflops, name));
+        }
+    }
+    crate::bench_train_step_report::write(
+        args,
+        threads,
+        match args.device.as_str() {
+            "cpu" => "NdArray",
+            "cuda" => "CubeCL's CUDA runtime",
+            _ => "CubeCL's wgpu runtime",
         },
-        reference_gemm.map_or(String::new(), |r| format!(", PyTorch {r:.0} GFLOP/s")),
-        n = args.gemm_size,
-    );
-    markdown.push_str(&header(&references));
-    for row in &rows {
-        markdown.push_str(&row_line(row, Some(peak)));
-        markdown.push('\n');
+        &rows,
+        &references,
+        &versions,
+        &ember_gemms,
+        &reference_gemm,
+    )
+}
+
+/// The rows of one configuration (one per CPU GEMM setting), the reference's `ready` message
+/// and, when a reference runs, its GEMM rate in the row's precision.
+#[allow(clippy::too_many_arguments)]
+fn bench_row<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
+    args: &TrainStepArgs,
+    config: &BertConfig,
+    (preset, precision, batch_size, seq_len): (Preset, Precision, usize, usize),
+    device: &B::Device,
+    python: Option<&Path>,
+    threads: usize,
+    launches: Option<fn() -> u64>,
+    references: &[(&str, bool)],
+    (modes, set_mode): (&[Option<GemmThreads>], &dyn Fn(Option<GemmThreads>)),
+) -> Result<(Vec<Row>, Option<Value>, Option<f64>)> {
+    let optimizer_config = OptimizerConfig {
+        lr: args.lr,
+        ..OptimizerConfig::default()
+    };
+    if args.max_predictions == 0 || args.max_predictions >= seq_len {
+        bail!(
+            "--max-predictions {} must be in 1..{seq_len} (the sequence length)",
+            args.max_predictions
+        );
     }
-    markdown.push_str("\nember's step by phase (medians, ms): forward and losses / backward / optimizer\n\n| model | batch × seq | GEMM threads | forward | backward | optimizer |\n|---|---|---|---|---|---|\n");
-    for row in &rows {
-        let [f, b, o] = row.ember_phases.map(|s| s * 1e3);
-        markdown.push_str(&format!(
-            "| {} | {} × {} | {} | {f:.1} | {b:.1} | {o:.1} |\n",
-            row.preset,
-            row.batch_size,
-            row.seq_len,
-            gemm_label(row)
-        ));
+    if seq_len > config.max_position_embeddings {
+        bail!(
+            "--seq-len {seq_len} exceeds the model's {} positions",
+            config.max_position_embeddings
+        );
     }
-    println!("\n{markdown}");
-    let base = crate::bench_reference::results_base(
-        args.out.as_deref(),
-        &format!("train-step-{}", args.device),
-    )?;
-    let json_rows: Vec<Value> = rows
-        .iter()
-        .map(|row| {
-            json!({
-                "preset": row.preset.name(),
-                "gemm_threads": row.gemm_threads.map(|m| m.to_string()),
-                "batch_size": row.batch_size,
-                "seq_len": row.seq_len,
-                "parameters": row.parameters,
-                "step_flops": row.flops,
-                "ember": {"step_s": row.ember_s, "forward_s": row.ember_phases[0], "backward_s": row.ember_phases[1], "optimizer_s": row.ember_phases[2], "samples_per_s": row.batch_size as f64 / row.ember_s, "mfu": row.flops / row.ember_s / (peak * 1e9), "first_loss": row.ember_loss},
-                "references": row.references.iter().map(|(name, s, loss)| json!({"name": name, "step_s": s, "samples_per_s": row.batch_size as f64 / s, "mfu": row.flops / s / (peak * 1e9), "first_loss": loss, "ratio": s / row.ember_s})).collect::<Vec<_>>(),
-            })
+    let dir = tempfile::tempdir().context("a temporary folder for the exported model")?;
+    let mut model: BertForPreTraining<B> = config.init_for_pretraining(device);
+    model.save_hf_safetensors(&dir.path().join("model.safetensors"))?;
+    std::fs::write(dir.path().join("config.json"), config.to_hf_json())?;
+    model.set_precision(precision);
+    let inputs = HostInputs::random(config, batch_size, seq_len, args.max_predictions);
+    inputs.write_safetensors(&dir.path().join("batch.safetensors"))?;
+    let parameters = burn::module::Module::num_params(&model);
+    let fused = ember_model::Kernels::Auto.multi_tensor::<B>();
+    let mut ember = EmberStep {
+        optimizer: PreTrainingOptimizer::new(&optimizer_config, &model, fused),
+        model: Some(model),
+        inputs: inputs.batch(device),
+        lr: args.lr,
+        device: device.clone(),
+        launches,
+        reserved: None,
+    };
+    let ember_loss = ember.loss();
+    // Both losses come from the same weights and batch: f32 within 1e-3; a half precision
+    // rounds every activation to its u, so 4u of the loss more.
+    let tolerance = 1e-3
+        + if precision.is_half() {
+            4.0 * precision.unit_roundoff() * ember_loss.abs()
+        } else {
+            0.0
+        };
+    let mut procs = Vec::new();
+    let mut ready = None;
+    for &(name, compile) in references {
+        let mut reference = Reference::start(
+            python.expect("references need python"),
+            dir.path(),
+            threads,
+            &optimizer_config,
+            compile,
+            reference_device(&args.device),
+            precision,
+        )?;
+        if reference.ready["parameters"].as_u64() != Some(parameters as u64) {
+            bail!(
+                "{name} has {} parameters, ember {parameters}: not the same model",
+                reference.ready["parameters"]
+            );
+        }
+        let loss = Reference::number(&reference.ask(json!({"cmd": "loss"}))?, "loss")?;
+        if (loss - ember_loss).abs() > tolerance {
+            bail!(
+                "{preset} {precision} batch {batch_size} seq {seq_len}: first-step loss ember {ember_loss:.6}, {name} {loss:.6}: differ by more than {tolerance:.1e}, so the two steps are not the same computation"
+            );
+        }
+        ready = Some(reference.ready.clone());
+        procs.push((name.to_string(), reference, loss, Vec::new(), None));
+    }
+    // Warm-up (excluded): one step each (ember one per GEMM setting).
+    for mode in modes {
+        set_mode(*mode);
+        ember.step();
+    }
+    for (_, reference, _, _, _) in procs.iter_mut() {
+        reference.steps(1)?;
+    }
+    let mut ember_times = vec![Vec::new(); modes.len()];
+    // A pause before each side's round: both sides' thread pools spin for a while after their
+    // last op (OpenBLAS ~0.1 s, OpenMP up to 0.2 s) and would otherwise take cores from the
+    // other side's first steps.
+    let settle = || std::thread::sleep(std::time::Duration::from_millis(500));
+    for _ in 0..args.rounds {
+        for (mode, times) in modes.iter().zip(ember_times.iter_mut()) {
+            set_mode(*mode);
+            settle();
+            times.extend(ember.timed_steps(args.steps));
+        }
+        for (_, reference, _, times, reserved) in procs.iter_mut() {
+            settle();
+            let steps = reference.steps(args.steps)?;
+            times.extend(steps.seconds);
+            *reserved = steps.reserved_bytes;
+        }
+    }
+    let gemm = match procs.first_mut() {
+        Some((_, reference, _, _, _)) => {
+            let reply = reference.ask(json!({"cmd": "gemm", "n": args.gemm_size, "reps": 5, "dtype": precision.to_string()}))?;
+            Some(Reference::number(&reply, "gflops")?)
+        }
+        None => None,
+    };
+    let references: Vec<ReferenceResult> = procs
+        .into_iter()
+        .map(|(name, _, first_loss, times, reserved)| ReferenceResult {
+            name,
+            step_s: median(times),
+            first_loss,
+            reserved,
         })
         .collect();
-    let summary = json!({
-        "device": args.device,
-        "threads": threads,
-        "ember_gemm": ember_gemm_name,
-        "gemm_size": args.gemm_size,
-        "gemm_gflops": {"ember": ember_gemm, "ember_by_setting": ember_gemms.iter().map(|(g, name)| json!({"gemm": name, "gflops": g})).collect::<Vec<_>>(), "pytorch": reference_gemm},
-        "reference": versions,
-        "rows": json_rows,
-    });
-    write_atomically(&base.with_extension("md"), markdown.as_bytes())?;
-    write_atomically(
-        &base.with_extension("json"),
-        serde_json::to_string_pretty(&summary)?.as_bytes(),
-    )?;
-    println!("ember: wrote {}.{{md,json}}", base.display());
-    Ok(())
-}
-
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = ember_model::checkpoint::temp_path(path);
-    std::fs::write(&tmp, bytes)
-        .and_then(|()| std::fs::rename(&tmp, path))
-        .with_context(|| path.display().to_string())
-}
-
-fn header(references: &[(&str, bool)]) -> String {
-    let mut head =
-        "| model | params | batch × seq | GEMM threads | step GFLOP | ember samples/s | ember MFU |"
-            .to_string();
-    let mut rule = "|---|---|---|---|---|---|---|".to_string();
-    for (name, _) in references {
-        head.push_str(&format!(
-            " {name} samples/s | {name} MFU | ember / {name} |"
-        ));
-        rule.push_str("---|---|---|");
+    let mut rows = Vec::new();
+    for (mode, times) in modes.iter().zip(ember_times) {
+        let launches: Vec<f64> = times
+            .iter()
+            .filter_map(|(_, n)| n.map(|n| n as f64))
+            .collect();
+        let row = Row {
+            preset,
+            precision,
+            gemm_threads: *mode,
+            batch_size,
+            seq_len,
+            parameters,
+            flops: config.train_step_flops(batch_size, seq_len, inputs.predictions()),
+            ember_s: median(times.iter().map(|(p, _)| p.iter().sum()).collect()),
+            ember_phases: [0, 1, 2].map(|i| median(times.iter().map(|(p, _)| p[i]).collect())),
+            ember_loss,
+            ember_launches: (!launches.is_empty()).then(|| median(launches) as u64),
+            ember_reserved: ember.reserved,
+            references: references.clone(),
+        };
+        eprintln!("{}", row_line(&row, None));
+        rows.push(row);
     }
-    format!("{head}\n{rule}\n")
-}
-
-/// The row's GEMM setting for the tables (`–` on GPUs).
-fn gemm_label(row: &Row) -> String {
-    row.gemm_threads.map_or("–".to_string(), |m| m.to_string())
-}
-
-fn row_line(row: &Row, peak: Option<f64>) -> String {
-    let mfu = |s: f64| {
-        peak.map_or("–".to_string(), |p| {
-            format!("{:.0}%", 100.0 * row.flops / s / (p * 1e9))
-        })
-    };
-    let mut line = format!(
-        "| {} | {:.1} M | {} × {} | {} | {:.1} | {:.2} | {} |",
-        row.preset,
-        row.parameters as f64 / 1e6,
-        row.batch_size,
-        row.seq_len,
-        gemm_label(row),
-        row.flops / 1e9,
-        row.batch_size as f64 / row.ember_s,
-        mfu(row.ember_s)
-    );
-    for (_, s, _) in &row.references {
-        line.push_str(&format!(
-            " {:.2} | {} | {:.2}× |",
-            row.batch_size as f64 / s,
-            mfu(*s),
-            s / row.ember_s
-        ));
-    }
-    line
+    Ok((rows, ready, gemm))
 }

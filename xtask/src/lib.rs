@@ -25,6 +25,7 @@ mod bench_onebit;
 mod bench_reference;
 mod bench_step;
 mod bench_train_step;
+mod bench_train_step_report;
 mod comm_check;
 mod convert;
 #[cfg(feature = "cuda")]

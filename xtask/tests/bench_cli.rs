@@ -1,8 +1,9 @@
 //! `cargo xtask bench train-step` as a user runs it, without the PyTorch reference (CI has no
 //! torch): the step runs, and the JSON it writes holds the configuration's model FLOPs
 //! (`BertConfig::train_step_flops`), phases that add up to the step, and an untrained model's
-//! loss. On the CPU always, under both GEMM settings (a row each); on wgpu (Mesa's lavapipe in
-//! CI) with the `wgpu` feature, and without it `--device wgpu` is a clear error.
+//! loss. On the CPU always, under both GEMM settings (a row each); on wgpu (Mesa's lavapipe)
+//! with the `wgpu` feature, f32 and fp16, and without it `--device wgpu` is a clear error; a
+//! precision the device lacks is a clear error.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -81,12 +82,17 @@ fn check_results(device: &str, out: &Path, output: &Output, gemm_threads: &[Opti
         if let Some(setting) = setting {
             assert!(markdown.contains(&format!("| {setting} |")), "{markdown}");
         }
-        check_row(row);
+        check_row(row, "f32");
+        // Launches and device memory are counted by CubeCL's runtime: not on NdArray.
+        let ember = &row["ember"];
+        assert!(ember["launches_per_step"].is_null(), "{ember}");
+        assert!(ember["reserved_bytes"].is_null(), "{ember}");
     }
 }
 
-fn check_row(row: &Value) {
+fn check_row(row: &Value, precision: &str) {
     assert_eq!(row["preset"], "tiny");
+    assert_eq!(row["precision"], precision);
     assert_eq!(row["batch_size"], BATCH);
     assert_eq!(row["seq_len"], SEQ_LEN);
     let flops =
@@ -119,12 +125,52 @@ fn train_step_bench_on_the_cpu_writes_its_results() {
     check_results("cpu", out.path(), &output, &[Some("rayon"), Some("blas")]);
 }
 
+/// A half precision where the backend has none is refused before any step, naming the flag.
+#[test]
+fn train_step_bench_refuses_a_precision_the_device_lacks() {
+    let out = tempfile::tempdir().unwrap();
+    let output = bench("cpu", out.path(), &["--precision", "f32,bf16"]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--precision bf16: --device cpu does not compute in bf16"),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read_dir(out.path()).unwrap().count(), 0);
+}
+
+/// On wgpu (lavapipe): an f32 and an fp16 row (lavapipe has shader f16), each with the kernel
+/// launches of its step and the device memory CubeCL's pools hold; fp16 launches more (the
+/// casts of autocast).
 #[cfg(feature = "wgpu")]
 #[test]
 fn train_step_bench_on_wgpu_writes_its_results() {
     let out = tempfile::tempdir().unwrap();
-    let output = bench("wgpu", out.path(), &[]);
-    check_results("wgpu", out.path(), &output, &[None]);
+    let output = bench("wgpu", out.path(), &["--precision", "f32,fp16"]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let json = std::fs::read_dir(out.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "json"))
+        .expect("a JSON result");
+    let results: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    let rows = results["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    let launches: Vec<u64> = rows
+        .iter()
+        .zip(["f32", "fp16"])
+        .map(|(row, precision)| {
+            check_row(row, precision);
+            let ember = &row["ember"];
+            assert!(ember["reserved_bytes"].as_u64().unwrap() > 0, "{ember}");
+            ember["launches_per_step"].as_u64().unwrap()
+        })
+        .collect();
+    assert!(launches[0] > 0 && launches[1] > launches[0], "{launches:?}");
 }
 
 #[cfg(not(feature = "wgpu"))]

@@ -160,6 +160,13 @@ where
         gemm::f32_precision::<R>(device)
     }
 
+    fn memory_reserved(device: &Self::Device) -> Option<u64> {
+        R::client(device)
+            .memory_usage()
+            .ok()
+            .map(|usage| usage.bytes_reserved)
+    }
+
     fn bias_gelu(x: CubeTensor<R>, bias: CubeTensor<R>) -> CubeTensor<R> {
         let x = into_contiguous(x);
         let bias = into_contiguous(bias);
