@@ -160,7 +160,9 @@ impl<B: FusedOps> Backward<B, 3> for AttentionBackward {
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node_q, node_k, node_v] = ops.parents;
-        let grad = grads.consume::<B>(&ops.node); // [B, nh, S, hd]
+        // [B, nh, S, hd], usually a head-strided view of the merged context's gradient:
+        // made contiguous once for its two products.
+        let grad = B::contiguous(grads.consume::<B>(&ops.node));
         let (q, k, v, probs, dropped, scale, dropout) = ops.state;
         if let Some(node) = node_v {
             // context = dropped · V  ⇒  dV = droppedᵀ · grad
@@ -502,18 +504,22 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
             .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
             .compute_bound()
             .stateful();
-        let scores = B::batched_matmul(
-            q.primitive.clone(),
-            B::float_swap_dims(k.primitive.clone(), 2, 3),
+        // Q, K and V are read again by backward's products: each made contiguous once
+        // (FusedOps::contiguous), not at every product.
+        let (q, k, v) = (
+            B::contiguous(q.primitive),
+            B::contiguous(k.primitive),
+            B::contiguous(v.primitive),
         );
+        let scores = B::batched_matmul(q.clone(), B::float_swap_dims(k.clone(), 2, 3));
         let softmax = B::masked_softmax_dropout(scores, mask_bias.primitive, scale, dropout);
-        let output = B::batched_matmul(softmax.dropped.clone(), v.primitive.clone());
+        let output = B::batched_matmul(softmax.dropped.clone(), v.clone());
         match prepared {
             OpsKind::Tracked(prep) => {
                 let state = (
-                    q.primitive,
-                    k.primitive,
-                    v.primitive,
+                    q,
+                    k,
+                    v,
                     softmax.probs,
                     softmax.dropped,
                     scale,

@@ -551,6 +551,19 @@ pub trait FusedOps: Backend {
         Self::float_swap_dims(table, 0, 1)
     }
 
+    /// `x` in the row-major layout of its shape: a copy where `x` is a strided view, `x`
+    /// itself where it is contiguous already. For an operand that several kernels read: the
+    /// attention's Q, K, V (`[B, nh, S, hd]` views of `[B, S, H]` projections, heads strided)
+    /// and the gradient of its output, each read by two batched matmuls, which on CubeCL copy
+    /// such a view at every use (cubek's matmul takes batches strided no finer than rows).
+    /// NdArray's batched matmul reads the views as they are: the default is `x` itself.
+    ///
+    /// # Shapes
+    /// any → the same
+    fn contiguous(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        x
+    }
+
     /// The batched matrix product of the attention, `C[b, h] = A[b, h] · B[b, h]` (Burn's
     /// `float_matmul` of rank-4 tensors, which is the default body). NdArray multiplies each
     /// `[b, h]` pair of (possibly transposed, head-strided) views with one GEMM, the pairs split

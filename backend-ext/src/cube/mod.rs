@@ -160,6 +160,10 @@ where
         gemm::f32_precision::<R>(device)
     }
 
+    fn contiguous(x: CubeTensor<R>) -> CubeTensor<R> {
+        into_contiguous(x)
+    }
+
     fn memory_reserved(device: &Self::Device) -> Option<u64> {
         R::client(device)
             .memory_usage()
