@@ -123,14 +123,22 @@ impl<B: FusedOps> Backward<B, 5> for LayerNormBackwardOp {
             gamma,
             dropout,
         );
-        if let Some(node) = node_beta {
-            register_sum!(grads, &node, B::sum_rows(grad));
+        // β's, γ's and the bias's gradients: column sums of the same rows, taken together
+        // (FusedOps::sum_rows_many: one launch on CubeCL).
+        let mut sums = Vec::new();
+        let mut sum_nodes = Vec::new();
+        for (node, rows) in [
+            (node_beta, grad),
+            (node_gamma, back.grad_x_hat),
+            (node_bias, back.grad_x.clone()),
+        ] {
+            if let Some(node) = node {
+                sum_nodes.push(node);
+                sums.push(rows);
+            }
         }
-        if let Some(node) = node_gamma {
-            register_sum!(grads, &node, B::sum_rows(back.grad_x_hat));
-        }
-        if let Some(node) = node_bias {
-            register_sum!(grads, &node, B::sum_rows(back.grad_x.clone()));
+        for (node, sum) in sum_nodes.into_iter().zip(B::sum_rows_many(sums)) {
+            register_sum!(grads, &node, sum);
         }
         if let Some(node) = node_x {
             register_sum!(grads, &node, back.grad_x);
@@ -516,15 +524,7 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         let output = B::batched_matmul(softmax.dropped.clone(), v.clone());
         match prepared {
             OpsKind::Tracked(prep) => {
-                let state = (
-                    q,
-                    k,
-                    v,
-                    softmax.probs,
-                    softmax.dropped,
-                    scale,
-                    dropout,
-                );
+                let state = (q, k, v, softmax.probs, softmax.dropped, scale, dropout);
                 prep.finish(state, output)
             }
             OpsKind::UnTracked(prep) => prep.finish(output),

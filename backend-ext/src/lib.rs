@@ -532,6 +532,17 @@ pub trait FusedOps: Backend {
         reference::sum_rows::<Self>(x)
     }
 
+    /// [`FusedOps::sum_rows`] of each of `xs`, several `[R, N]` matrices of one shape: the
+    /// column sums LayerNorm's backward takes of the same rows (β's, γ's and the preceding
+    /// bias's gradients). CubeCL sums them in one launch, in a fixed order
+    /// (`multi_column_sums_kernel`), where the default body launches Burn's reduction for each.
+    ///
+    /// # Shapes
+    /// each of `xs` `[R, N]` → one `[N]` per matrix, in order
+    fn sum_rows_many(xs: Vec<FloatTensor<Self>>) -> Vec<FloatTensor<Self>> {
+        xs.into_iter().map(Self::sum_rows).collect()
+    }
+
     /// The MLM decoder's matrix: the word-embedding table `table` `[V, H]` (tied) transposed,
     /// `[H, V]` (Burn's `swap_dims`, a view; the default body). Under autodiff, its backward
     /// hands the table the decoder's share of its gradient right after the decoder's matmul:

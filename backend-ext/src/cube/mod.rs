@@ -160,6 +160,11 @@ where
         gemm::f32_precision::<R>(device)
     }
 
+    fn sum_rows_many(xs: Vec<CubeTensor<R>>) -> Vec<CubeTensor<R>> {
+        multi_tensor::column_sums(xs)
+            .unwrap_or_else(|xs| xs.into_iter().map(Self::sum_rows).collect())
+    }
+
     fn contiguous(x: CubeTensor<R>) -> CubeTensor<R> {
         into_contiguous(x)
     }

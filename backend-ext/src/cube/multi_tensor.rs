@@ -1,6 +1,6 @@
 //! The host side of the multi-tensor kernels (`multi_tensor_kernels.rs`): how many tensors one
-//! launch binds, the `[G, T]` grid, and the launches of the Adam-family step and of the bucket
-//! flattening.
+//! launch binds, the `[G, T]` grid, and the launches of the Adam-family step, of the bucket
+//! flattening and of the column sums of several matrices.
 
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
@@ -152,4 +152,45 @@ pub(super) fn flatten<R: CubeRuntime>(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
         first += group.iter().map(numel).sum::<usize>();
     }
     output
+}
+
+/// Columns per cube and row phases per column of [`multi_tensor_kernels::multi_column_sums_kernel`].
+const COLUMN_TILE: usize = 32;
+const ROW_PHASES: usize = 8;
+
+/// The column sums of `xs` (`[R, N]` each, one shape and dtype), one launch per group the
+/// device binds; `Err(xs)` when they are not all of one 2-d shape and dtype.
+pub(super) fn column_sums<R: CubeRuntime>(
+    xs: Vec<CubeTensor<R>>,
+) -> Result<Vec<CubeTensor<R>>, Vec<CubeTensor<R>>> {
+    let same = xs
+        .windows(2)
+        .all(|w| w[0].shape() == w[1].shape() && w[0].dtype == w[1].dtype);
+    if xs.is_empty() || !same || xs[0].shape().num_dims() != 2 {
+        return Err(xs);
+    }
+    let [rows, cols] = xs[0].shape().dims();
+    let xs: Vec<_> = xs.into_iter().map(into_contiguous).collect();
+    let per_launch = tensors_per_launch(&xs[0], 2, 0);
+    let mut sums = Vec::with_capacity(xs.len());
+    for group in launches(xs, per_launch, |x| x.dtype) {
+        let outs: Vec<_> = group
+            .iter()
+            .map(|x| empty_like(x, Shape::new([cols])))
+            .collect();
+        multi_tensor_kernels::multi_column_sums_kernel::launch::<R>(
+            &group[0].client,
+            CubeCount::Static(cols.div_ceil(COLUMN_TILE) as u32, group.len() as u32, 1),
+            CubeDim::new_2d(COLUMN_TILE as u32, ROW_PHASES as u32),
+            group.iter().map(|x| x.clone().into_tensor_arg()).collect(),
+            outs.iter().map(|x| x.clone().into_tensor_arg()).collect(),
+            rows as u32,
+            cols as u32,
+            COLUMN_TILE as u32,
+            ROW_PHASES as u32,
+            storage(group[0].dtype),
+        );
+        sums.extend(outs);
+    }
+    Ok(sums)
 }

@@ -231,3 +231,58 @@ pub fn sum_rows_ordered_kernel<F: Float>(
         out[row] = F::cast_from(total);
     }
 }
+
+/// Column sums of every `[rows, cols]` row-major matrix in `xs` into the `[cols]` tensor of
+/// the same index in `outs`, in one launch: cube `(c, t)` takes `tile` consecutive columns of
+/// matrix t (each row's read coalesced across the cube's x units); unit `(j, p)` sums rows
+/// p, p + `phases`, … of its column in order, then unit `(j, 0)` adds the `phases` partial sums
+/// in order. A fixed order, so the same bits on every run (as [`sum_rows_ordered_kernel`]).
+/// LayerNorm's backward takes three such sums of the same rows (β, γ and the bias before it;
+/// apex sums γ's and β's gradients together too, `cuComputePartGradGammaBeta`).
+#[cube(launch)]
+pub fn multi_column_sums_kernel<F: Float>(
+    xs: &Sequence<Tensor<F>>,
+    outs: &mut Sequence<Tensor<F>>,
+    rows: u32,
+    cols: u32,
+    #[comptime] tile: u32,
+    #[comptime] phases: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let count = xs.len().comptime();
+    let tensor = CUBE_POS_Y as usize;
+    let unit = UNIT_POS_X as usize;
+    let column = CUBE_POS_X as usize * tile as usize + unit;
+    let phase = UNIT_POS_Y as usize;
+    let mut shared = SharedMemory::<f32>::new((tile * phases) as usize);
+    let mut sum = f32::new(0.0);
+    if column < cols as usize {
+        #[unroll]
+        for t in 0..count {
+            if tensor == t {
+                let x = &xs[t];
+                let mut r = phase;
+                while r < rows as usize {
+                    sum += f32::cast_from(x[r * cols as usize + column]);
+                    r += phases as usize;
+                }
+            }
+        }
+    }
+    shared[phase * tile as usize + unit] = sum;
+    sync_cube();
+    if phase == 0 && column < cols as usize {
+        let mut total = f32::new(0.0);
+        #[unroll]
+        for p in 0..phases as usize {
+            total += shared[p * tile as usize + unit];
+        }
+        #[unroll]
+        for t in 0..count {
+            if tensor == t {
+                let out = outs.index_mut(t);
+                out[column] = F::cast_from(total);
+            }
+        }
+    }
+}

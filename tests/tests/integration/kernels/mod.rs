@@ -20,6 +20,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use ember_backend_ext::{DropoutSpec, FusedOps, GemmPrecision, keep_mask, reference};
 
+mod column_sums;
 mod common;
 mod dense;
 mod flatten;
@@ -590,6 +591,11 @@ macro_rules! kernel_tests {
         }
 
         #[test]
+        fn column_sums_of_several_matrices_match_the_host() {
+            column_sums::check_column_sums::<$backend>(&$device);
+        }
+
+        #[test]
         fn ordered_sums_are_exact_to_rounding_and_repeat() {
             check_ordered_sums::<$backend>(&$device);
         }
@@ -627,6 +633,11 @@ mod wgpu {
             <crate::Wgpu as FusedOps>::f32_gemm_precision(&device()),
             GemmPrecision::F32
         );
+    }
+
+    #[test]
+    fn layer_norm_column_sums_take_one_launch() {
+        super::column_sums::check_column_sums_launch();
     }
 
     #[test]
