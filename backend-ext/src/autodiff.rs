@@ -9,7 +9,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{Shape, TensorMetadata};
+use burn::tensor::{DType, FloatDType, Shape, TensorMetadata};
 
 use crate::{CrossEntropyForward, DropoutSpec, FusedOps, LayerNormForward};
 
@@ -193,6 +193,23 @@ impl<B: FusedOps> Backward<B, 3> for AttentionBackward {
     }
 }
 
+/// A cast of [`FusedOps::cast_multi_tensor`]: parent the input; state its dtype, to which the
+/// gradient is cast back (Burn's cast backward).
+#[derive(Debug)]
+struct CastBackward;
+
+impl<B: FusedOps> Backward<B, 1> for CastBackward {
+    type State = FloatDType;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(node) = node {
+            register_sum!(grads, &node, B::float_cast(grad, ops.state));
+        }
+    }
+}
+
 /// An autodiff tensor that does not take part in the graph (statistics returned by an op).
 fn untracked<B: FusedOps, C: CheckpointStrategy>(x: FloatTensor<B>) -> FloatTensor<Autodiff<B, C>> {
     <Autodiff<B, C> as AutodiffBackend>::from_inner(x)
@@ -313,6 +330,30 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
 
     fn memory_reserved(device: &Self::Device) -> Option<u64> {
         B::memory_reserved(device)
+    }
+
+    fn cast_multi_tensor(xs: Vec<FloatTensor<Self>>, dtype: FloatDType) -> Vec<FloatTensor<Self>> {
+        let target = DType::from(dtype);
+        // The inner backend casts the ones not in `dtype` together; each result then gets
+        // its own node.
+        let inner = B::cast_multi_tensor(xs.iter().map(|x| x.primitive.clone()).collect(), dtype);
+        xs.into_iter()
+            .zip(inner)
+            .map(|(x, cast)| {
+                if x.primitive.dtype() == target {
+                    return x;
+                }
+                let input_dtype = FloatDType::from(x.primitive.dtype());
+                match CastBackward
+                    .prepare::<C>([x.node.clone()])
+                    .compute_bound()
+                    .stateful()
+                {
+                    OpsKind::Tracked(prep) => prep.finish(input_dtype, cast),
+                    OpsKind::UnTracked(prep) => prep.finish(cast),
+                }
+            })
+            .collect()
     }
 
     fn reshape_contiguous(x: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {

@@ -532,6 +532,27 @@ pub trait FusedOps: Backend {
         reference::sum_rows::<Self>(x)
     }
 
+    /// Each of `xs` in `dtype` (Burn's cast of each, the default body; a tensor already in
+    /// `dtype` is returned as it is): autocast's weights, cast together at the start of a
+    /// forward (Note [Weights cast together] in `ember-model`'s `precision.rs`). CubeCL
+    /// converts up to 32 tensors per launch (apex's `multi_tensor_scale`) where a cast per
+    /// weight is a launch each. Under autodiff each result is a graph node of its own, whose
+    /// backward casts the gradient back to its input's dtype (as Burn's cast).
+    ///
+    /// # Shapes
+    /// each of `xs` any → the same, in `dtype`
+    fn cast_multi_tensor(xs: Vec<FloatTensor<Self>>, dtype: FloatDType) -> Vec<FloatTensor<Self>> {
+        xs.into_iter()
+            .map(|x| {
+                if x.dtype() == DType::from(dtype) {
+                    x
+                } else {
+                    Self::float_cast(x, dtype)
+                }
+            })
+            .collect()
+    }
+
     /// [`FusedOps::sum_rows`] of each of `xs`, several `[R, N]` matrices of one shape: the
     /// column sums LayerNorm's backward takes of the same rows (β's, γ's and the preceding
     /// bias's gradients). CubeCL sums them in one launch, in a fixed order

@@ -12,6 +12,7 @@ use ember_backend_ext::{DropoutSpec, FusedOps, Kernels};
 
 use crate::hook::{ForwardHook, NoHook};
 use crate::precision::{Precision, cast_to, dense_as, layer_norm_f32, softmax_f32};
+use crate::weight_casts::{CastScope, cast_together, param_as};
 
 use crate::BertConfig;
 
@@ -366,15 +367,18 @@ impl<B: Backend> BertLayer<B> {
 /// `x`'s dtype (Note [Autocast]).
 fn dense_no_bias<B: FusedOps>(x: Tensor<B, 3>, linear: &Linear<B>) -> Tensor<B, 3> {
     let dtype = x.dtype();
-    ember_backend_ext::dense(x, cast_to(linear.weight.val(), dtype), None)
+    ember_backend_ext::dense(x, param_as(&linear.weight, dtype), None)
 }
 
 /// The bias of `linear` (zeros without one), in `dtype`.
 pub(crate) fn bias_of<B: Backend>(linear: &Linear<B>, dtype: DType) -> Tensor<B, 1> {
-    let bias = linear.bias.as_ref().map(|b| b.val());
-    let bias =
-        bias.unwrap_or_else(|| Tensor::zeros([linear.weight.dims()[1]], &linear.weight.device()));
-    cast_to(bias, dtype)
+    match &linear.bias {
+        Some(bias) => param_as(bias, dtype),
+        None => cast_to(
+            Tensor::zeros([linear.weight.dims()[1]], &linear.weight.device()),
+            dtype,
+        ),
+    }
 }
 
 /// γ and β of `norm` (β zeros without one), in `dtype`: the fused LayerNorm takes them in its
@@ -591,6 +595,10 @@ pub struct BertModel<B: Backend> {
     /// stay f32. Default: f32.
     #[module(skip)]
     pub precision: Precision,
+    /// Whether a half-precision forward casts the dense layers' weights together first
+    /// (Note [Weights cast together] in `weight_casts.rs`). Default: true.
+    #[module(skip)]
+    pub cast_weights_together: bool,
 }
 
 /// What [`BertModel::forward`] returns.
@@ -630,6 +638,7 @@ impl BertConfig {
                 ),
             },
             precision: Precision::F32,
+            cast_weights_together: true,
         }
     }
 }
@@ -644,6 +653,32 @@ impl<B: Backend> BertModel<B> {
     /// [`Precision::supported`] first: a backend without the type fails in its first op.
     pub fn set_precision(&mut self, precision: Precision) {
         self.precision = precision;
+    }
+
+    /// Whether a half-precision forward casts the dense layers' weights in one multi-tensor
+    /// cast first (true, the default) or each where it is used (Note [Weights cast together]
+    /// in `weight_casts.rs`); the same values either way.
+    pub fn set_cast_weights_together(&mut self, together: bool) {
+        self.cast_weights_together = together;
+    }
+
+    /// The dense layers whose weights a half-precision forward casts together: every encoder
+    /// layer's six and the pooler's.
+    fn dense_layers(&self) -> Vec<&Linear<B>> {
+        let mut linears = Vec::new();
+        for layer in &self.encoder.layer {
+            let attention = &layer.attention.self_attention;
+            linears.extend([
+                &attention.query,
+                &attention.key,
+                &attention.value,
+                &layer.attention.output.dense,
+                &layer.intermediate.dense,
+                &layer.output.dense,
+            ]);
+        }
+        linears.push(&self.pooler.dense);
+        linears
     }
 }
 
@@ -679,7 +714,13 @@ impl<B: FusedOps> BertModel<B> {
         let embedded = self
             .embeddings
             .forward_with(input_ids, segment_ids, self.encoder.kernels());
-        let embedded = cast_to(embedded, self.precision.dtype().into());
+        let dtype = self.precision.dtype().into();
+        let embedded = cast_to(embedded, dtype);
+        let _casts = if self.cast_weights_together {
+            cast_together(&self.dense_layers(), dtype)
+        } else {
+            CastScope::none()
+        };
         let encoded = self.encoder.forward_hooked(embedded, input_mask, hook);
         let sequence_output = hook.heads_input(encoded);
         let pooled_output = self.pooler.forward(sequence_output.clone());

@@ -40,6 +40,7 @@ mod hook;
 mod precision;
 mod pretrained;
 mod pretraining;
+mod weight_casts;
 
 pub use bert::{
     BertAttention, BertEmbeddings, BertEncoder, BertIntermediate, BertLayer, BertModel,

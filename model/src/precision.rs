@@ -26,6 +26,8 @@ use burn::tensor::{DType, FloatDType, Tensor};
 use ember_backend_ext::FusedOps;
 use serde::{Deserialize, Serialize};
 
+use crate::weight_casts::param_as;
+
 /// The dtype BERT computes in (`train.precision`; Note [Autocast]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -104,7 +106,8 @@ pub fn cast_to<B: Backend, const D: usize>(x: Tensor<B, D>, dtype: DType) -> Ten
     x.cast(FloatDType::from(dtype))
 }
 
-/// `x · Wᵀ + b` with the weights cast to `x`'s dtype (Note [Autocast]).
+/// `x · Wᵀ + b` with the weights cast to `x`'s dtype (Note [Autocast]; the copies cast
+/// together where a scope holds them, Note [Weights cast together] in `weight_casts.rs`).
 ///
 /// # Shapes
 /// - `x`: `[..., in]`; output `[..., out]`
@@ -112,8 +115,8 @@ pub fn dense_as<B: FusedOps, const D: usize>(linear: &Linear<B>, x: Tensor<B, D>
     let dtype = x.dtype();
     ember_backend_ext::dense(
         x,
-        cast_to(linear.weight.val(), dtype),
-        linear.bias.as_ref().map(|b| cast_to(b.val(), dtype)),
+        param_as(&linear.weight, dtype),
+        linear.bias.as_ref().map(|b| param_as(b, dtype)),
     )
 }
 

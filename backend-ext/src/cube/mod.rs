@@ -160,6 +160,13 @@ where
         gemm::f32_precision::<R>(device)
     }
 
+    fn cast_multi_tensor(
+        xs: Vec<CubeTensor<R>>,
+        dtype: burn::tensor::FloatDType,
+    ) -> Vec<CubeTensor<R>> {
+        multi_tensor::cast(xs, dtype.into())
+    }
+
     fn sum_rows_many(xs: Vec<CubeTensor<R>>) -> Vec<CubeTensor<R>> {
         multi_tensor::column_sums(xs)
             .unwrap_or_else(|xs| xs.into_iter().map(Self::sum_rows).collect())

@@ -1,9 +1,10 @@
 //! The host side of the multi-tensor kernels (`multi_tensor_kernels.rs`): how many tensors one
 //! launch binds, the `[G, T]` grid, and the launches of the Adam-family step, of the bucket
-//! flattening and of the column sums of several matrices.
+//! flattening, of the column sums of several matrices and of the casts of many tensors.
 
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::{CubeCount, CubeDim};
@@ -193,4 +194,55 @@ pub(super) fn column_sums<R: CubeRuntime>(
         sums.extend(outs);
     }
     Ok(sums)
+}
+
+/// [`crate::FusedOps::cast_multi_tensor`]: tensors already in `dtype` as they are, the others
+/// through [`multi_tensor_kernels::multi_cast_kernel`], a launch per group of one input dtype
+/// that the device binds.
+pub(super) fn cast<R: CubeRuntime>(xs: Vec<CubeTensor<R>>, dtype: DType) -> Vec<CubeTensor<R>> {
+    let mut out: Vec<Option<CubeTensor<R>>> = Vec::with_capacity(xs.len());
+    let mut to_cast = Vec::new();
+    for (i, x) in xs.into_iter().enumerate() {
+        if x.dtype == dtype {
+            out.push(Some(x));
+        } else {
+            out.push(None);
+            to_cast.push((i, into_contiguous(x)));
+        }
+    }
+    if let Some((_, first)) = to_cast.first() {
+        let per_launch = tensors_per_launch(first, 2, 0);
+        for group in launches(to_cast, per_launch, |(_, x)| x.dtype) {
+            let outs: Vec<CubeTensor<R>> = group
+                .iter()
+                .map(|(_, x)| {
+                    empty_device_contiguous_dtype(
+                        x.client.clone(),
+                        x.device.clone(),
+                        x.shape(),
+                        dtype,
+                    )
+                })
+                .collect();
+            let largest = group.iter().map(|(_, x)| numel(x)).max().unwrap_or(0);
+            let (count, dim, _) = multi_launch(largest, group.len());
+            multi_tensor_kernels::multi_cast_kernel::launch::<R>(
+                &group[0].1.client,
+                count,
+                dim,
+                group
+                    .iter()
+                    .map(|(_, x)| x.clone().into_tensor_arg())
+                    .collect(),
+                outs.iter().map(|x| x.clone().into_tensor_arg()).collect(),
+                [storage(group[0].1.dtype), storage(dtype)],
+            );
+            for ((i, _), cast) in group.into_iter().zip(outs) {
+                out[i] = Some(cast);
+            }
+        }
+    }
+    out.into_iter()
+        .map(|x| x.expect("every tensor kept or cast"))
+        .collect()
 }

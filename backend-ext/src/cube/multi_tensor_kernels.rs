@@ -286,3 +286,30 @@ pub fn multi_column_sums_kernel<F: Float>(
         }
     }
 }
+
+/// Every tensor in `xs` converted to `outs`' element type, element by element (the rounding
+/// of CubeCL's `cast_from`, as Burn's cast kernel): apex's `multi_tensor_scale` at scale 1
+/// between dtypes, which is how apex O2 refreshes its half copy of the model. Cube `(g, t)`
+/// converts part of tensor t.
+#[cube(launch)]
+pub fn multi_cast_kernel<F: Float, H: Float>(
+    xs: &Sequence<Tensor<F>>,
+    outs: &mut Sequence<Tensor<H>>,
+    #[define(F, H)] _dtypes: [StorageType; 2],
+) {
+    let count = xs.len().comptime();
+    let tensor = CUBE_POS_Y as usize;
+    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+    #[unroll]
+    for t in 0..count {
+        if tensor == t {
+            let x = &xs[t];
+            let out = outs.index_mut(t);
+            let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+            while i < x.len() {
+                out[i] = H::cast_from(x[i]);
+                i += stride;
+            }
+        }
+    }
+}

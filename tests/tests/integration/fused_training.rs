@@ -193,3 +193,71 @@ fn one_step_fused_equals_reference_on_wgpu_kernels() {
         &burn::backend::wgpu::WgpuDevice::DefaultDevice,
     );
 }
+
+/// Note [Weights cast together] (`ember_model`'s `weight_casts.rs`): a half-precision step
+/// whose dense weights are cast in one multi-tensor launch is the step that casts each where
+/// it is used, bit for bit (the loss and every parameter's gradient; dropout on, the same
+/// masks from the same dropout seed), with fewer kernel launches. fp16 on lavapipe (WGSL has
+/// no bf16; the CUDA kernel tests run the same kernel in bf16 through the half-precision
+/// training step of `scripts/gpu-check.sh`).
+#[test]
+fn fp16_weights_cast_together_equal_casts_where_used() {
+    use ember_backend_ext::HostSyncs;
+    use ember_model::Precision;
+    type B = burn::backend::Autodiff<crate::Wgpu>;
+    let device = burn::backend::wgpu::WgpuDevice::DefaultDevice;
+    let mut config = BertConfig::preset(Preset::Tiny);
+    config.vocab_size = 211;
+    let guard = ember_trainer::initialisation_lock();
+    <B as burn::tensor::backend::Backend>::seed(&device, 11);
+    let mut model: BertForPreTraining<B> = config.init_for_pretraining(&device);
+    struct Materialize;
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Materialize {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let _ = param.val();
+        }
+    }
+    model.visit(&mut Materialize);
+    drop(guard);
+    model.set_precision(Precision::Fp16);
+    let batch = batch::<B>(config.vocab_size, &device);
+    let run = |together: bool| {
+        let mut model = model.clone();
+        model.bert.set_cast_weights_together(together);
+        ember_backend_ext::reseed_dropout(3);
+        let before = HostSyncs::now();
+        let loss_value = loss(&model, &batch);
+        let value = scalar(loss_value.clone());
+        let grads = GradientsParams::from_grads(loss_value.backward(), &model);
+        let mut collect = Collect::<B> {
+            grads: &grads,
+            out: HashMap::new(),
+            _b: std::marker::PhantomData,
+        };
+        model.visit(&mut collect);
+        let launches = HostSyncs::now().since(before).launches;
+        (value, collect.out, launches)
+    };
+    let _ = run(true); // compile the kernels of both runs before counting
+    let _ = run(false);
+    let (loss_together, grads_together, launches_together) = run(true);
+    let (loss_each, grads_each, launches_each) = run(false);
+    assert!(loss_together.is_finite());
+    assert_eq!(loss_together.to_bits(), loss_each.to_bits());
+    assert_eq!(grads_together.len(), grads_each.len());
+    for (id, grad) in &grads_each {
+        let together = &grads_together[id];
+        assert!(
+            grad.iter()
+                .zip(together)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "parameter {id}: gradients differ"
+        );
+    }
+    // Two layers' 12 casts and the pooler's 2 in one launch (lavapipe binds up to 15 tensors
+    // of two buffers per launch: two launches): at least 20 fewer.
+    assert!(
+        launches_together + 20 <= launches_each,
+        "{launches_together} launches with the weights cast together, {launches_each} without"
+    );
+}

@@ -94,9 +94,47 @@ fn check_half_precision<H: FusedOps>(device: &H::Device, dtype: DType, scale: f3
     );
 }
 
+/// `FusedOps::cast_multi_tensor` (Note [Weights cast together]): 41 tensors (more than a
+/// launch takes; one element, odd sizes, a strided one, one already in `dtype`) equal Burn's
+/// cast of each, bit for bit; the one in `dtype` comes back as it is.
+fn check_multi_cast<H: FusedOps>(device: &H::Device, dtype: DType) {
+    let mut xs: Vec<Tensor<H, 2>> = vec![
+        Tensor::random([1, 1], Distribution::Normal(0.0, 1.0), device),
+        Tensor::random([3, 100_001], Distribution::Normal(0.0, 3.0), device),
+        Tensor::random([7, 13], Distribution::Normal(0.0, 1e-3), device).transpose(),
+        Tensor::<H, 2>::random([4, 5], Distribution::Normal(0.0, 1.0), device).cast(dtype),
+    ];
+    xs.extend((0..37).map(|i| {
+        Tensor::random(
+            [1 + i * 37 % 301, 2],
+            Distribution::Normal(0.0, 1.0),
+            device,
+        )
+    }));
+    let cast = H::cast_multi_tensor(
+        xs.iter()
+            .map(|x| x.clone().into_primitive().tensor())
+            .collect(),
+        dtype.into(),
+    );
+    assert_eq!(cast.len(), xs.len());
+    for (i, (x, c)) in xs.iter().zip(cast).enumerate() {
+        let c: Tensor<H, 2> = Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(c));
+        assert_eq!(c.dtype(), dtype, "tensor {i}");
+        assert_eq!(c.dims(), x.dims(), "tensor {i}");
+        let bits = |t: Tensor<H, 2>| t.into_data().convert::<f32>().to_vec::<f32>().unwrap();
+        assert_eq!(bits(c), bits(x.clone().cast(dtype)), "tensor {i}");
+    }
+}
+
 #[test]
 fn f16_kernels_on_wgpu_match_the_f32_reference() {
     check_half_precision::<crate::Wgpu>(&super::wgpu::device(), DType::F16, 1.0);
+}
+
+#[test]
+fn f16_casts_of_many_tensors_are_burns_casts() {
+    check_multi_cast::<crate::Wgpu>(&super::wgpu::device(), DType::F16);
 }
 
 /// In `kernels::cuda` with the other CUDA tests (`scripts/gpu-check.sh run kernels` runs that
@@ -104,4 +142,5 @@ fn f16_kernels_on_wgpu_match_the_f32_reference() {
 #[cfg(feature = "cuda")]
 pub(super) fn check_bf16<H: FusedOps>(device: &H::Device) {
     check_half_precision::<H>(device, DType::BF16, 8.0);
+    check_multi_cast::<H>(device, DType::BF16);
 }
