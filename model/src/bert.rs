@@ -387,10 +387,12 @@ pub(crate) fn gamma_beta<B: Backend>(
     norm: &LayerNorm<B>,
     dtype: DType,
 ) -> (Tensor<B, 1>, Tensor<B, 1>) {
-    let gamma = norm.gamma.val();
-    let beta = norm.beta.as_ref().map(|b| b.val());
-    let beta = beta.unwrap_or_else(|| gamma.zeros_like());
-    (cast_to(gamma, dtype), cast_to(beta, dtype))
+    let gamma = param_as(&norm.gamma, dtype);
+    let beta = match &norm.beta {
+        Some(beta) => param_as(beta, dtype),
+        None => gamma.zeros_like(),
+    };
+    (gamma, beta)
 }
 
 impl<B: FusedOps> BertLayer<B> {
@@ -662,11 +664,13 @@ impl<B: Backend> BertModel<B> {
         self.cast_weights_together = together;
     }
 
-    /// The dense layers whose weights a half-precision forward casts together: every encoder
-    /// layer's six and the pooler's.
-    fn dense_layers(&self) -> Vec<&Linear<B>> {
+    /// What a half-precision forward casts together: every encoder layer's six dense layers
+    /// and two LayerNorms, and the pooler's dense layer.
+    fn half_weights(&self) -> (Vec<&Linear<B>>, Vec<&LayerNorm<B>>) {
         let mut linears = Vec::new();
+        let mut norms = Vec::new();
         for layer in &self.encoder.layer {
+            norms.extend([&layer.attention.output.layer_norm, &layer.output.layer_norm]);
             let attention = &layer.attention.self_attention;
             linears.extend([
                 &attention.query,
@@ -678,7 +682,7 @@ impl<B: Backend> BertModel<B> {
             ]);
         }
         linears.push(&self.pooler.dense);
-        linears
+        (linears, norms)
     }
 }
 
@@ -717,7 +721,8 @@ impl<B: FusedOps> BertModel<B> {
         let dtype = self.precision.dtype().into();
         let embedded = cast_to(embedded, dtype);
         let _casts = if self.cast_weights_together {
-            cast_together(&self.dense_layers(), dtype)
+            let (linears, norms) = self.half_weights();
+            cast_together(&linears, &norms, dtype)
         } else {
             CastScope::none()
         };

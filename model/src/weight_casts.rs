@@ -1,12 +1,12 @@
 //! Note [Weights cast together]: under a half precision every dense layer's weight and bias is
 //! cast to the activations' dtype where it is used (Note [Autocast] in `precision.rs`), one
-//! cast launch each: 12 per encoder layer (Q, K, V, the attention output, the FFN's two
-//! layers; weight and bias), 288 per BERT-large forward, each a kernel the GPU waits its turn
-//! for. [`BertModel::forward`](crate::BertModel::forward) casts them all first, in one
+//! cast launch each: 16 per encoder layer (Q, K, V, the attention output, the FFN's two
+//! layers, weight and bias; the fused LayerNorms' γ and β, which that kernel takes in its
+//! input's type), 384 per BERT-large forward, each a kernel the GPU waits its turn for. [`BertModel::forward`](crate::BertModel::forward) casts them all first, in one
 //! [`FusedOps::cast_multi_tensor`] (on CubeCL up to 32 tensors a launch: apex's
 //! `multi_tensor_scale`, which is how apex O2 refreshes its half copy of the model), and the
 //! layers take their copy from this scope ([`param_as`], used by `dense_as` and the fused
-//! layer's bias) instead of casting again. The values are the same bits: the kernel rounds
+//! layer's biases, γ and β) instead of casting again. The values are the same bits: the kernel rounds
 //! as Burn's cast. Each copy's backward still casts its gradient back to f32, a launch per
 //! weight, when the gradient arrives.
 //!
@@ -27,7 +27,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 
 use burn::module::{Param, ParamId};
-use burn::nn::Linear;
+use burn::nn::{LayerNorm, Linear};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
 use ember_backend_ext::FusedOps;
@@ -59,10 +59,14 @@ impl Drop for CastScope {
     }
 }
 
-/// Casts the weights and biases of `linears` to `dtype` in one
+/// Casts the weights and biases of `linears` and the γ and β of `norms` to `dtype` in one
 /// [`FusedOps::cast_multi_tensor`] and opens a scope in which [`param_as`] returns them. In
 /// f32 (nothing to cast) no scope opens.
-pub(crate) fn cast_together<B: FusedOps>(linears: &[&Linear<B>], dtype: DType) -> CastScope {
+pub(crate) fn cast_together<B: FusedOps>(
+    linears: &[&Linear<B>],
+    norms: &[&LayerNorm<B>],
+    dtype: DType,
+) -> CastScope {
     if dtype == DType::F32 {
         return CastScope::none();
     }
@@ -72,6 +76,12 @@ pub(crate) fn cast_together<B: FusedOps>(linears: &[&Linear<B>], dtype: DType) -
         weights.push((linear.weight.id, linear.weight.val()));
         if let Some(bias) = &linear.bias {
             biases.push((bias.id, bias.val()));
+        }
+    }
+    for norm in norms {
+        biases.push((norm.gamma.id, norm.gamma.val()));
+        if let Some(beta) = &norm.beta {
+            biases.push((beta.id, beta.val()));
         }
     }
     let primitives = weights

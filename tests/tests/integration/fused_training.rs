@@ -254,10 +254,10 @@ fn fp16_weights_cast_together_equal_casts_where_used() {
             "parameter {id}: gradients differ"
         );
     }
-    // Two layers' 12 casts and the pooler's 2 in one launch (lavapipe binds up to 15 tensors
-    // of two buffers per launch: two launches): at least 20 fewer.
+    // Two layers' 16 casts and the pooler's 2 in a few launches (lavapipe binds up to 15
+    // tensors of two buffers per launch: three launches for 34): at least 25 fewer.
     assert!(
-        launches_together + 20 <= launches_each,
+        launches_together + 25 <= launches_each,
         "{launches_together} launches with the weights cast together, {launches_each} without"
     );
 }
