@@ -124,7 +124,7 @@ impl<B: FusedOps> Backward<B, 5> for LayerNormBackwardOp {
             dropout,
         );
         // β's, γ's and the bias's gradients: column sums of the same rows, taken together
-        // (FusedOps::sum_rows_many: one launch on CubeCL).
+        // (FusedOps::sum_rows_many: two launches for the three on CubeCL).
         let mut sums = Vec::new();
         let mut sum_nodes = Vec::new();
         for (node, rows) in [

@@ -534,7 +534,7 @@ pub trait FusedOps: Backend {
 
     /// Each of `xs` in `dtype` (Burn's cast of each, the default body; a tensor already in
     /// `dtype` is returned as it is): autocast's weights, cast together at the start of a
-    /// forward (Note [Weights cast together] in `ember-model`'s `precision.rs`). CubeCL
+    /// forward (Note [Weights cast together] in `ember-model`'s `weight_casts.rs`). CubeCL
     /// converts up to 32 tensors per launch (apex's `multi_tensor_scale`) where a cast per
     /// weight is a launch each. Under autodiff each result is a graph node of its own, whose
     /// backward casts the gradient back to its input's dtype (as Burn's cast).
@@ -555,8 +555,10 @@ pub trait FusedOps: Backend {
 
     /// [`FusedOps::sum_rows`] of each of `xs`, several `[R, N]` matrices of one shape: the
     /// column sums LayerNorm's backward takes of the same rows (β's, γ's and the preceding
-    /// bias's gradients). CubeCL sums them in one launch, in a fixed order
-    /// (`multi_column_sums_kernel`), where the default body launches Burn's reduction for each.
+    /// bias's gradients). CubeCL sums them all in two launches, in a fixed order (partial sums
+    /// per chunk of 256 rows, then their sum: `multi_column_partial_sums_kernel`,
+    /// `multi_column_sums_finish_kernel`), where the default body launches Burn's reduction
+    /// for each.
     ///
     /// # Shapes
     /// each of `xs` `[R, N]` → one `[N]` per matrix, in order

@@ -4,10 +4,11 @@ trained with `torch.optim.AdamW` on the batch and weights that ember exported.
 
 Precision (`--precision`): f32, or `torch.autocast` to bf16 or fp16 around the forward and the
 losses (PyTorch's mixed precision: f32 parameters and optimizer, a cast per op; ember's Note
-[Autocast] is the same recipe). No loss scaling on either side: the benchmark times steps from
+[Autocast] follows it, except that torch.autocast returns LayerNorm's output in f32 where
+ember keeps it in the half type). No loss scaling on either side: the benchmark times steps from
 a random initialisation, whose gradients fp16 holds; the trainer's fp16 scales the loss.
 On CUDA the optimizer is AdamW's fused kernel (`fused=True`: multi-tensor launches, what
-NVIDIA's and apex's recipes use); on the CPU its default (foreach).
+NVIDIA's and apex's recipes use); on the CPU its default (a loop over the tensors).
 
 The step is the one NVIDIA's MLPerf BERT and ember take: the encoder over the whole batch, the
 masked-LM head only at the masked positions (`cls.predictions` over the gathered hidden states,
@@ -134,7 +135,7 @@ def main():
             "parameters": sum(p.numel() for p in model.parameters()),
             "attn_implementation": model.config._attn_implementation,
             "precision": args.precision,
-            "optimizer": "AdamW (fused)" if fused else "AdamW (foreach)",
+            "optimizer": "AdamW (fused)" if fused else "AdamW (for-loop)",
         }
     )
     for line in sys.stdin:

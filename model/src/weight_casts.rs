@@ -45,9 +45,11 @@ pub(crate) struct CastScope {
 }
 
 impl CastScope {
-    /// No scope: every weight cast where it is used.
+    /// An empty scope: every weight cast where it is used, even inside another model's scope
+    /// (a nested forward of a clone, same ParamIds, must not take the outer copies).
     pub(crate) fn none() -> Self {
-        CastScope { open: false }
+        SCOPES.with(|scopes| scopes.borrow_mut().push(HashMap::new()));
+        CastScope { open: true }
     }
 }
 
@@ -68,7 +70,7 @@ pub(crate) fn cast_together<B: FusedOps>(
     dtype: DType,
 ) -> CastScope {
     if dtype == DType::F32 {
-        return CastScope::none();
+        return CastScope { open: false };
     }
     let mut weights = Vec::new();
     let mut biases = Vec::new();

@@ -18,7 +18,8 @@
 //!
 //! `--precision` (f32, bf16, fp16; a row each) is mixed precision on both sides: ember's
 //! autocast (Note [Autocast] in `ember_model`'s `precision.rs`) and `torch.autocast`, f32
-//! weights and AdamW on both; neither scales the loss (steps from a random initialisation,
+//! weights and AdamW on both (one difference: torch.autocast returns LayerNorm's output in
+//! f32, ember in the half type); neither scales the loss (steps from a random initialisation,
 //! whose gradients fp16 holds). PyTorch's AdamW on CUDA is its fused kernel (`fused=True`).
 //!
 //! Reported per row: each side's samples/s (median step), the ratio ember / PyTorch, each
@@ -26,8 +27,9 @@
 //! GEMM peak of this run in the row's precision (the faster of the two GEMMs), ember's kernel
 //! launches per step (median; counted at the runtime, `ember_backend_ext::CountingRuntime`, on
 //! cuda and wgpu) and each side's device memory reserved by its allocator (ember: the most
-//! CubeCL's pools held at the end of a step's forward, backward or optimizer phase; PyTorch:
-//! `torch.cuda.max_memory_reserved`). The table goes to stdout and, as markdown and JSON, to
+//! CubeCL's pools held at the end of a step's forward, backward or optimizer phase, the pools'
+//! free pages released before each row; PyTorch: `torch.cuda.max_memory_reserved`, a process
+//! per row; both include the warm-up step). The table goes to stdout and, as markdown and JSON, to
 //! `--out` (`bench/results/`, git-ignored).
 //!
 //! ember's step is the model-level step the trainer runs on one rank: forward with the fused or
@@ -251,14 +253,15 @@ impl<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps> EmberStep<B> {
         let (_, loss) = forward_loss(&model, self.inputs.clone());
         let _: f64 = loss.total.clone().into_scalar().elem();
         let forward = start.elapsed().as_secs_f64();
-        self.note_memory();
+        // The memory reads between phases are not the step's: their time is taken out.
+        let mut reading = self.note_memory();
         let grads = GradientsParams::from_grads(loss.total.backward(), &model);
         wait_for(&model);
-        let backward = start.elapsed().as_secs_f64() - forward;
-        self.note_memory();
+        let backward = start.elapsed().as_secs_f64() - reading - forward;
+        reading += self.note_memory();
         let model = self.optimizer.step(self.lr, model, grads);
         wait_for(&model);
-        let total = start.elapsed().as_secs_f64();
+        let total = start.elapsed().as_secs_f64() - reading;
         self.note_memory();
         self.model = Some(model);
         let launches = self
@@ -268,12 +271,14 @@ impl<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps> EmberStep<B> {
         ([forward, backward, total - forward - backward], launches)
     }
 
-    /// Keeps the most device memory the allocator has held (read between phases, outside
-    /// their timing).
-    fn note_memory(&mut self) {
+    /// Keeps the most device memory the allocator has held (read between phases); returns
+    /// the seconds the read took, which the caller takes out of the phases' times.
+    fn note_memory(&mut self) -> f64 {
+        let start = Instant::now();
         if let Some(now) = B::memory_reserved(&self.device) {
             self.reserved = Some(self.reserved.map_or(now, |most| most.max(now)));
         }
+        start.elapsed().as_secs_f64()
     }
 
     fn timed_steps(&mut self, n: usize) -> Vec<([f64; 3], Option<u64>)> {
@@ -311,7 +316,13 @@ fn ember_gemm_gflops<B: FusedOps>(n: usize, precision: Precision, device: &B::De
         )
     };
     let (a, b) = (operand(), operand());
-    let product = || ember_backend_ext::dense(a.clone(), b.clone(), None).into_data();
+    // One element read back: it waits for the product without timing the copy of the
+    // whole result to the host (8 MB at n = 2048 in bf16, longer than the product on a GPU).
+    let product = || {
+        ember_backend_ext::dense(a.clone(), b.clone(), None)
+            .slice([0..1, 0..1])
+            .into_data()
+    };
     let _ = product();
     let best = (0..5)
         .map(|_| {
@@ -454,6 +465,9 @@ fn bench_row<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
         );
     }
     let dir = tempfile::tempdir().context("a temporary folder for the exported model")?;
+    // The previous row's model and optimizer are gone: the pools give their pages back, so
+    // that this row's reserved memory is its own (PyTorch starts a process per row).
+    <B as burn::tensor::backend::Backend>::memory_cleanup(device);
     let mut model: BertForPreTraining<B> = config.init_for_pretraining(device);
     model.save_hf_safetensors(&dir.path().join("model.safetensors"))?;
     std::fs::write(dir.path().join("config.json"), config.to_hf_json())?;

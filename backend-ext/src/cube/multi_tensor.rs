@@ -155,12 +155,16 @@ pub(super) fn flatten<R: CubeRuntime>(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
     output
 }
 
-/// Columns per cube and row phases per column of [`multi_tensor_kernels::multi_column_sums_kernel`].
+/// Columns per cube, row phases per column and rows per chunk of
+/// [`multi_tensor_kernels::multi_column_partial_sums_kernel`]: 256 units, each summing 32 rows
+/// of a chunk.
 const COLUMN_TILE: usize = 32;
 const ROW_PHASES: usize = 8;
+const ROWS_PER_CHUNK: usize = 256;
 
-/// The column sums of `xs` (`[R, N]` each, one shape and dtype), one launch per group the
-/// device binds; `Err(xs)` when they are not all of one 2-d shape and dtype.
+/// The column sums of `xs` (`[R, N]` each, one shape and dtype): per group the device binds,
+/// two launches (partial sums per chunk of rows, then their fixed-order sum) for the whole
+/// group; `Err(xs)` when they are not all of one 2-d shape and dtype.
 pub(super) fn column_sums<R: CubeRuntime>(
     xs: Vec<CubeTensor<R>>,
 ) -> Result<Vec<CubeTensor<R>>, Vec<CubeTensor<R>>> {
@@ -172,23 +176,46 @@ pub(super) fn column_sums<R: CubeRuntime>(
     }
     let [rows, cols] = xs[0].shape().dims();
     let xs: Vec<_> = xs.into_iter().map(into_contiguous).collect();
-    let per_launch = tensors_per_launch(&xs[0], 2, 0);
+    let per_launch = tensors_per_launch(&xs[0], 2, 1);
+    let chunks = rows.div_ceil(ROWS_PER_CHUNK).max(1);
     let mut sums = Vec::with_capacity(xs.len());
     for group in launches(xs, per_launch, |x| x.dtype) {
+        let client = group[0].client.clone();
+        let partials = empty_device_contiguous_dtype(
+            client.clone(),
+            group[0].device.clone(),
+            Shape::new([group.len() * chunks * cols]),
+            DType::F32,
+        );
+        multi_tensor_kernels::multi_column_partial_sums_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(
+                cols.div_ceil(COLUMN_TILE) as u32,
+                chunks as u32,
+                group.len() as u32,
+            ),
+            CubeDim::new_2d(COLUMN_TILE as u32, ROW_PHASES as u32),
+            group.iter().map(|x| x.clone().into_tensor_arg()).collect(),
+            partials.clone().into_tensor_arg(),
+            rows as u32,
+            cols as u32,
+            ROWS_PER_CHUNK as u32,
+            COLUMN_TILE as u32,
+            ROW_PHASES as u32,
+            storage(group[0].dtype),
+        );
         let outs: Vec<_> = group
             .iter()
             .map(|x| empty_like(x, Shape::new([cols])))
             .collect();
-        multi_tensor_kernels::multi_column_sums_kernel::launch::<R>(
-            &group[0].client,
-            CubeCount::Static(cols.div_ceil(COLUMN_TILE) as u32, group.len() as u32, 1),
-            CubeDim::new_2d(COLUMN_TILE as u32, ROW_PHASES as u32),
-            group.iter().map(|x| x.clone().into_tensor_arg()).collect(),
+        multi_tensor_kernels::multi_column_sums_finish_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(cols.div_ceil(ROW_BLOCK) as u32, group.len() as u32, 1),
+            CubeDim::new_1d(ROW_BLOCK as u32),
+            partials.into_tensor_arg(),
             outs.iter().map(|x| x.clone().into_tensor_arg()).collect(),
-            rows as u32,
             cols as u32,
-            COLUMN_TILE as u32,
-            ROW_PHASES as u32,
+            chunks as u32,
             storage(group[0].dtype),
         );
         sums.extend(outs);

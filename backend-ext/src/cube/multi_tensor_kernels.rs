@@ -232,28 +232,35 @@ pub fn sum_rows_ordered_kernel<F: Float>(
     }
 }
 
-/// Column sums of every `[rows, cols]` row-major matrix in `xs` into the `[cols]` tensor of
-/// the same index in `outs`, in one launch: cube `(c, t)` takes `tile` consecutive columns of
-/// matrix t (each row's read coalesced across the cube's x units); unit `(j, p)` sums rows
-/// p, p + `phases`, … of its column in order, then unit `(j, 0)` adds the `phases` partial sums
-/// in order. A fixed order, so the same bits on every run (as [`sum_rows_ordered_kernel`]).
-/// LayerNorm's backward takes three such sums of the same rows (β, γ and the bias before it;
-/// apex sums γ's and β's gradients together too, `cuComputePartGradGammaBeta`).
+/// First pass of the column sums of every `[rows, cols]` row-major matrix in `xs`: cube
+/// `(c, k, t)` sums rows `k·chunk .. (k+1)·chunk` of `tile` consecutive columns of matrix t
+/// (each row's read coalesced across the cube's x units) into
+/// `partials[(t·chunks + k)·cols + column]`, f32. Unit `(j, p)` sums rows p, p + `phases`, …
+/// of its chunk in order, then unit `(j, 0)` adds the `phases` partial sums in order. Chunks
+/// of rows give the GPU enough cubes (a cube per 32 columns alone left 96 cubes for
+/// BERT-large's LayerNorm, each thread reading thousands of rows one after another).
 #[cube(launch)]
-pub fn multi_column_sums_kernel<F: Float>(
+#[allow(clippy::too_many_arguments)]
+pub fn multi_column_partial_sums_kernel<F: Float>(
     xs: &Sequence<Tensor<F>>,
-    outs: &mut Sequence<Tensor<F>>,
+    partials: &mut Tensor<f32>,
     rows: u32,
     cols: u32,
+    chunk: u32,
     #[comptime] tile: u32,
     #[comptime] phases: u32,
     #[define(F)] _dtype: StorageType,
 ) {
     let count = xs.len().comptime();
-    let tensor = CUBE_POS_Y as usize;
+    let tensor = CUBE_POS_Z as usize;
     let unit = UNIT_POS_X as usize;
     let column = CUBE_POS_X as usize * tile as usize + unit;
     let phase = UNIT_POS_Y as usize;
+    let start = CUBE_POS_Y as usize * chunk as usize;
+    let mut end = start + chunk as usize;
+    if end > rows as usize {
+        end = rows as usize;
+    }
     let mut shared = SharedMemory::<f32>::new((tile * phases) as usize);
     let mut sum = f32::new(0.0);
     if column < cols as usize {
@@ -261,8 +268,8 @@ pub fn multi_column_sums_kernel<F: Float>(
         for t in 0..count {
             if tensor == t {
                 let x = &xs[t];
-                let mut r = phase;
-                while r < rows as usize {
+                let mut r = start + phase;
+                while r < end {
                     sum += f32::cast_from(x[r * cols as usize + column]);
                     r += phases as usize;
                 }
@@ -276,6 +283,30 @@ pub fn multi_column_sums_kernel<F: Float>(
         #[unroll]
         for p in 0..phases as usize {
             total += shared[p * tile as usize + unit];
+        }
+        let chunks = CUBE_COUNT_Y as usize;
+        partials[(tensor * chunks + CUBE_POS_Y as usize) * cols as usize + column] = total;
+    }
+}
+
+/// Second pass of the column sums: `outs[t][column]` = the sum of matrix t's `chunks` partial
+/// sums of that column, in chunk order (so the whole sum has a fixed order: the same bits on
+/// every run, as [`sum_rows_ordered_kernel`]). Cube `(c, t)`, a unit per column.
+#[cube(launch)]
+pub fn multi_column_sums_finish_kernel<F: Float>(
+    partials: &Tensor<f32>,
+    outs: &mut Sequence<Tensor<F>>,
+    cols: u32,
+    chunks: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let count = outs.len().comptime();
+    let tensor = CUBE_POS_Y as usize;
+    let column = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    if column < cols as usize {
+        let mut total = f32::new(0.0);
+        for k in 0..chunks as usize {
+            total += partials[(tensor * chunks as usize + k) * cols as usize + column];
         }
         #[unroll]
         for t in 0..count {

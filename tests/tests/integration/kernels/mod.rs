@@ -636,7 +636,7 @@ mod wgpu {
     }
 
     #[test]
-    fn layer_norm_column_sums_take_one_launch() {
+    fn layer_norm_column_sums_take_two_launches() {
         super::column_sums::check_column_sums_launch();
     }
 
