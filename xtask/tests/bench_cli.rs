@@ -41,6 +41,18 @@ fn bench(device: &str, out: &Path, extra: &[&str]) -> Output {
         .expect("running xtask")
 }
 
+/// The JSON result a benchmark wrote in `out`: its path and its contents.
+fn result_json(out: &Path) -> (std::path::PathBuf, Value) {
+    let json = std::fs::read_dir(out)
+        .expect("the results folder")
+        .map(|entry| entry.expect("an entry").path())
+        .find(|path| path.extension().is_some_and(|e| e == "json"))
+        .expect("a JSON result");
+    let results =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).expect("valid JSON");
+    (json, results)
+}
+
 /// The run's JSON, checked: one row for tiny at the requested shape per GEMM setting
 /// (`gemm_threads`, `None` on GPUs), its FLOPs the formula's, its phases summing to the step,
 /// its first loss that of a model that predicts uniformly (ln 30522 + ln 2 ≈ 11.0 for MLM +
@@ -51,15 +63,9 @@ fn check_results(device: &str, out: &Path, output: &Output, gemm_threads: &[Opti
         output.status.success(),
         "bench on {device} failed: {stderr}"
     );
-    let json = std::fs::read_dir(out)
-        .expect("the results folder")
-        .map(|entry| entry.expect("an entry").path())
-        .find(|path| path.extension().is_some_and(|e| e == "json"))
-        .expect("a JSON result");
+    let (json, results) = result_json(out);
     let markdown = std::fs::read_to_string(json.with_extension("md")).expect("the markdown table");
     assert!(markdown.contains("| tiny |"), "{markdown}");
-    let results: Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).expect("valid JSON");
     assert_eq!(results["device"], device);
     let rows = results["rows"].as_array().expect("rows");
     assert_eq!(
@@ -152,12 +158,7 @@ fn train_step_bench_on_wgpu_writes_its_results() {
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let json = std::fs::read_dir(out.path())
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| p.extension().is_some_and(|e| e == "json"))
-        .expect("a JSON result");
-    let results: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    let (_, results) = result_json(out.path());
     let rows = results["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2, "{rows:?}");
     let launches: Vec<u64> = rows
@@ -214,12 +215,7 @@ fn embed_bench_writes_its_results() {
         "{stdout}{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let json = std::fs::read_dir(dir.path())
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| p.extension().is_some_and(|e| e == "json"))
-        .expect("a JSON result");
-    let results: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    let (_, results) = result_json(dir.path());
     let rows = results["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2);
     assert_eq!(
@@ -277,12 +273,7 @@ fn gemm_bench_times_the_step_products() {
         "{stdout}{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let json = std::fs::read_dir(dir.path())
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| p.extension().is_some_and(|e| e == "json"))
-        .expect("a JSON result");
-    let results: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    let (_, results) = result_json(dir.path());
     let shape = &results.as_array().unwrap()[0];
     let expected: Vec<_> = BertConfig::preset(Preset::Tiny)
         .train_step_gemms(2, 32, 8)

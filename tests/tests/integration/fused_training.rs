@@ -96,18 +96,19 @@ fn scalar<B: AutodiffBackend>(t: Tensor<B, 1>) -> f64 {
     t.into_data().convert::<f64>().to_vec::<f64>().unwrap()[0]
 }
 
-fn one_step<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(device: &B::Device) {
-    let mut config = BertConfig::preset(Preset::Tiny);
-    config.vocab_size = 211;
-    config.hidden_dropout_prob = 0.0;
-    config.attention_probs_dropout_prob = 0.0;
+/// The model of `config` from generator seed `seed`, its parameters drawn.
+fn seeded_model<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
+    config: &BertConfig,
+    seed: u64,
+    device: &B::Device,
+) -> BertForPreTraining<B> {
     // The device's generator is shared with the runs of other tests (wgpu) or the process
     // (NdArray): seed and draw under the trainer's initialisation lock.
-    let guard = ember_trainer::initialisation_lock();
-    B::seed(device, 5);
+    let _guard = ember_trainer::initialisation_lock();
+    B::seed(device, seed);
     let model: BertForPreTraining<B> = config.init_for_pretraining(device);
     // Burn draws parameters lazily, at first use, and each clone would draw its own: draw
-    // them now so both runs start from the same weights.
+    // them now so that runs of clones start from the same weights.
     struct Materialize;
     impl<B: AutodiffBackend> ModuleVisitor<B> for Materialize {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
@@ -115,7 +116,15 @@ fn one_step<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(device: &B::D
         }
     }
     model.visit(&mut Materialize);
-    drop(guard);
+    model
+}
+
+fn one_step<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(device: &B::Device) {
+    let mut config = BertConfig::preset(Preset::Tiny);
+    config.vocab_size = 211;
+    config.hidden_dropout_prob = 0.0;
+    config.attention_probs_dropout_prob = 0.0;
+    let model = seeded_model::<B>(&config, 5, device);
     let batch = batch::<B>(config.vocab_size, device);
 
     for optimizer in [OptimizerKind::AdamW, OptimizerKind::Lamb] {
@@ -208,17 +217,7 @@ fn fp16_weights_cast_together_equal_casts_where_used() {
     let device = burn::backend::wgpu::WgpuDevice::DefaultDevice;
     let mut config = BertConfig::preset(Preset::Tiny);
     config.vocab_size = 211;
-    let guard = ember_trainer::initialisation_lock();
-    <B as burn::tensor::backend::Backend>::seed(&device, 11);
-    let mut model: BertForPreTraining<B> = config.init_for_pretraining(&device);
-    struct Materialize;
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Materialize {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let _ = param.val();
-        }
-    }
-    model.visit(&mut Materialize);
-    drop(guard);
+    let mut model = seeded_model::<B>(&config, 11, &device);
     model.set_precision(Precision::Fp16);
     let batch = batch::<B>(config.vocab_size, &device);
     let run = |together: bool| {
