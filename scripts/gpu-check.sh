@@ -28,17 +28,21 @@
 #                  device vs host buckets, and the 15 kernels launched most per step.
 #   gemm           the GEMM kernels (`model.gemm`, Note [GPU GEMMs] in backend-ext/src/gemm.rs):
 #                  `bench gemm` (every product of a BERT-large step at seq 128 and 512 alone,
-#                  TFLOP/s of autotune and cmma in f32 and bf16 against torch.matmul on the GPU),
-#                  then `bench step` on BERT-large (seq 128, batch 32, device buckets) with `cmma` (one
-#                  tensor-core kernel family, what ran before) and with `autotune` (cubek times its
-#                  kernels per shape) twice, in separate processes sharing EMBER_KERNEL_CACHE: step
-#                  time, launches, and the time to the first step (the second autotune process
-#                  reads compiled kernels and autotune results from the cache; target <= 10 s).
+#                  TFLOP/s of autotune, cmma and cuBLASLt in f32 and bf16 against torch.matmul on
+#                  the GPU), then `bench step` on BERT-large (seq 128, batch 32, device buckets)
+#                  with `cmma` (one tensor-core kernel family, what ran before), with `autotune`
+#                  (cubek times its kernels per shape) twice, in separate processes sharing
+#                  EMBER_KERNEL_CACHE, and with `cublaslt` (NVIDIA's GEMMs, two host waits each):
+#                  step time, launches, and the time to the first step (the second autotune
+#                  process reads compiled kernels and autotune results from the cache; target
+#                  <= 10 s).
 #   kernels        the kernel tests on CUDA (tests/tests/integration/kernels/, module
 #                  `kernels::cuda` of the integration test binary built with `--features cuda`):
 #                  every fused op against the reference, the dropout masks keyed by sample and
 #                  position (kernels = host masks, with a sample offset) and the dropout op; the
-#                  kernels with bf16 storage against the f32 reference (`half_precision.rs`).
+#                  kernels with bf16 storage against the f32 reference (`half_precision.rs`);
+#                  cuBLASLt's products (`model.gemm = "cublaslt"`) against the host in f32 and
+#                  bf16, each of which must have run on cuBLASLt (`cublaslt.rs`).
 #   bench-kernels  `xtask bench kernels`, f32 then bf16.
 #   resume         checkpoints on CUDA (fused optimizer, device tensors): the tiny model with
 #                  dropout on, 12 steps straight against `--resume` from that run's step-6
@@ -56,7 +60,9 @@
 #                  against Hugging Face + fused torch.optim.AdamW on the same GPU when the
 #                  machine's Python has torch (/opt/torch/.venv), else ember alone: samples/s,
 #                  ratio, MFU against each precision's GEMM peak, ember's kernel launches per
-#                  step (target <= 1,500), each side's reserved GPU memory.
+#                  step (target <= 1,500), each side's reserved GPU memory; then ember alone
+#                  with `--gemm cublaslt` at seq 128 batch 32 (the same columns, to set beside
+#                  the first table's autotune rows).
 
 #   streaming      shards streamed per rank on a GPU's step time: `prepare-data` (seq 512, 76
 #                  predictions, uncompressed and gzip), then BERT-large batch 16 for 12 steps on
@@ -162,11 +168,11 @@ run)
             export EMBER_KERNEL_CACHE="$out/kernel-cache"
             reference=(--reference none)
             [ -n "$torch_python" ] && reference=(--reference pytorch --python "$torch_python")
-            echo "   bench gemm: each product of a BERT-large step alone, autotune and cmma, f32 and bf16"
+            echo "   bench gemm: each product of a BERT-large step alone, autotune, cmma and cublaslt, f32 and bf16"
             timeout 300 "$dir/xtask" bench gemm --device cuda --preset large --iters 5 \
                 "${reference[@]}" --out "$out/gemm" 2>&1 | grep -vE "^\s*$|INFO" \
                 | tee "$out/bench-gemm.md" || status=$?
-            for gemm in cmma autotune autotune; do
+            for gemm in cmma autotune autotune cublaslt; do
                 timeout 300 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
                     --seq-len 128 --steps 4 --buckets device --gemm "$gemm" 2>&1 \
                     | grep -E "^GEMMs|^\| (model|large)|rror" | tee -a "$out/gemm.md" || status=$?
@@ -235,6 +241,10 @@ run)
             timeout 240 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 16 \
                 --seq-len 512 --precision f32,bf16 --steps 3 --rounds 2 "${reference[@]}" \
                 --out "$out/train-step" 2>&1 | tail -14 || status=$?
+            echo "   the same step with cuBLASLt's GEMMs (model.gemm = cublaslt), ember alone"
+            timeout 180 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
+                --seq-len 128 --precision f32,bf16 --steps 3 --rounds 2 --reference none \
+                --gemm cublaslt --out "$out/train-step-cublaslt" 2>&1 | tail -10 || status=$?
             ;;
         streaming)
             echo "== streamed shards: data wait against the step (BERT-large, batch 16, seq 512)"

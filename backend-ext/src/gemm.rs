@@ -12,10 +12,12 @@
 //! puts it on disk), so only a process's first run of a shape pays for the search.
 //!
 //! Both stay selectable ([`Gemm`]), so a GPU run can measure one against the other
-//! (`cargo xtask bench gemm`). NVIDIA's cuBLASLt (what PyTorch calls) is not one of them yet:
-//! CubeCL 0.10 runs each thread's kernels on a CUDA stream it does not expose, and a library
-//! GEMM on another stream would need a host synchronisation before and after every product
-//! (docs/gpu.md, "cuBLASLt").
+//! (`cargo xtask bench gemm`), and so does NVIDIA's cuBLASLt on CUDA ([`Gemm::Cublaslt`]:
+//! what PyTorch's `torch.matmul` and `nn.Linear` call; `cube/cublaslt.rs`). CubeCL 0.10 runs
+//! each thread's kernels on a CUDA stream it does not expose, so a cuBLASLt product waits on
+//! the host for CubeCL's stream before it starts and for its own stream after it ends (Note
+//! [cuBLASLt beside CubeCL] in `cube/cublaslt.rs`): two host synchronisations per GEMM, about
+//! 600 in a BERT-large step, which `bench gemm` and `bench train-step` count in their times.
 //!
 //! Precision: cubek's tensor-core kernels read f32 operands as TF32 (10 mantissa bits, unit
 //! roundoff 2⁻¹¹; `adjust_dtypes` in cubek-matmul's blueprint.rs) wherever the device has
@@ -25,8 +27,9 @@
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
-/// Which CubeCL matmul runs the GEMMs on the GPU backends (`model.gemm`). NdArray ignores it
-/// (its GEMMs are BLAS's or matrixmultiply's, `linear.rs`).
+/// Which matmul runs the GEMMs on the GPU backends (`model.gemm`): one of CubeCL's, or
+/// NVIDIA's cuBLASLt on CUDA. NdArray ignores it (its GEMMs are BLAS's or matrixmultiply's,
+/// `linear.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Gemm {
@@ -39,19 +42,27 @@ pub enum Gemm {
     /// One tensor-core kernel family for every shape (cubek's `SimpleCyclicCmma`, or its unit
     /// kernel where the device has no tensor cores): Burn's matmul built without autotune.
     Cmma,
+    /// NVIDIA's cuBLASLt (`cublasLtMatmul`, its own heuristic's algorithm; f32 as TF32,
+    /// bf16 and f16 accumulated in f32), on `--device cuda` only; a product whose layout it
+    /// cannot take (a strided slice; `gemm_layout.rs`) runs CubeCL's autotuned matmul.
+    Cublaslt,
 }
 
 /// Whether this build has cubek's autotuned matmul (backend-ext's `autotune` feature).
 pub const AUTOTUNE_BUILT: bool = cfg!(feature = "autotune");
 
+/// Whether this build can call cuBLASLt (backend-ext's `cuda` feature).
+pub const CUBLASLT_BUILT: bool = cfg!(feature = "cuda");
+
 /// The process's choice, as [`Gemm`]'s discriminant (0: Auto).
 static CHOICE: AtomicU8 = AtomicU8::new(0);
 
 impl Gemm {
-    /// What runs under this choice in this build: [`Gemm::Autotune`] or [`Gemm::Cmma`].
+    /// What runs under this choice in this build: [`Gemm::Autotune`], [`Gemm::Cmma`] or
+    /// [`Gemm::Cublaslt`].
     ///
     /// # Errors
-    /// `Gemm::Autotune` in a build without it, naming the cargo feature.
+    /// `Gemm::Autotune` or `Gemm::Cublaslt` in a build without it, naming the cargo feature.
     pub fn resolve(self) -> Result<Gemm, String> {
         match self {
             Gemm::Auto if AUTOTUNE_BUILT => Ok(Gemm::Autotune),
@@ -62,8 +73,27 @@ impl Gemm {
                  \"cmma\""
                     .into(),
             ),
+            Gemm::Cublaslt if !CUBLASLT_BUILT => Err(
+                "model.gemm = \"cublaslt\" needs a CUDA build (cargo feature `cuda`); this one \
+                 runs CubeCL's matmuls only"
+                    .into(),
+            ),
             other => Ok(other),
         }
+    }
+
+    /// This choice on a device kind (`cuda`, `wgpu`, `cpu`, as xtask's `--device` names them).
+    ///
+    /// # Errors
+    /// [`Gemm::resolve`]'s, and `cublaslt` off CUDA (cuBLASLt is NVIDIA's library).
+    pub fn for_device(self, device: &str) -> Result<Gemm, String> {
+        if self == Gemm::Cublaslt && device != "cuda" {
+            return Err(format!(
+                "model.gemm = \"cublaslt\" runs on --device cuda only (NVIDIA's library), not \
+                 on {device}"
+            ));
+        }
+        self.resolve()
     }
 
     /// The setting's name.
@@ -72,6 +102,7 @@ impl Gemm {
             Gemm::Auto => "auto",
             Gemm::Autotune => "autotune",
             Gemm::Cmma => "cmma",
+            Gemm::Cublaslt => "cublaslt",
         }
     }
 }
@@ -83,8 +114,9 @@ impl std::str::FromStr for Gemm {
             "auto" => Ok(Gemm::Auto),
             "autotune" => Ok(Gemm::Autotune),
             "cmma" => Ok(Gemm::Cmma),
+            "cublaslt" => Ok(Gemm::Cublaslt),
             other => Err(format!(
-                "unknown gemm `{other}` (expected auto, autotune or cmma)"
+                "unknown gemm `{other}` (expected auto, autotune, cmma or cublaslt)"
             )),
         }
     }
@@ -94,19 +126,25 @@ impl std::str::FromStr for Gemm {
 /// is for NdArray's). A GEMM already enqueued keeps its kernel.
 ///
 /// # Errors
-/// [`Gemm::resolve`]'s: `autotune` in a build without it (the choice is then unchanged).
+/// [`Gemm::resolve`]'s: `autotune` or `cublaslt` in a build without it; `cublaslt` where
+/// NVIDIA's library does not open (the choice is then unchanged).
 pub fn set_gpu_gemm(gemm: Gemm) -> Result<(), String> {
     let resolved = gemm.resolve()?;
+    #[cfg(feature = "cuda")]
+    if resolved == Gemm::Cublaslt {
+        crate::cublaslt::check_library()?;
+    }
     CHOICE.store(resolved as u8, Ordering::Relaxed);
     Ok(())
 }
 
-/// The GEMM the GPU backends use: [`Gemm::Autotune`] or [`Gemm::Cmma`] ([`set_gpu_gemm`]; by
-/// default [`Gemm::Auto`] resolved).
+/// The GEMM the GPU backends use: [`Gemm::Autotune`], [`Gemm::Cmma`] or [`Gemm::Cublaslt`]
+/// ([`set_gpu_gemm`]; by default [`Gemm::Auto`] resolved).
 pub fn gpu_gemm() -> Gemm {
     match CHOICE.load(Ordering::Relaxed) {
         1 => Gemm::Autotune,
         2 => Gemm::Cmma,
+        3 => Gemm::Cublaslt,
         _ => Gemm::Auto
             .resolve()
             .expect("`auto` resolves in every build"),
@@ -156,14 +194,25 @@ mod tests {
         assert_eq!(Gemm::Auto.resolve(), Ok(expected));
         assert_eq!(Gemm::Cmma.resolve(), Ok(Gemm::Cmma));
         assert_eq!(Gemm::Autotune.resolve().is_ok(), AUTOTUNE_BUILT);
-        for g in [Gemm::Auto, Gemm::Autotune, Gemm::Cmma] {
+        assert_eq!(Gemm::Cublaslt.resolve().is_ok(), CUBLASLT_BUILT);
+        for g in [Gemm::Auto, Gemm::Autotune, Gemm::Cmma, Gemm::Cublaslt] {
             assert_eq!(g.name().parse::<Gemm>(), Ok(g));
         }
         let err = "cublas".parse::<Gemm>().unwrap_err();
         assert!(
-            err.contains("`cublas`") && err.contains("autotune"),
+            err.contains("`cublas`") && err.contains("cublaslt"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn cublaslt_is_refused_off_cuda_with_the_device_named() {
+        assert_eq!(Gemm::Cmma.for_device("wgpu"), Ok(Gemm::Cmma));
+        let err = Gemm::Cublaslt.for_device("wgpu").unwrap_err();
+        assert!(err.contains("cublaslt") && err.contains("wgpu"), "{err}");
+        assert_eq!(Gemm::Cublaslt.for_device("cuda").is_ok(), CUBLASLT_BUILT);
+        // The CHOICE discriminants round-trip through gpu_gemm.
+        assert_eq!(Gemm::Cublaslt as u8, 3);
     }
 
     #[test]

@@ -36,6 +36,7 @@ mod cube;
 mod dropout;
 mod functions;
 mod gemm;
+pub mod gemm_layout;
 mod host;
 mod host_adam;
 mod host_embedding;
@@ -54,6 +55,8 @@ use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorMetadata, TensorPrimi
 
 #[cfg(feature = "cube")]
 pub use cube::counting::{CountingRuntime, HostSyncs, KernelLaunches};
+#[cfg(feature = "cuda")]
+pub use cube::cublaslt;
 #[cfg(feature = "cube")]
 pub use cube::kernel_cache::{KERNEL_CACHE_VAR, KernelCache, set_kernel_cache};
 
@@ -75,7 +78,7 @@ pub use functions::{
     attention, bias_dropout_add_layer_norm, bias_gelu, cross_entropy, dense, dense_module, dropout,
     embedding, lamb_multi_tensor, reshape, sum_ordered, sum_squares, tied_decoder_weight,
 };
-pub use gemm::{AUTOTUNE_BUILT, Gemm, GemmPrecision, gpu_gemm, set_gpu_gemm};
+pub use gemm::{AUTOTUNE_BUILT, CUBLASLT_BUILT, Gemm, GemmPrecision, gpu_gemm, set_gpu_gemm};
 pub use host_gemm::{gemm_parts, set_gemm_parts};
 pub use kernels_choice::Kernels;
 

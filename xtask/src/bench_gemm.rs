@@ -39,8 +39,8 @@ pub struct GemmArgs {
     /// Masked positions per sample at each sequence length (MLPerf's 20 at 128, 76 at 512)
     #[arg(long, value_delimiter = ',', default_value = "20,76")]
     max_predictions: Vec<usize>,
-    /// GEMM kernels to time on cuda and wgpu (`model.gemm`: autotune, cmma); default: every
-    /// one this build has
+    /// GEMM kernels to time on cuda and wgpu (`model.gemm`: autotune, cmma, cublaslt on cuda);
+    /// default: every one this build has for the device
     #[arg(long, value_delimiter = ',')]
     gemm: Vec<Gemm>,
     /// Operand dtypes: f32, bf16 (bf16: cuda only); default f32,bf16 on cuda, else f32
@@ -96,16 +96,19 @@ pub fn run(mut args: GemmArgs) -> Result<()> {
         }
     }
     let gemms = if args.gemm.is_empty() {
+        let mut all = vec![Gemm::Cmma];
         if ember_backend_ext::AUTOTUNE_BUILT {
-            vec![Gemm::Autotune, Gemm::Cmma]
-        } else {
-            vec![Gemm::Cmma]
+            all.insert(0, Gemm::Autotune);
         }
+        if ember_backend_ext::CUBLASLT_BUILT && args.device == "cuda" {
+            all.push(Gemm::Cublaslt);
+        }
+        all
     } else {
         args.gemm.clone()
     };
     for gemm in &gemms {
-        gemm.resolve().map_err(anyhow::Error::msg)?;
+        gemm.for_device(&args.device).map_err(anyhow::Error::msg)?;
     }
     let config = BertConfig::preset(args.preset);
     let base = crate::bench_reference::results_base(args.out.as_deref(), "gemm")?;
@@ -249,15 +252,21 @@ fn cuda_paths(args: &GemmArgs, gemms: &[Gemm], list: &[StepGemm]) -> Result<Vec<
     for &gemm in gemms {
         ember_backend_ext::set_gpu_gemm(gemm).map_err(anyhow::Error::msg)?;
         for dtype in &args.dtypes {
+            let refused = ember_backend_ext::cublaslt::refusals();
             let seconds = match dtype.as_str() {
                 "bf16" => time_all::<CudaBf16>(&device, list, args.iters)?,
                 _ => time_all::<CudaF32>(&device, list, args.iters)?,
             };
-            let what = if dtype == "f32" {
+            let mut what = if dtype == "f32" {
                 format!("f32 ({precision})")
             } else {
                 dtype.clone()
             };
+            // Products cuBLASLt refused ran CubeCL's matmul: the row says how many.
+            let refused = ember_backend_ext::cublaslt::refusals() - refused;
+            if refused > 0 {
+                what.push_str(&format!(", {refused} products refused by cuBLASLt"));
+            }
             paths.push(Path {
                 name: format!("ember {} {what}", gemm.name()),
                 seconds,

@@ -65,12 +65,16 @@ pub struct StepArgs {
     /// (GPU backends; from two more runs, `steps` steps apart)
     #[arg(long, default_value_t = 0, value_name = "N")]
     top_kernels: usize,
-    /// GEMM kernels on cuda and wgpu (`model.gemm`): auto, autotune or cmma
+    /// GEMM kernels on cuda and wgpu (`model.gemm`): auto, autotune, cmma, or cublaslt
+    /// (NVIDIA's cuBLASLt, cuda only)
     #[arg(long, default_value = "auto")]
     gemm: ember_backend_ext::Gemm,
 }
 
 pub fn run(args: StepArgs) -> Result<()> {
+    args.gemm
+        .for_device(&args.device)
+        .map_err(anyhow::Error::msg)?;
     match args.device.as_str() {
         "cpu" => bench::<Autodiff<burn::backend::NdArray>>(
             &args,

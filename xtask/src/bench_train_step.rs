@@ -107,6 +107,10 @@ pub struct TrainStepArgs {
     /// Also time the reference under torch.compile (a second reference column)
     #[arg(long)]
     compile: bool,
+    /// ember's GEMMs on cuda and wgpu (`model.gemm`): auto, autotune, cmma, or cublaslt
+    /// (NVIDIA's cuBLASLt, cuda only)
+    #[arg(long, default_value = "auto")]
+    gemm: ember_backend_ext::Gemm,
     /// Size n of the [n, n] × [n, n] GEMM that measures the peak (in each precision of the run)
     #[arg(long, default_value_t = 2048)]
     pub(crate) gemm_size: usize,
@@ -131,6 +135,9 @@ pub fn run(args: TrainStepArgs) -> Result<()> {
     if args.precision.is_empty() {
         bail!("--precision needs at least one value (f32, bf16, fp16)");
     }
+    args.gemm
+        .for_device(&args.device)
+        .map_err(anyhow::Error::msg)?;
     let threads = match args.threads {
         Some(0) => bail!("--threads must be at least 1"),
         Some(n) => n,
@@ -349,6 +356,10 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
             );
         }
     }
+    if args.device != "cpu" {
+        // After CUDA's start, which links cuBLASLt where it is found under another name.
+        ember_backend_ext::set_gpu_gemm(args.gemm).map_err(anyhow::Error::msg)?;
+    }
     let mut references: Vec<(&str, bool)> = Vec::new();
     if python.is_some() {
         references.push(("pytorch", false));
@@ -413,7 +424,7 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
             let gflops = ember_gemm_gflops::<B::InnerBackend>(args.gemm_size, precision, device);
             let name = match mode {
                 Some(mode) => format!("{mode}: {}", ember_trainer::blas::describe()),
-                None => format!("{}'s GEMMs", args.device),
+                None => format!("{} GEMMs", ember_backend_ext::gpu_gemm().name()),
             };
             ember_gemms.push((precision, gflops, name));
         }

@@ -16,7 +16,8 @@ use ember_trainer::parallel::LaunchEnv;
 /// Set in the environment of the process started again: the folder of links it was given.
 const LINKED_VAR: &str = "EMBER_CUDA_LINKS";
 
-/// Makes sure the driver, NVRTC and (`nccl`) NCCL open, then picks the GPU of `launch`'s
+/// Makes sure the driver, NVRTC and (`nccl`) NCCL open, and cuBLASLt where it is found (only
+/// `model.gemm = "cublaslt"` needs it, and checks for it then), then picks the GPU of `launch`'s
 /// local rank and logs it; returns its CUDA ordinal. Call before CUDA, MPI or the rendezvous
 /// start: it may start this process again (same id, same arguments).
 ///
@@ -47,7 +48,10 @@ fn survey(nccl: bool) -> Result<Vec<(Library, Result<Located, String>)>> {
         .is_ok_and(|l| *l == Located::Loadable)
         .then(driver_cuda_major)
         .flatten();
-    let mut libraries = vec![Library::nvrtc(cudarc_names("nvrtc"), driver_major)];
+    let mut libraries = vec![
+        Library::nvrtc(cudarc_names("nvrtc"), driver_major),
+        Library::cublaslt(cudarc_names("cublasLt"), driver_major),
+    ];
     if nccl {
         libraries.push(Library::nccl(cudarc_names("nccl")));
     }
@@ -105,6 +109,8 @@ fn ensure_libraries(nccl: bool) -> Result<()> {
             ),
             // Without a driver nothing else matters.
             Err(e) if library.override_var.is_none() => bail!("no GPU here: {e}"),
+            // `model.gemm = "cublaslt"` says so itself when it needs the library.
+            Err(e) if library.optional => tracing::debug!("{e}"),
             Err(e) => missing.push(e.clone()),
         }
     }
@@ -153,7 +159,7 @@ pub struct GpuLibsArgs {
     ld_library_path: bool,
 }
 
-/// `ember gpu-libs`: where the driver, NVRTC and NCCL were found, and the GPUs this process
+/// `ember gpu-libs`: where the driver, NVRTC, cuBLASLt and NCCL were found, and the GPUs this process
 /// sees.
 pub fn gpu_libs(args: GpuLibsArgs) -> Result<()> {
     let found = survey(true)?;

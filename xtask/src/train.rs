@@ -48,6 +48,12 @@ impl TrainArgs {
 
 pub fn run(args: TrainArgs) -> Result<()> {
     let config = args.resolve()?;
+    config
+        .model
+        .gemm
+        .for_device(&args.device)
+        .map_err(anyhow::Error::msg)
+        .context("model.gemm")?;
     let device = Default::default();
     // SIGTERM/SIGINT: finish the step, write a checkpoint, exit 0 (a second one ends at once).
     ember_trainer::checkpoint::signals::install().context("installing the signal handlers")?;

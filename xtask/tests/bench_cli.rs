@@ -244,7 +244,7 @@ fn embed_bench_writes_its_results() {
 
 /// `bench gemm` on the CPU without the PyTorch side (CI has no torch): the attention products
 /// of the tiny model, each timed, written with the shapes `BertConfig::train_step_gemms` gives;
-/// bf16 on the CPU and mismatched shape lists are clear errors.
+/// bf16 on the CPU, cuBLASLt off CUDA and mismatched shape lists are clear errors.
 #[test]
 fn gemm_bench_times_the_step_products() {
     let dir = tempfile::tempdir().unwrap();
@@ -302,6 +302,15 @@ fn gemm_bench_times_the_step_products() {
         String::from_utf8_lossy(&bf16.stderr).contains("--dtypes bf16 needs --device cuda"),
         "{}",
         String::from_utf8_lossy(&bf16.stderr)
+    );
+    // NVIDIA's library is for --device cuda only, whatever the build.
+    let cublaslt = gemm(&["--gemm", "cublaslt"]);
+    assert!(!cublaslt.status.success());
+    assert!(
+        String::from_utf8_lossy(&cublaslt.stderr)
+            .contains("model.gemm = \"cublaslt\" runs on --device cuda only"),
+        "{}",
+        String::from_utf8_lossy(&cublaslt.stderr)
     );
     let mismatched = gemm(&["--seq-len", "128,512", "--batch-size", "8"]);
     assert!(!mismatched.status.success());

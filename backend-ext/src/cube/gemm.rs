@@ -6,16 +6,17 @@ use burn_cubecl::kernel::matmul::{MatmulStrategy, matmul as cube_matmul};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::CubePrimitive;
 
-#[cfg(feature = "autotune")]
+#[cfg(any(feature = "autotune", feature = "cuda"))]
 use crate::Gemm;
 use crate::{GemmPrecision, gpu_gemm};
 
-/// Burn's matmul strategy for [`gpu_gemm`]'s choice.
+/// Burn's matmul strategy for [`gpu_gemm`]'s choice (cuBLASLt's products that it hands back
+/// run the autotuned one).
 fn strategy() -> MatmulStrategy {
-    // `Gemm::resolve` refuses autotune in a build without it. `Cube` is cubek's
-    // `Strategy::Auto`: SimpleCyclicCmma, or the unit kernel without tensor cores.
+    // `Gemm::resolve` refuses autotune and cuBLASLt in a build without them. `Cube` is
+    // cubek's `Strategy::Auto`: SimpleCyclicCmma, or the unit kernel without tensor cores.
     #[cfg(feature = "autotune")]
-    if gpu_gemm() == Gemm::Autotune {
+    if matches!(gpu_gemm(), Gemm::Autotune | Gemm::Cublaslt) {
         return MatmulStrategy::Autotune;
     }
     #[cfg(not(feature = "autotune"))]
@@ -24,11 +25,18 @@ fn strategy() -> MatmulStrategy {
 }
 
 /// `a · b` (Burn's `float_matmul`: batched over the leading dimensions, broadcast where one
-/// side has 1) with the chosen kernel, in `a`'s dtype.
+/// side has 1) with the chosen kernel (cuBLASLt on CUDA where it takes the layout), in `a`'s
+/// dtype.
 ///
 /// # Panics
 /// As Burn's `float_matmul`, when cubek has no kernel for the operands (mismatched dtypes).
 pub(crate) fn matmul<R: CubeRuntime>(a: CubeTensor<R>, b: CubeTensor<R>) -> CubeTensor<R> {
+    #[cfg(feature = "cuda")]
+    if gpu_gemm() == Gemm::Cublaslt
+        && let Some(product) = super::cublaslt::matmul(&a, &b)
+    {
+        return product;
+    }
     let dtype = a.dtype;
     cube_matmul(a, b, None, strategy(), dtype)
         .unwrap_or_else(|e| panic!("matmul of {dtype:?} operands: {e:?}"))

@@ -1,6 +1,8 @@
 //! [`FusedOps`] for `CubeBackend<R, F, I, BT>`: one CubeCL source for CUDA and wgpu.
 
 pub mod counting;
+#[cfg(feature = "cuda")]
+pub mod cublaslt;
 mod gemm;
 pub mod kernel_cache;
 mod kernels;

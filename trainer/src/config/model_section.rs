@@ -30,11 +30,12 @@ pub struct ModelSection {
 
     #[arg(long)]
     pub gemm_threads: crate::blas::GemmThreads,
-    /// Which CubeCL matmul runs the GEMMs on cuda and wgpu (Note [GPU GEMMs] in
+    /// Which matmul runs the GEMMs on cuda and wgpu (Note [GPU GEMMs] in
     /// backend-ext/src/gemm.rs): `autotune` (cubek times its kernels per shape on the device
     /// and keeps the fastest, cached on disk; builds with the `cuda` feature), `cmma` (one
-    /// tensor-core kernel family for every shape) or `auto` (autotune where built, else
-    /// cmma). The CPU ignores it. Default: auto.
+    /// tensor-core kernel family for every shape), `cublaslt` (NVIDIA's cuBLASLt, cuda only:
+    /// two host waits per GEMM, Note [cuBLASLt beside CubeCL]) or `auto` (autotune where
+    /// built, else cmma). The CPU ignores it. Default: auto.
     #[arg(long)]
     pub gemm: ember_backend_ext::Gemm,
 }

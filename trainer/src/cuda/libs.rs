@@ -4,11 +4,12 @@
 //! `libnccl.so.12`, ..., `libnccl.so.1` and NVRTC as `libnvrtc.so`, `libnvrtc.so.12`, ...
 //! (`cudarc::get_lib_name_candidates`), one `dlopen` each, with no way to hand it a path. But
 //! NCCL's soname is `libnccl.so.2` (the only name pip's `nvidia-nccl-cu12/13` and Debian's
-//! `libnccl2` ship) and CUDA 13 ships `libnvrtc.so.13`: on the lent H200 neither loaded. So
-//! before CUDA is used, each library is looked for in this order: the override variable
-//! (`EMBER_NCCL_LIBRARY`, `EMBER_NVRTC_LIBRARY`: a file); cudarc's own names through the
+//! `libnccl2` ship) and CUDA 13 ships `libnvrtc.so.13` (and `libcublasLt.so.13`, which
+//! `model.gemm = "cublaslt"` opens): on the lent H200 neither loaded. So before CUDA is used,
+//! each library is looked for in this order: the override variable (`EMBER_NCCL_LIBRARY`,
+//! `EMBER_NVRTC_LIBRARY`, `EMBER_CUBLASLT_LIBRARY`: a file); cudarc's own names through the
 //! system's search (`LD_LIBRARY_PATH`, `ld.so.cache`); the names the library ships under
-//! (`libnccl.so.2`; `libnvrtc.so.13`, `.12`) through the same search; then those names in the
+//! (`libnccl.so.2`; `libnvrtc.so.13`, `.12`; `libcublasLt.so.13`, `.12`) through the same search; then those names in the
 //! folders such libraries live in (beside the binary, the active Python environment's
 //! `site-packages/nvidia/*/lib`, `$CUDA_HOME`, `/usr/local/cuda`). A library found only under
 //! another name is given cudarc's first name by a symbolic link in a folder of ember's cache,
@@ -33,6 +34,9 @@ pub struct Library {
     pub override_var: Option<&'static str>,
     /// Sub-folders of `site-packages/nvidia/` whose `lib/` may hold it (pip's wheels).
     pub pip_packages: &'static [&'static str],
+    /// Needed only by a setting (`model.gemm`), which checks for it itself: not finding it is
+    /// no error at start.
+    pub optional: bool,
 }
 
 impl Library {
@@ -44,6 +48,7 @@ impl Library {
             shipped_names: &["libnccl.so.2"],
             override_var: Some("EMBER_NCCL_LIBRARY"),
             pip_packages: &["nccl"],
+            optional: false,
         }
     }
 
@@ -66,6 +71,30 @@ impl Library {
             } else {
                 &["cuda_nvrtc", "cu12"]
             },
+            optional: false,
+        }
+    }
+
+    /// NVIDIA's cuBLASLt, for `model.gemm = "cublaslt"` (pip's `nvidia-cublas` for CUDA 13,
+    /// `nvidia-cublas-cu12`; the CUDA toolkit), no newer than the driver's CUDA major version
+    /// `driver_major` (unknown: any). Optional: other GEMMs do not need it.
+    pub fn cublaslt(cudarc_names: Vec<String>, driver_major: Option<u32>) -> Self {
+        let cuda_13 = driver_major.is_none_or(|major| major >= 13);
+        Self {
+            what: "cuBLASLt",
+            cudarc_names,
+            shipped_names: if cuda_13 {
+                &["libcublasLt.so.13", "libcublasLt.so.12"]
+            } else {
+                &["libcublasLt.so.12"]
+            },
+            override_var: Some("EMBER_CUBLASLT_LIBRARY"),
+            pip_packages: if cuda_13 {
+                &["cu13", "cublas", "cu12"]
+            } else {
+                &["cublas", "cu12"]
+            },
+            optional: true,
         }
     }
 
@@ -77,6 +106,7 @@ impl Library {
             shipped_names: &["libcuda.so.1"],
             override_var: None,
             pip_packages: &[],
+            optional: false,
         }
     }
 }
@@ -334,6 +364,7 @@ mod tests {
             shipped_names: &["libz.so.1"],
             override_var: Some("EMBER_TEST_ZLIB"),
             pip_packages: &["zlib"],
+            optional: false,
         }
     }
 
@@ -394,6 +425,37 @@ mod tests {
         let e = locate(&pip, &bad, None).unwrap_err();
         assert!(
             e.contains("EMBER_TEST_ZLIB") && e.contains("/no/such/libz.so"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn cublaslt_is_looked_for_in_pips_wheels_no_newer_than_the_driver() {
+        let dir = tempfile::tempdir().unwrap();
+        let venv = dir.path().join("venv");
+        std::fs::create_dir_all(venv.join("lib/python3.12/site-packages/nvidia")).unwrap();
+        let env = |name: &str| (name == "VIRTUAL_ENV").then(|| venv.display().to_string());
+        let nvidia = venv.join("lib/python3.12/site-packages/nvidia");
+        let cuda_13 = Library::cublaslt(vec!["libcublasLt.so".into()], Some(13));
+        assert!(cuda_13.optional);
+        assert_eq!(
+            cuda_13.shipped_names,
+            &["libcublasLt.so.13", "libcublasLt.so.12"]
+        );
+        let folders = search_folders(&cuda_13, &env, None);
+        // CUDA 13's `nvidia-cublas` installs into nvidia/cu13/lib, CUDA 12's into cublas/lib.
+        for package in ["cu13", "cublas"] {
+            assert!(
+                folders.contains(&nvidia.join(package).join("lib")),
+                "{package}: {folders:?}"
+            );
+        }
+        let cuda_12 = Library::cublaslt(vec!["libcublasLt.so".into()], Some(12));
+        assert_eq!(cuda_12.shipped_names, &["libcublasLt.so.12"]);
+        assert!(!search_folders(&cuda_12, &env, None).contains(&nvidia.join("cu13/lib")));
+        let e = locate(&cuda_12, &no_env, None).unwrap_err();
+        assert!(
+            e.contains("cuBLASLt") && e.contains("EMBER_CUBLASLT_LIBRARY"),
             "{e}"
         );
     }

@@ -22,6 +22,8 @@ use ember_backend_ext::{DropoutSpec, FusedOps, GemmPrecision, keep_mask, referen
 
 mod column_sums;
 mod common;
+#[cfg(feature = "cuda")]
+mod cublaslt;
 mod dense;
 mod flatten;
 mod half_precision;
@@ -659,6 +661,11 @@ mod cuda {
     #[test]
     fn bf16_kernels_match_the_f32_reference() {
         super::half_precision::check_bf16::<Backend>(&device());
+    }
+
+    #[test]
+    fn cublaslt_products_match_the_host_in_f32_and_bf16() {
+        super::cublaslt::check_cublaslt::<Backend>(&device());
     }
 
     pub fn device() -> burn::backend::cuda::CudaDevice {
