@@ -15,7 +15,11 @@
 //! the operands' memory to another tensor). The cost is the GPU idling while the host catches
 //! up after each wait: about 600 products in a BERT-large step, which the GEMM and step
 //! benchmarks include in their times. A CubeCL that exposes its streams (or takes an event to
-//! wait on) would let the product be enqueued in order instead, with no wait at all.
+//! wait on) would let the product be enqueued in order instead, with no wait at all. Without
+//! one, the waits could move to the device: a one-thread CubeCL kernel writing a flag that
+//! ember's stream waits for (`cuStreamWaitValue32`), and after the product a CubeCL kernel
+//! spinning until ember's stream writes another (`cuStreamWriteValue32`): no host wait, two
+//! more launches per GEMM, and a spinning kernel to prove on a GPU first.
 //!
 //! The layout (which operand is which for a column-major library, transposes, leading
 //! dimensions, batch strides) is `gemm_layout.rs`'s, tested on the host against a
@@ -160,16 +164,23 @@ fn config(plan: &ColumnMajorGemm) -> MatmulConfig {
 }
 
 /// `a · b` (Burn's `float_matmul` semantics: batched over the leading dimensions, broadcast
-/// where one side has 1) through cuBLASLt when `R` is CUDA, both operands are f32, bf16 or
-/// f16 of one dtype, and their layout has a plan; `None` otherwise, for the caller's CubeCL
-/// matmul.
+/// where one side has 1), plus `bias` `[n]` on every row (cuBLASLt's `CUBLASLT_EPILOGUE_BIAS`:
+/// one kernel where the add would be another; a product without batch only), through cuBLASLt
+/// when `R` is CUDA, the tensors are f32, bf16 or f16 of one dtype, and their layout has a
+/// plan; `None` otherwise, for the caller's CubeCL matmul (and bias add).
 pub(crate) fn matmul<R: CubeRuntime>(
     a: &CubeTensor<R>,
     b: &CubeTensor<R>,
+    bias: Option<&CubeTensor<R>>,
 ) -> Option<CubeTensor<R>> {
-    let a = (a as &dyn Any).downcast_ref::<CubeTensor<CudaRuntime>>()?;
-    let b = (b as &dyn Any).downcast_ref::<CubeTensor<CudaRuntime>>()?;
-    let out = cuda_matmul(a, b)?;
+    fn cuda<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<&CubeTensor<CudaRuntime>> {
+        (t as &dyn Any).downcast_ref()
+    }
+    let bias = match bias {
+        Some(bias) => Some(cuda(bias)?),
+        None => None,
+    };
+    let out = cuda_matmul(cuda(a)?, cuda(b)?, bias)?;
     let out: Box<dyn Any> = Box::new(out);
     Some(*out.downcast::<CubeTensor<R>>().ok()?)
 }
@@ -177,6 +188,7 @@ pub(crate) fn matmul<R: CubeRuntime>(
 fn cuda_matmul(
     a: &CubeTensor<CudaRuntime>,
     b: &CubeTensor<CudaRuntime>,
+    bias: Option<&CubeTensor<CudaRuntime>>,
 ) -> Option<CubeTensor<CudaRuntime>> {
     if a.dtype != b.dtype || !matches!(a.dtype, DType::F32 | DType::BF16 | DType::F16) {
         return None;
@@ -188,6 +200,16 @@ fn cuda_matmul(
         b_shape.as_slice(),
         b.meta.strides(),
     )?;
+    // The epilogue adds a contiguous vector over C'`s rows (the row-major output's columns),
+    // the same vector for every product.
+    if let Some(bias) = bias
+        && (bias.dtype != a.dtype
+            || bias.shape().as_slice() != [plan.m]
+            || bias.meta.strides()[0] != 1
+            || plan.batch != 1)
+    {
+        return None;
+    }
     let rank = a_shape.num_dims();
     let mut out_dims: Vec<usize> = (0..rank - 2).map(|d| a_shape[d].max(b_shape[d])).collect();
     out_dims.extend([a_shape[rank - 2], b_shape[rank - 1]]);
@@ -198,7 +220,7 @@ fn cuda_matmul(
         Shape::from(out_dims),
         a.dtype,
     );
-    match run(ordinal, &plan, a, b, &out) {
+    match run(ordinal, &plan, [a, b, &out], bias) {
         Ok(()) => {
             PRODUCTS.fetch_add(1, Ordering::Relaxed);
             Some(out)
@@ -216,13 +238,13 @@ fn cuda_matmul(
     }
 }
 
-/// The product into `out`, between the two host waits of Note [cuBLASLt beside CubeCL].
+/// The product `a · b (+ bias)` into `out`, between the two host waits of Note [cuBLASLt
+/// beside CubeCL].
 fn run(
     ordinal: usize,
     plan: &ColumnMajorGemm,
-    a: &CubeTensor<CudaRuntime>,
-    b: &CubeTensor<CudaRuntime>,
-    out: &CubeTensor<CudaRuntime>,
+    [a, b, out]: [&CubeTensor<CudaRuntime>; 3],
+    bias: Option<&CubeTensor<CudaRuntime>>,
 ) -> Result<(), String> {
     let handle = handle(ordinal)?;
     let handle = handle.lock().unwrap_or_else(|e| e.into_inner());
@@ -234,15 +256,26 @@ fn run(
     };
     // Each keeps its memory from being reused until the product is done.
     let (ra, rb, rc) = (resource(a)?, resource(b)?, resource(out)?);
+    let rbias = bias.map(resource).transpose()?;
+    // (CubeCL's resource type is private to cubecl-cuda: its fields are read in place.)
+    let (pa, pb, pc) = (
+        (ra.resource().ptr, ra.resource().size),
+        (rb.resource().ptr, rb.resource().size),
+        (rc.resource().ptr, rc.resource().size),
+    );
+    let pbias = rbias
+        .as_ref()
+        .map(|r| (r.resource().ptr, r.resource().size));
     // cuBLASLt picks its kernel assuming 256-byte aligned pointers (the default of
     // `CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES`, which cudarc leaves). CubeCL's buffers are
     // 512-byte aligned; a view into one may not be.
     for (what, ptr) in [
-        ("left operand", ra.resource().ptr),
-        ("right operand", rb.resource().ptr),
-        ("output", rc.resource().ptr),
+        ("left operand", Some(pa.0)),
+        ("right operand", Some(pb.0)),
+        ("output", Some(pc.0)),
+        ("bias", pbias.map(|p| p.0)),
     ] {
-        if ptr % 256 != 0 {
+        if ptr.is_some_and(|ptr| ptr % 256 != 0) {
             return Err(format!("the {what} is not 256-byte aligned"));
         }
     }
@@ -253,19 +286,15 @@ fn run(
         len: bytes as usize / element,
         stream: &handle.stream,
     };
-    // (CubeCL's resource type is private to cubecl-cuda: its fields are read in place.)
-    let (pa, pb, pc) = (
-        (ra.resource().ptr, ra.resource().size),
-        (rb.resource().ptr, rb.resource().size),
-        (rc.resource().ptr, rc.resource().size),
-    );
     // A' is the row-major right operand, B' the left (Note [Row-major GEMMs on a column-major
     // BLAS] in gemm_layout.rs).
     let (lhs, rhs, mut dst) = (borrowed(pb), borrowed(pa), borrowed(pc));
+    let bias = pbias.map(borrowed);
     let cfg = config(plan);
-    // SAFETY: the pointers are CubeCL's live buffers (held by `ra`, `rb`, `rc`), written
-    // before CubeCL's stream was waited for; the plan's extents stay within each tensor's
-    // elements (gemm_layout.rs, tested against the column-major definition).
+    // SAFETY: the pointers are CubeCL's live buffers (held by `ra`, `rb`, `rc`, `rbias`),
+    // written before CubeCL's stream was waited for; the plan's extents stay within each
+    // tensor's elements (gemm_layout.rs, tested against the column-major definition), and the
+    // bias has C''s `m` elements (checked by the caller).
     let launched = unsafe {
         match a.dtype {
             DType::BF16 => Matmul::<burn::tensor::bf16>::matmul(
@@ -274,7 +303,7 @@ fn run(
                 &lhs,
                 &rhs,
                 &mut dst,
-                None,
+                bias.as_ref(),
                 None,
             ),
             DType::F16 => Matmul::<burn::tensor::f16>::matmul(
@@ -283,10 +312,12 @@ fn run(
                 &lhs,
                 &rhs,
                 &mut dst,
-                None,
+                bias.as_ref(),
                 None,
             ),
-            _ => Matmul::<f32>::matmul(&handle.blas, cfg, &lhs, &rhs, &mut dst, None, None),
+            _ => {
+                Matmul::<f32>::matmul(&handle.blas, cfg, &lhs, &rhs, &mut dst, bias.as_ref(), None)
+            }
         }
     };
     let waited = handle.stream.synchronize();

@@ -33,7 +33,7 @@ fn strategy() -> MatmulStrategy {
 pub(crate) fn matmul<R: CubeRuntime>(a: CubeTensor<R>, b: CubeTensor<R>) -> CubeTensor<R> {
     #[cfg(feature = "cuda")]
     if gpu_gemm() == Gemm::Cublaslt
-        && let Some(product) = super::cublaslt::matmul(&a, &b)
+        && let Some(product) = super::cublaslt::matmul(&a, &b, None)
     {
         return product;
     }
@@ -59,7 +59,17 @@ pub(crate) fn dense<R: CubeRuntime>(
     let i = x_shape[x_shape.num_dims() - 1];
     let o = weight.shape()[1];
     let rows = x_shape.num_elements() / i.max(1);
-    let y = matmul(reshape(x, Shape::new([rows, i])), weight);
+    let x = reshape(x, Shape::new([rows, i]));
+    // cuBLASLt adds the bias in its epilogue.
+    #[cfg(feature = "cuda")]
+    if gpu_gemm() == Gemm::Cublaslt
+        && let Some(y) = super::cublaslt::matmul(&x, &weight, bias.as_ref())
+    {
+        let mut out_dims = x_shape.as_slice().to_vec();
+        *out_dims.last_mut().expect("x has at least one dimension") = o;
+        return reshape(y, Shape::from(out_dims));
+    }
+    let y = matmul(x, weight);
     let y = match bias {
         Some(bias) => add(y, reshape(bias, Shape::new([1, o]))),
         None => y,

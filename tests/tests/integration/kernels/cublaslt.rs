@@ -1,8 +1,9 @@
 //! `model.gemm = "cublaslt"` on CUDA (`backend-ext/src/cube/cublaslt.rs`): the products of a
 //! BERT step as ember lays them out (dense layers on rows, their gradients through transposed
-//! views, attention's batched products, a broadcast weight), in f32 and bf16, against the
-//! products of the same rounded values in f64 on the host; each product must have run on
-//! cuBLASLt (its counter), not on CubeCL's matmul.
+//! views, attention's batched products, a broadcast weight; the dense layer with its bias in
+//! cuBLASLt's epilogue), in f32 and bf16, against the products of the same rounded values in
+//! f64 on the host; each product must have run on cuBLASLt (its counter), not on CubeCL's
+//! matmul.
 
 use burn::tensor::{DType, Tensor, TensorPrimitive};
 use ember_backend_ext::{FusedOps, Gemm, GemmPrecision};
@@ -126,6 +127,33 @@ pub(super) fn check_cublaslt<B: FusedOps>(device: &B::Device) {
                 got[i],
                 expected[i],
                 bound(expected[i], scale[i], k, dtype, f32_gemm)
+            );
+        }
+    }
+    // The dense layer: rows flattened to one product, the bias added in cuBLASLt's epilogue.
+    for dtype in [DType::F32, DType::BF16] {
+        let ([b, s, i, o], k) = ([3, 37, 70, 50], 70);
+        let x = random::<B, 3>([b, s, i], device).cast(dtype);
+        let w = random::<B, 2>([i, o], device).cast(dtype);
+        let bias = random::<B, 1>([o], device).cast(dtype);
+        let (xh, wh, bh) = (values(x.clone()), values(w.clone()), values(bias.clone()));
+        let before = ember_backend_ext::cublaslt::products();
+        let y = ember_backend_ext::dense(x, w, Some(bias));
+        assert_eq!(y.dims(), [b, s, o]);
+        assert_eq!(
+            ember_backend_ext::cublaslt::products(),
+            before + 1,
+            "dense ({dtype:?}): not one cuBLASLt product"
+        );
+        let got = values(y);
+        let (expected, scale) = host_product(&xh, &wh, [1, b * s, k, o], true);
+        for (e, ((&g, &c), &sc)) in got.iter().zip(&expected).zip(&scale).enumerate() {
+            let c = c + f64::from(bh[e % o]);
+            let sc = sc + f64::from(bh[e % o]).abs();
+            let err = (f64::from(g) - c).abs();
+            assert!(
+                err <= bound(c, sc, k, dtype, f32_gemm),
+                "dense ({dtype:?}): element {e} is {g} where the host gives {c}"
             );
         }
     }
