@@ -172,23 +172,49 @@ impl<B: FusedOps> Backward<B, 3> for AttentionBackward {
         // made contiguous once for its two products.
         let grad = B::contiguous(grads.consume::<B>(&ops.node));
         let (q, k, v, probs, dropped, scale, dropout) = ops.state;
-        if let Some(node) = node_v {
-            // context = dropped · V  ⇒  dV = droppedᵀ · grad
-            let grad_v = B::batched_matmul(B::float_swap_dims(dropped, 2, 3), grad.clone());
-            register_sum!(grads, &node, grad_v);
-        }
-        if node_q.is_none() && node_k.is_none() {
-            return;
-        }
-        let grad_dropped = B::batched_matmul(grad, B::float_swap_dims(v, 2, 3));
+        // context = dropped · V  ⇒  dV = droppedᵀ · grad, d(dropped) = grad · Vᵀ: a pair of
+        // products where both are needed (one window of host waits on cuBLASLt).
+        let wants_scores = node_q.is_some() || node_k.is_some();
+        let grad_dropped = match (node_v, wants_scores) {
+            (Some(node), true) => {
+                let (grad_v, grad_dropped) = B::batched_matmul_pair(
+                    B::float_swap_dims(dropped, 2, 3),
+                    grad.clone(),
+                    grad,
+                    B::float_swap_dims(v, 2, 3),
+                );
+                register_sum!(grads, &node, grad_v);
+                grad_dropped
+            }
+            (Some(node), false) => {
+                let grad_v = B::batched_matmul(B::float_swap_dims(dropped, 2, 3), grad);
+                register_sum!(grads, &node, grad_v);
+                return;
+            }
+            (None, true) => B::batched_matmul(grad, B::float_swap_dims(v, 2, 3)),
+            (None, false) => return,
+        };
         let grad_scores = B::masked_softmax_dropout_backward(grad_dropped, probs, scale, dropout);
-        if let Some(node) = node_q {
-            // scores = Q · Kᵀ  ⇒  dQ = dS · K, dK = dSᵀ · Q
-            register_sum!(grads, &node, B::batched_matmul(grad_scores.clone(), k));
-        }
-        if let Some(node) = node_k {
-            let grad_k = B::batched_matmul(B::float_swap_dims(grad_scores, 2, 3), q);
-            register_sum!(grads, &node, grad_k);
+        // scores = Q · Kᵀ  ⇒  dQ = dS · K, dK = dSᵀ · Q
+        match (node_q, node_k) {
+            (Some(node_q), Some(node_k)) => {
+                let (grad_q, grad_k) = B::batched_matmul_pair(
+                    grad_scores.clone(),
+                    k,
+                    B::float_swap_dims(grad_scores, 2, 3),
+                    q,
+                );
+                register_sum!(grads, &node_q, grad_q);
+                register_sum!(grads, &node_k, grad_k);
+            }
+            (Some(node), None) => {
+                register_sum!(grads, &node, B::batched_matmul(grad_scores, k));
+            }
+            (None, Some(node)) => {
+                let grad_k = B::batched_matmul(B::float_swap_dims(grad_scores, 2, 3), q);
+                register_sum!(grads, &node, grad_k);
+            }
+            (None, None) => {}
         }
     }
 }

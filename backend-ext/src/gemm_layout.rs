@@ -19,7 +19,7 @@
 /// `MatmulConfig` fields): `C'[batch] = op(A')·op(B')`, `C'` `[m, n]` column-major with
 /// leading dimension `ldc`, where `A'` is the row-major `B` and `B'` the row-major `A`
 /// (Note [Row-major GEMMs on a column-major BLAS]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ColumnMajorGemm {
     /// Whether `A'` (the row-major right operand) is read transposed.
     pub transa: bool,

@@ -210,7 +210,9 @@ pub trait FusedOps: Backend {
         grad: FloatTensor<Self>,
         with_bias: bool,
     ) -> DenseGrads<Self> {
-        linear::flattened_linear_backward::<Self>(x, weight, grad, with_bias, Self::float_matmul)
+        linear::flattened_linear_backward::<Self>(x, weight, grad, with_bias, |a1, b1, a2, b2| {
+            (Self::float_matmul(a1, b1), Self::float_matmul(a2, b2))
+        })
     }
 
     /// The precision this backend's GEMMs give f32 operands on `device`: exact f32 on NdArray
@@ -611,6 +613,22 @@ pub trait FusedOps: Backend {
     /// `a` `[B, nh, M, K]`, `b` `[B, nh, K, N]` → `[B, nh, M, N]`
     fn batched_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
         Self::float_matmul(a, b)
+    }
+
+    /// Two [`FusedOps::batched_matmul`]s that do not read each other's output (attention's
+    /// backward: `dV` and `dP`, `dQ` and `dK`), `(a1 · b1, a2 · b2)`. CUDA under
+    /// `model.gemm = "cublaslt"` runs both between one set of host waits (Note [cuBLASLt
+    /// beside CubeCL]); the default is two calls.
+    ///
+    /// # Shapes
+    /// as [`FusedOps::batched_matmul`], for each pair
+    fn batched_matmul_pair(
+        a1: FloatTensor<Self>,
+        b1: FloatTensor<Self>,
+        a2: FloatTensor<Self>,
+        b2: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        (Self::batched_matmul(a1, b1), Self::batched_matmul(a2, b2))
     }
 
     /// The attention core, `dropout(softmax(Q·Kᵀ·scale + mask_bias)) · V`: two batched

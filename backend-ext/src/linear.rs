@@ -47,13 +47,19 @@ pub(crate) fn reference_linear_backward<B: FusedOps>(
 
 /// The default body of [`FusedOps::dense_backward`]: the rows flattened to `[R, I]` and
 /// `[R, O]` (views of contiguous tensors), `dx = g·Wᵀ`, `dW = xᵀ·g`, `db = Σ_rows g`, the
-/// products by `matmul` (Burn's, or the GPU backends' choice of kernel, `gemm.rs`).
+/// two products by `matmul_pair` (Burn's, or the GPU backends' choice of kernel, `gemm.rs`;
+/// cuBLASLt runs the pair between one set of host waits).
 pub(crate) fn flattened_linear_backward<B: FusedOps>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     grad: FloatTensor<B>,
     with_bias: bool,
-    matmul: impl Fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>,
+    matmul_pair: impl Fn(
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+    ) -> (FloatTensor<B>, FloatTensor<B>),
 ) -> DenseGrads<B> {
     let x_shape = x.shape();
     let (i, o) = (
@@ -63,9 +69,13 @@ pub(crate) fn flattened_linear_backward<B: FusedOps>(
     let rows = x_shape.num_elements() / i.max(1);
     let x2 = B::float_reshape(x, Shape::new([rows, i]));
     let g2 = B::float_reshape(grad, Shape::new([rows, o]));
-    let dx = matmul(g2.clone(), B::float_swap_dims(weight, 0, 1));
+    let (dx, dweight) = matmul_pair(
+        g2.clone(),
+        B::float_swap_dims(weight, 0, 1),
+        B::float_swap_dims(x2, 0, 1),
+        g2.clone(),
+    );
     let dx = B::float_reshape(dx, x_shape);
-    let dweight = matmul(B::float_swap_dims(x2, 0, 1), g2.clone());
     let dbias = with_bias.then(|| B::float_reshape(B::float_sum_dim(g2, 0), Shape::new([o])));
     (dx, dweight, dbias)
 }

@@ -51,6 +51,18 @@ fn count(stream_id: StreamId, f: impl FnOnce(&mut HostSyncs)) {
     f(counts.entry(stream_id.value).or_default());
 }
 
+/// Counts a launch that bypassed CubeCL's server (a cuBLASLt product: one launch, though
+/// cuBLASLt may split it into two kernels) for the calling thread, under `name`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn count_foreign_launch(name: &'static str) {
+    let stream = StreamId::current();
+    count(stream, |c| c.launches += 1);
+    if RECORD_BY_KERNEL.load(Ordering::Relaxed) {
+        let mut by_kernel = BY_KERNEL.lock().unwrap_or_else(|e| e.into_inner());
+        *by_kernel.entry((stream.value, name)).or_default() += 1;
+    }
+}
+
 /// Launches per calling thread and kernel name, kept while [`KernelLaunches::record`] is on.
 static BY_KERNEL: Mutex<BTreeMap<(u64, &'static str), u64>> = Mutex::new(BTreeMap::new());
 static RECORD_BY_KERNEL: AtomicBool = AtomicBool::new(false);

@@ -25,10 +25,12 @@
 //! dimensions, batch strides) is `gemm_layout.rs`'s, tested on the host against a
 //! column-major GEMM's definition. A layout it has no plan for (a strided slice, batch
 //! dimensions that do not flatten) and a product cuBLASLt refuses run CubeCL's autotuned
-//! matmul instead; the refusals are counted ([`refusals`]) and the first is logged.
+//! matmul instead; the refusals are counted ([`refusals`]), the first is logged, and a refused
+//! layout is not offered again. An error reported by either wait is a device fault, not a
+//! refusal: it panics, as CubeCL does on one.
 
 use std::any::Any;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -37,6 +39,7 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cubecl_runtime::server::ComputeServer;
 use cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
@@ -163,6 +166,13 @@ fn config(plan: &ColumnMajorGemm) -> MatmulConfig {
     }
 }
 
+/// One product for [`matmuls`]: `a · b`, plus `bias` on every row.
+pub(crate) type Operands<'t, R> = (
+    &'t CubeTensor<R>,
+    &'t CubeTensor<R>,
+    Option<&'t CubeTensor<R>>,
+);
+
 /// `a · b` (Burn's `float_matmul` semantics: batched over the leading dimensions, broadcast
 /// where one side has 1), plus `bias` `[n]` on every row (cuBLASLt's `CUBLASLT_EPILOGUE_BIAS`:
 /// one kernel where the add would be another; a product without batch only), through cuBLASLt
@@ -173,23 +183,87 @@ pub(crate) fn matmul<R: CubeRuntime>(
     b: &CubeTensor<R>,
     bias: Option<&CubeTensor<R>>,
 ) -> Option<CubeTensor<R>> {
-    fn cuda<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<&CubeTensor<CudaRuntime>> {
-        (t as &dyn Any).downcast_ref()
-    }
-    let bias = match bias {
-        Some(bias) => Some(cuda(bias)?),
-        None => None,
-    };
-    let out = cuda_matmul(cuda(a)?, cuda(b)?, bias)?;
-    let out: Box<dyn Any> = Box::new(out);
-    Some(*out.downcast::<CubeTensor<R>>().ok()?)
+    matmuls(&[(a, b, bias)]).pop().flatten()
 }
 
-fn cuda_matmul(
-    a: &CubeTensor<CudaRuntime>,
-    b: &CubeTensor<CudaRuntime>,
-    bias: Option<&CubeTensor<CudaRuntime>>,
-) -> Option<CubeTensor<CudaRuntime>> {
+/// Products that do not read each other's outputs, as [`matmul`] each, all between the same
+/// two host waits (the dense layer's `dx` and `dW`; attention's `dV` and `dP`, `dQ` and `dK`):
+/// one window of Note [cuBLASLt beside CubeCL] instead of one per product. `None` where a
+/// product has no plan or cuBLASLt refused it, for the caller's CubeCL matmul.
+pub(crate) fn matmuls<R: CubeRuntime>(products: &[Operands<'_, R>]) -> Vec<Option<CubeTensor<R>>> {
+    // Burn's CUDA backend, or ember's counting one around it (`CountingCuda`: what `train`
+    // and the step benchmarks run): the same storage, so the same pointers.
+    fn on<R: CubeRuntime, C: CudaLike>(
+        products: &[Operands<'_, R>],
+    ) -> Option<Vec<Option<CubeTensor<R>>>> {
+        fn cast<R: CubeRuntime, C: CubeRuntime>(t: &CubeTensor<R>) -> Option<&CubeTensor<C>> {
+            (t as &dyn Any).downcast_ref()
+        }
+        let mut cast_products = Vec::with_capacity(products.len());
+        for &(a, b, bias) in products {
+            let bias = match bias {
+                Some(bias) => Some(cast::<R, C>(bias)?),
+                None => None,
+            };
+            cast_products.push((cast::<R, C>(a)?, cast::<R, C>(b)?, bias));
+        }
+        Some(
+            cuda_matmuls(&cast_products)
+                .into_iter()
+                .map(|out| {
+                    let out: Box<dyn Any> = Box::new(out?);
+                    out.downcast::<CubeTensor<R>>().ok().map(|t| *t)
+                })
+                .collect(),
+        )
+    }
+    on::<R, CudaRuntime>(products)
+        .or_else(|| on::<R, crate::CountingRuntime<CudaRuntime>>(products))
+        .unwrap_or_else(|| products.iter().map(|_| None).collect())
+}
+
+/// The storage of CubeCL's CUDA runtime: its resources are device pointers.
+type CudaStorage = <<CudaRuntime as CubeRuntime>::CubeServer as ComputeServer>::Storage;
+
+/// A runtime on CUDA's devices and storage: `CudaRuntime` and `CountingRuntime<CudaRuntime>`.
+trait CudaLike:
+    CubeRuntime<CubeDevice = CudaDevice, CubeServer: ComputeServer<Storage = CudaStorage>>
+{
+}
+impl<C> CudaLike for C where
+    C: CubeRuntime<CubeDevice = CudaDevice, CubeServer: ComputeServer<Storage = CudaStorage>>
+{
+}
+
+/// What a refused product is known by: its plan, dtype and whether it had a bias.
+type RefusalKey = (ColumnMajorGemm, DType, bool);
+
+/// The layouts cuBLASLt refused, so that they go to CubeCL's matmul at once instead of after
+/// another host wait.
+fn refused() -> &'static Mutex<HashSet<RefusalKey>> {
+    static REFUSED: OnceLock<Mutex<HashSet<RefusalKey>>> = OnceLock::new();
+    REFUSED.get_or_init(Default::default)
+}
+
+/// A product with a plan, and its output's memory.
+struct Planned<'t, C: CubeRuntime> {
+    plan: ColumnMajorGemm,
+    a: &'t CubeTensor<C>,
+    b: &'t CubeTensor<C>,
+    bias: Option<&'t CubeTensor<C>>,
+    out: CubeTensor<C>,
+    key: RefusalKey,
+}
+
+/// The plan of one product and its output, or `None` (no plan, a bias the epilogue cannot
+/// take, a layout refused before).
+fn plan<'t, C: CudaLike>(
+    (a, b, bias): (
+        &'t CubeTensor<C>,
+        &'t CubeTensor<C>,
+        Option<&'t CubeTensor<C>>,
+    ),
+) -> Option<Planned<'t, C>> {
     if a.dtype != b.dtype || !matches!(a.dtype, DType::F32 | DType::BF16 | DType::F16) {
         return None;
     }
@@ -210,117 +284,195 @@ fn cuda_matmul(
     {
         return None;
     }
+    let key = (plan, a.dtype, bias.is_some());
+    if refused()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .contains(&key)
+    {
+        return None;
+    }
     let rank = a_shape.num_dims();
     let mut out_dims: Vec<usize> = (0..rank - 2).map(|d| a_shape[d].max(b_shape[d])).collect();
     out_dims.extend([a_shape[rank - 2], b_shape[rank - 1]]);
-    let ordinal = (&a.device as &dyn Any).downcast_ref::<CudaDevice>()?.index;
     let out = empty_device_contiguous_dtype(
         a.client.clone(),
         a.device.clone(),
         Shape::from(out_dims),
         a.dtype,
     );
-    match run(ordinal, &plan, [a, b, &out], bias) {
-        Ok(()) => {
-            PRODUCTS.fetch_add(1, Ordering::Relaxed);
-            Some(out)
-        }
-        Err(reason) => {
-            if REFUSALS.fetch_add(1, Ordering::Relaxed) == 0 {
-                tracing::warn!(
-                    "cuBLASLt refused a {:?} product of [{a_shape:?}]·[{b_shape:?}] ({reason}): \
-                     CubeCL's matmul runs it, and the next refusals are only counted",
-                    a.dtype
-                );
-            }
-            None
-        }
-    }
+    Some(Planned {
+        plan,
+        a,
+        b,
+        bias,
+        out,
+        key,
+    })
 }
 
-/// The product `a · b (+ bias)` into `out`, between the two host waits of Note [cuBLASLt
-/// beside CubeCL].
-fn run(
-    ordinal: usize,
-    plan: &ColumnMajorGemm,
-    [a, b, out]: [&CubeTensor<CudaRuntime>; 3],
-    bias: Option<&CubeTensor<CudaRuntime>>,
-) -> Result<(), String> {
-    let handle = handle(ordinal)?;
+fn cuda_matmuls<C: CudaLike>(products: &[Operands<'_, C>]) -> Vec<Option<CubeTensor<C>>> {
+    let planned: Vec<Option<Planned<'_, C>>> = products.iter().map(|&p| plan(p)).collect();
+    let Some(first) = planned.iter().flatten().next() else {
+        return products.iter().map(|_| None).collect();
+    };
+    let ordinal = first.a.device.index;
+    let results = run(ordinal, &planned);
+    planned
+        .into_iter()
+        .zip(results)
+        .map(|(planned, result)| {
+            let planned = planned?;
+            match result {
+                Ok(()) => {
+                    PRODUCTS.fetch_add(1, Ordering::Relaxed);
+                    // In the counting runtime's launches, as the CubeCL GEMM it replaces would be.
+                    super::counting::count_foreign_launch("cublasLtMatmul");
+                    Some(planned.out)
+                }
+                Err(reason) => {
+                    refused()
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(planned.key);
+                    if REFUSALS.fetch_add(1, Ordering::Relaxed) == 0 {
+                        tracing::warn!(
+                            "cuBLASLt refused a {:?} product of [{:?}]·[{:?}] ({reason}): \
+                             CubeCL's matmul runs it and the products of its layout, and the \
+                             next refusals are only counted",
+                            planned.a.dtype,
+                            planned.a.shape(),
+                            planned.b.shape()
+                        );
+                    }
+                    None
+                }
+            }
+        })
+        .collect()
+}
+
+/// The planned products (`None`: skipped), between the two host waits of Note [cuBLASLt
+/// beside CubeCL]: `Ok` where the product was written into its output, else why cuBLASLt did
+/// not (no handle: the library, the device; an unaligned pointer; no algorithm for the layout;
+/// a refused launch), for the caller's CubeCL matmul.
+///
+/// # Panics
+/// When a wait reports an error: a fault of an earlier kernel (CubeCL's stream) or of a
+/// product (ember's), after which no result on this device can be trusted.
+fn run<C: CudaLike>(ordinal: usize, planned: &[Option<Planned<'_, C>>]) -> Vec<Result<(), String>> {
+    let handle = match handle(ordinal) {
+        Ok(handle) => handle,
+        Err(e) => return planned.iter().map(|_| Err(e.clone())).collect(),
+    };
     let handle = handle.lock().unwrap_or_else(|e| e.into_inner());
-    let client = &a.client;
-    let resource = |t: &CubeTensor<CudaRuntime>| {
+    let Some(client) = planned.iter().flatten().next().map(|p| p.a.client.clone()) else {
+        return Vec::new();
+    };
+    let resource = |t: &CubeTensor<C>| {
         client
             .get_resource(t.handle.clone())
             .map_err(|e| format!("CubeCL's buffer: {e:?}"))
     };
-    // Each keeps its memory from being reused until the product is done.
-    let (ra, rb, rc) = (resource(a)?, resource(b)?, resource(out)?);
-    let rbias = bias.map(resource).transpose()?;
-    // (CubeCL's resource type is private to cubecl-cuda: its fields are read in place.)
-    let (pa, pb, pc) = (
-        (ra.resource().ptr, ra.resource().size),
-        (rb.resource().ptr, rb.resource().size),
-        (rc.resource().ptr, rc.resource().size),
-    );
-    let pbias = rbias
-        .as_ref()
-        .map(|r| (r.resource().ptr, r.resource().size));
-    // cuBLASLt picks its kernel assuming 256-byte aligned pointers (the default of
-    // `CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES`, which cudarc leaves). CubeCL's buffers are
-    // 512-byte aligned; a view into one may not be.
-    for (what, ptr) in [
-        ("left operand", Some(pa.0)),
-        ("right operand", Some(pb.0)),
-        ("output", Some(pc.0)),
-        ("bias", pbias.map(|p| p.0)),
-    ] {
-        if ptr.is_some_and(|ptr| ptr % 256 != 0) {
-            return Err(format!("the {what} is not 256-byte aligned"));
-        }
-    }
-    cubecl::future::block_on(client.sync()).map_err(|e| format!("CubeCL's stream: {e:?}"))?;
-    let element = a.dtype.size();
-    let borrowed = |(ptr, bytes): (CUdeviceptr, u64)| Borrowed {
-        ptr,
-        len: bytes as usize / element,
-        stream: &handle.stream,
-    };
-    // A' is the row-major right operand, B' the left (Note [Row-major GEMMs on a column-major
-    // BLAS] in gemm_layout.rs).
-    let (lhs, rhs, mut dst) = (borrowed(pb), borrowed(pa), borrowed(pc));
-    let bias = pbias.map(borrowed);
-    let cfg = config(plan);
-    // SAFETY: the pointers are CubeCL's live buffers (held by `ra`, `rb`, `rc`, `rbias`),
-    // written before CubeCL's stream was waited for; the plan's extents stay within each
-    // tensor's elements (gemm_layout.rs, tested against the column-major definition), and the
-    // bias has C''s `m` elements (checked by the caller).
-    let launched = unsafe {
-        match a.dtype {
-            DType::BF16 => Matmul::<burn::tensor::bf16>::matmul(
-                &handle.blas,
-                cfg,
-                &lhs,
-                &rhs,
-                &mut dst,
-                bias.as_ref(),
-                None,
-            ),
-            DType::F16 => Matmul::<burn::tensor::f16>::matmul(
-                &handle.blas,
-                cfg,
-                &lhs,
-                &rhs,
-                &mut dst,
-                bias.as_ref(),
-                None,
-            ),
-            _ => {
-                Matmul::<f32>::matmul(&handle.blas, cfg, &lhs, &rhs, &mut dst, bias.as_ref(), None)
+    // Each keeps its memory from being reused until the products are done.
+    let mut held = Vec::new();
+    let mut results: Vec<Result<[(CUdeviceptr, u64); 4], String>> = Vec::new();
+    for p in planned {
+        let Some(p) = p else {
+            results.push(Err("no plan".into()));
+            continue;
+        };
+        let pointers = (|| {
+            let (ra, rb, rc) = (resource(p.a)?, resource(p.b)?, resource(&p.out)?);
+            let rbias = p.bias.map(resource).transpose()?;
+            // (CubeCL's resource type is private to cubecl-cuda: its fields are read in place.)
+            let pointers = [
+                (ra.resource().ptr, ra.resource().size),
+                (rb.resource().ptr, rb.resource().size),
+                (rc.resource().ptr, rc.resource().size),
+                rbias
+                    .as_ref()
+                    .map_or((0, 0), |r| (r.resource().ptr, r.resource().size)),
+            ];
+            held.push((ra, rb, rc, rbias));
+            // cuBLASLt picks its kernel assuming 256-byte aligned pointers (the default of
+            // `CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES`, which cudarc leaves). CubeCL's
+            // buffers are 512-byte aligned; a view into one may not be.
+            for (what, (ptr, _)) in ["left operand", "right operand", "output", "bias"]
+                .into_iter()
+                .zip(pointers)
+            {
+                if ptr % 256 != 0 {
+                    return Err(format!("the {what} is not 256-byte aligned"));
+                }
             }
-        }
-    };
-    let waited = handle.stream.synchronize();
-    launched.map_err(|e| format!("{e:?}"))?;
-    waited.map_err(|e| format!("waiting for cuBLASLt's stream: {e:?}"))
+            Ok(pointers)
+        })();
+        results.push(pointers);
+    }
+    if results.iter().all(Result::is_err) {
+        return results.into_iter().map(|r| r.map(|_| ())).collect();
+    }
+    if let Err(e) = cubecl::future::block_on(client.sync()) {
+        panic!("CUDA device {ordinal}: CubeCL's stream failed before a cuBLASLt product: {e:?}");
+    }
+    let launched: Vec<Result<(), String>> = planned
+        .iter()
+        .zip(results)
+        .map(|(p, pointers)| {
+            let (p, [pa, pb, pc, pbias]) = (p.as_ref().expect("planned"), pointers?);
+            let element = p.a.dtype.size();
+            let borrowed = |(ptr, bytes): (CUdeviceptr, u64)| Borrowed {
+                ptr,
+                len: bytes as usize / element,
+                stream: &handle.stream,
+            };
+            // A' is the row-major right operand, B' the left (Note [Row-major GEMMs on a
+            // column-major BLAS] in gemm_layout.rs).
+            let (lhs, rhs, mut dst) = (borrowed(pb), borrowed(pa), borrowed(pc));
+            let bias = p.bias.map(|_| borrowed(pbias));
+            let cfg = config(&p.plan);
+            // SAFETY: the pointers are CubeCL's live buffers (held in `held`), written before
+            // CubeCL's stream was waited for; the plan's extents stay within each tensor's
+            // elements (gemm_layout.rs, tested against the column-major definition), and the
+            // bias has C''s `m` elements (checked by `plan`).
+            unsafe {
+                match p.a.dtype {
+                    DType::BF16 => Matmul::<burn::tensor::bf16>::matmul(
+                        &handle.blas,
+                        cfg,
+                        &lhs,
+                        &rhs,
+                        &mut dst,
+                        bias.as_ref(),
+                        None,
+                    ),
+                    DType::F16 => Matmul::<burn::tensor::f16>::matmul(
+                        &handle.blas,
+                        cfg,
+                        &lhs,
+                        &rhs,
+                        &mut dst,
+                        bias.as_ref(),
+                        None,
+                    ),
+                    _ => Matmul::<f32>::matmul(
+                        &handle.blas,
+                        cfg,
+                        &lhs,
+                        &rhs,
+                        &mut dst,
+                        bias.as_ref(),
+                        None,
+                    ),
+                }
+            }
+            .map_err(|e| format!("{e:?}"))
+        })
+        .collect();
+    if let Err(e) = handle.stream.synchronize() {
+        panic!("CUDA device {ordinal}: a cuBLASLt product failed on the device: {e:?}");
+    }
+    drop(held);
+    launched
 }

@@ -42,6 +42,35 @@ pub(crate) fn matmul<R: CubeRuntime>(a: CubeTensor<R>, b: CubeTensor<R>) -> Cube
         .unwrap_or_else(|e| panic!("matmul of {dtype:?} operands: {e:?}"))
 }
 
+/// `a1 · b1` and `a2 · b2`, as [`matmul`] each, for products that do not read each other's
+/// output: on cuBLASLt in one window of host waits (Note [cuBLASLt beside CubeCL]).
+pub(crate) fn matmul_pair<R: CubeRuntime>(
+    a1: CubeTensor<R>,
+    b1: CubeTensor<R>,
+    a2: CubeTensor<R>,
+    b2: CubeTensor<R>,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    #[cfg(feature = "cuda")]
+    if gpu_gemm() == Gemm::Cublaslt {
+        let mut both = super::cublaslt::matmuls(&[(&a1, &b1, None), (&a2, &b2, None)]);
+        let second = both.pop().flatten();
+        let first = both.pop().flatten();
+        return (
+            first.unwrap_or_else(|| cube_only(a1, b1)),
+            second.unwrap_or_else(|| cube_only(a2, b2)),
+        );
+    }
+    (matmul(a1, b1), matmul(a2, b2))
+}
+
+/// [`matmul`] on CubeCL's kernel, whatever the choice (a product cuBLASLt did not take).
+#[cfg(feature = "cuda")]
+fn cube_only<R: CubeRuntime>(a: CubeTensor<R>, b: CubeTensor<R>) -> CubeTensor<R> {
+    let dtype = a.dtype;
+    cube_matmul(a, b, None, strategy(), dtype)
+        .unwrap_or_else(|e| panic!("matmul of {dtype:?} operands: {e:?}"))
+}
+
 /// `x · weight + bias` on the rows flattened to `[R, I]`: one `[R, I]·[I, O]` GEMM, where
 /// Burn's `linear` multiplies `[B, S, I]` by the weight broadcast to `[1, I, O]` (B products
 /// of S rows each, too few rows to fill a tensor-core tile schedule at S = 128).

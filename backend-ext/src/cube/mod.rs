@@ -151,11 +151,26 @@ where
         grad: CubeTensor<R>,
         with_bias: bool,
     ) -> crate::DenseGrads<Self> {
-        crate::linear::flattened_linear_backward::<Self>(x, weight, grad, with_bias, gemm::matmul)
+        crate::linear::flattened_linear_backward::<Self>(
+            x,
+            weight,
+            grad,
+            with_bias,
+            gemm::matmul_pair,
+        )
     }
 
     fn batched_matmul(a: CubeTensor<R>, b: CubeTensor<R>) -> CubeTensor<R> {
         gemm::matmul(a, b)
+    }
+
+    fn batched_matmul_pair(
+        a1: CubeTensor<R>,
+        b1: CubeTensor<R>,
+        a2: CubeTensor<R>,
+        b2: CubeTensor<R>,
+    ) -> (CubeTensor<R>, CubeTensor<R>) {
+        gemm::matmul_pair(a1, b1, a2, b2)
     }
 
     fn f32_gemm_precision(device: &Self::Device) -> crate::GemmPrecision {

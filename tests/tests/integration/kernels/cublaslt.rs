@@ -57,65 +57,101 @@ fn bound(c: f64, scale: f64, k: usize, dtype: DType, f32_gemm: GemmPrecision) ->
     (operands + (k as f64 + 2.0) * u32) * scale + output * c.abs()
 }
 
+/// Restores the process's GEMM choice when dropped (also when a check fails).
+struct GemmChoice(Gemm);
+
+impl Drop for GemmChoice {
+    fn drop(&mut self) {
+        let _ = ember_backend_ext::set_gpu_gemm(self.0);
+    }
+}
+
+/// `a` `[B, nh, m, k]` · `b` `[B, nh, k, n]` through `FusedOps::batched_matmul`, which must be
+/// one cuBLASLt product and one launch; the product's values.
+fn one_product<B: FusedOps>(
+    a: Tensor<B, 4>,
+    b: Tensor<B, 4>,
+    what: &str,
+) -> (Vec<usize>, Vec<f32>) {
+    let products = ember_backend_ext::cublaslt::products();
+    let launches = ember_backend_ext::HostSyncs::now().launches;
+    let product = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(B::batched_matmul(
+        a.into_primitive().tensor(),
+        b.into_primitive().tensor(),
+    )));
+    assert_eq!(
+        ember_backend_ext::cublaslt::products(),
+        products + 1,
+        "{what}: the product did not run on cuBLASLt (refused so far: {})",
+        ember_backend_ext::cublaslt::refusals()
+    );
+    assert_eq!(
+        ember_backend_ext::HostSyncs::now().launches - launches,
+        1,
+        "{what}: a cuBLASLt product counts as one launch"
+    );
+    (product.dims().to_vec(), values(product))
+}
+
 pub(super) fn check_cublaslt<B: FusedOps>(device: &B::Device) {
-    let previous = ember_backend_ext::gpu_gemm();
+    let _restore = GemmChoice(ember_backend_ext::gpu_gemm());
     ember_backend_ext::set_gpu_gemm(Gemm::Cublaslt).expect("cuBLASLt opens on the GPU machine");
     let f32_gemm = B::f32_gemm_precision(device);
-    // (what, [P, m, k, n], a stored transposed, b stored transposed, b broadcast over P)
-    let cases: [(&str, [usize; 4], bool, bool, bool); 6] = [
+    // (what, [samples, heads, m, k, n], a stored transposed, b stored transposed, b broadcast
+    // over samples and heads): the dense layers' products (rows flattened: one sample, one
+    // head) and attention's per sample and head, on operands laid out as the attention op
+    // keeps them (contiguous [B, nh, S, hd]; transposes as views).
+    let cases: [(&str, [usize; 5], bool, bool, bool); 7] = [
         (
             "dense forward x·W",
-            [1, 4 * 128, 768, 3072],
+            [1, 1, 4 * 128, 768, 3072],
             false,
             false,
             false,
         ),
-        ("dx = g·Wᵀ", [1, 4 * 128, 3072, 768], false, true, false),
-        ("dW = xᵀ·g", [1, 768, 4 * 128, 3072], true, false, false),
+        ("dx = g·Wᵀ", [1, 1, 4 * 128, 3072, 768], false, true, false),
+        ("dW = xᵀ·g", [1, 1, 768, 4 * 128, 3072], true, false, false),
         (
             "scores Q·Kᵀ per sample and head",
-            [2 * 12, 128, 64, 128],
+            [2, 12, 128, 64, 128],
             false,
             true,
             false,
         ),
-        ("Pᵀ·g, odd sizes", [3 * 5, 37, 29, 61], true, false, false),
-        ("a broadcast weight", [6, 33, 70, 50], false, false, true),
+        (
+            "dK = dSᵀ·Q, odd sizes",
+            [3, 5, 37, 29, 61],
+            true,
+            false,
+            false,
+        ),
+        ("both transposed", [2, 3, 33, 40, 27], true, true, false),
+        ("a broadcast weight", [2, 3, 33, 70, 50], false, false, true),
     ];
     for dtype in [DType::F32, DType::BF16] {
-        for (what, [p, m, k, n], a_t, b_t, b_one) in cases {
-            let pb = if b_one { 1 } else { p };
+        for (what, [s, h, m, k, n], a_t, b_t, b_one) in cases {
+            let (sb, hb) = if b_one { (1, 1) } else { (s, h) };
             // Each operand stored row-major, or stored transposed and viewed back.
             let a = if a_t {
-                random::<B, 3>([p, k, m], device).swap_dims(1, 2)
+                random::<B, 4>([s, h, k, m], device).swap_dims(2, 3)
             } else {
-                random::<B, 3>([p, m, k], device)
+                random::<B, 4>([s, h, m, k], device)
             }
             .cast(dtype);
             let b = if b_t {
-                random::<B, 3>([pb, n, k], device).swap_dims(1, 2)
+                random::<B, 4>([sb, hb, n, k], device).swap_dims(2, 3)
             } else {
-                random::<B, 3>([pb, k, n], device)
+                random::<B, 4>([sb, hb, k, n], device)
             }
             .cast(dtype);
             let (a_host, b_host) = (values(a.clone()), values(b.clone()));
-            let before = ember_backend_ext::cublaslt::products();
-            let product = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(
-                B::batched_matmul(a.into_primitive().tensor(), b.into_primitive().tensor()),
-            ));
-            assert_eq!(product.dims(), [p, m, n], "{what}");
-            assert_eq!(product.dtype(), dtype, "{what}");
-            let got = values(product);
-            assert_eq!(
-                ember_backend_ext::cublaslt::products(),
-                before + 1,
-                "{what} ({dtype:?}): the product did not run on cuBLASLt (refused: {})",
-                ember_backend_ext::cublaslt::refusals()
-            );
-            let (expected, scale) = host_product(&a_host, &b_host, [p, m, k, n], b_one);
+            let what = format!("{what} ({dtype:?})");
+            let (dims, got) = one_product(a, b, &what);
+            assert_eq!(dims, [s, h, m, n], "{what}");
+            let (expected, scale) = host_product(&a_host, &b_host, [s * h, m, k, n], b_one);
             let mut worst = (0usize, 0.0f64);
-            for (i, ((&g, &e), &s)) in got.iter().zip(&expected).zip(&scale).enumerate() {
-                let excess = (f64::from(g) - e).abs() / bound(e, s, k, dtype, f32_gemm);
+            for (i, ((&g, &e), &sc)) in got.iter().zip(&expected).zip(&scale).enumerate() {
+                let excess = (f64::from(g) - e).abs() / bound(e, sc, k, dtype, f32_gemm);
                 if !(excess <= worst.1) {
                     worst = (i, excess);
                 }
@@ -123,13 +159,36 @@ pub(super) fn check_cublaslt<B: FusedOps>(device: &B::Device) {
             let i = worst.0;
             assert!(
                 worst.1 <= 1.0,
-                "{what} ({dtype:?}): element {i} is {} where the host gives {} (bound {:.3e})",
+                "{what}: element {i} is {} where the host gives {} (bound {:.3e})",
                 got[i],
                 expected[i],
                 bound(expected[i], scale[i], k, dtype, f32_gemm)
             );
         }
     }
+    // Head-strided views (what split_heads makes before the attention op copies them): the
+    // heads' batch has no single stride, so CubeCL's matmul runs it (not a refusal).
+    let q = random::<B, 4>([2, 8, 4, 16], device).swap_dims(1, 2);
+    let k = random::<B, 4>([2, 8, 4, 16], device)
+        .swap_dims(1, 2)
+        .swap_dims(2, 3);
+    let (products, refusals) = (
+        ember_backend_ext::cublaslt::products(),
+        ember_backend_ext::cublaslt::refusals(),
+    );
+    let scores = B::batched_matmul(q.into_primitive().tensor(), k.into_primitive().tensor());
+    assert_eq!(
+        Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(scores)).dims(),
+        [2, 4, 8, 8]
+    );
+    assert_eq!(
+        (
+            ember_backend_ext::cublaslt::products(),
+            ember_backend_ext::cublaslt::refusals()
+        ),
+        (products, refusals),
+        "a head-strided product has no cuBLASLt plan"
+    );
     // The dense layer: rows flattened to one product, the bias added in cuBLASLt's epilogue.
     for dtype in [DType::F32, DType::BF16] {
         let ([b, s, i, o], k) = ([3, 37, 70, 50], 70);
@@ -143,7 +202,7 @@ pub(super) fn check_cublaslt<B: FusedOps>(device: &B::Device) {
         assert_eq!(
             ember_backend_ext::cublaslt::products(),
             before + 1,
-            "dense ({dtype:?}): not one cuBLASLt product"
+            "dense ({dtype:?}): not one cuBLASLt product (the bias in its epilogue)"
         );
         let got = values(y);
         let (expected, scale) = host_product(&xh, &wh, [1, b * s, k, o], true);
@@ -157,5 +216,4 @@ pub(super) fn check_cublaslt<B: FusedOps>(device: &B::Device) {
             );
         }
     }
-    ember_backend_ext::set_gpu_gemm(previous).expect("the previous choice resolves");
 }

@@ -668,6 +668,13 @@ mod cuda {
         super::cublaslt::check_cublaslt::<Backend>(&device());
     }
 
+    /// The trainer's backend (Burn's CUDA with its launches and waits counted) takes cuBLASLt
+    /// too, each product one launch.
+    #[test]
+    fn cublaslt_runs_under_the_counting_runtime() {
+        super::cublaslt::check_cublaslt::<ember_backend_ext::CountingCuda>(&device());
+    }
+
     pub fn device() -> burn::backend::cuda::CudaDevice {
         burn::backend::cuda::CudaDevice::new(0)
     }
