@@ -16,8 +16,9 @@
 //! what PyTorch's `torch.matmul` and `nn.Linear` call; `cube/cublaslt.rs`). CubeCL 0.10 runs
 //! each thread's kernels on a CUDA stream it does not expose, so a cuBLASLt product waits on
 //! the host for CubeCL's stream before it starts and for its own stream after it ends (Note
-//! [cuBLASLt beside CubeCL] in `cube/cublaslt.rs`): two host synchronisations per GEMM, about
-//! 600 in a BERT-large step, which `bench gemm` and `bench train-step` count in their times.
+//! [cuBLASLt beside CubeCL] in `cube/cublaslt.rs`): two host synchronisations per GEMM (or
+//! per pair of independent GEMMs), about 400 windows in a BERT-large step, which `bench gemm`
+//! and `bench train-step` count in their times.
 //!
 //! Precision: cubek's tensor-core kernels read f32 operands as TF32 (10 mantissa bits, unit
 //! roundoff 2⁻¹¹; `adjust_dtypes` in cubek-matmul's blueprint.rs) wherever the device has

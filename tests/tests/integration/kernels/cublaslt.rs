@@ -57,6 +57,34 @@ fn bound(c: f64, scale: f64, k: usize, dtype: DType, f32_gemm: GemmPrecision) ->
     (operands + (k as f64 + 2.0) * u32) * scale + output * c.abs()
 }
 
+/// Asserts each element of `got` within [`bound`] of the host's `(product, Σ|a·b|)`, naming
+/// the worst.
+fn assert_within(
+    what: &str,
+    got: &[f32],
+    (expected, scale): &(Vec<f64>, Vec<f64>),
+    k: usize,
+    dtype: DType,
+    f32_gemm: GemmPrecision,
+) {
+    assert_eq!(got.len(), expected.len(), "{what}");
+    let mut worst = (0usize, 0.0f64);
+    for (i, ((&g, &e), &sc)) in got.iter().zip(expected).zip(scale).enumerate() {
+        let excess = (f64::from(g) - e).abs() / bound(e, sc, k, dtype, f32_gemm);
+        if !(excess <= worst.1) {
+            worst = (i, excess);
+        }
+    }
+    let i = worst.0;
+    assert!(
+        worst.1 <= 1.0,
+        "{what}: element {i} is {} where the host gives {} (bound {:.3e})",
+        got[i],
+        expected[i],
+        bound(expected[i], scale[i], k, dtype, f32_gemm)
+    );
+}
+
 /// Restores the process's GEMM choice when dropped (also when a check fails).
 struct GemmChoice(Gemm);
 
@@ -148,21 +176,55 @@ pub(super) fn check_cublaslt<B: FusedOps>(device: &B::Device) {
             let what = format!("{what} ({dtype:?})");
             let (dims, got) = one_product(a, b, &what);
             assert_eq!(dims, [s, h, m, n], "{what}");
-            let (expected, scale) = host_product(&a_host, &b_host, [s * h, m, k, n], b_one);
-            let mut worst = (0usize, 0.0f64);
-            for (i, ((&g, &e), &sc)) in got.iter().zip(&expected).zip(&scale).enumerate() {
-                let excess = (f64::from(g) - e).abs() / bound(e, sc, k, dtype, f32_gemm);
-                if !(excess <= worst.1) {
-                    worst = (i, excess);
-                }
-            }
-            let i = worst.0;
-            assert!(
-                worst.1 <= 1.0,
-                "{what}: element {i} is {} where the host gives {} (bound {:.3e})",
-                got[i],
-                expected[i],
-                bound(expected[i], scale[i], k, dtype, f32_gemm)
+            let host = host_product(&a_host, &b_host, [s * h, m, k, n], b_one);
+            assert_within(&what, &got, &host, k, dtype, f32_gemm);
+        }
+        // Two products in one window of host waits (attention's dQ and dK; the dense layer's
+        // dx and dW): two cuBLASLt products, two launches.
+        let [s, h, m, k, n] = [2, 3, 33, 40, 27];
+        let a1 = random::<B, 4>([s, h, m, k], device).cast(dtype);
+        let b1 = random::<B, 4>([s, h, n, k], device)
+            .cast(dtype)
+            .swap_dims(2, 3);
+        let a2 = random::<B, 4>([s, h, k, m], device)
+            .cast(dtype)
+            .swap_dims(2, 3);
+        let b2 = random::<B, 4>([s, h, k, n], device).cast(dtype);
+        let hosts = [(&a1, &b1), (&a2, &b2)].map(|(a, b)| {
+            host_product(
+                &values(a.clone()),
+                &values(b.clone()),
+                [s * h, m, k, n],
+                false,
+            )
+        });
+        let (products, launches) = (
+            ember_backend_ext::cublaslt::products(),
+            ember_backend_ext::HostSyncs::now().launches,
+        );
+        let (c1, c2) = B::batched_matmul_pair(
+            a1.into_primitive().tensor(),
+            b1.into_primitive().tensor(),
+            a2.into_primitive().tensor(),
+            b2.into_primitive().tensor(),
+        );
+        assert_eq!(
+            (
+                ember_backend_ext::cublaslt::products() - products,
+                ember_backend_ext::HostSyncs::now().launches - launches
+            ),
+            (2, 2),
+            "a pair ({dtype:?}): two cuBLASLt products, two launches"
+        );
+        for (i, (c, host)) in [c1, c2].into_iter().zip(&hosts).enumerate() {
+            let got = values(Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(c)));
+            assert_within(
+                &format!("pair product {i} ({dtype:?})"),
+                &got,
+                host,
+                k,
+                dtype,
+                f32_gemm,
             );
         }
     }
@@ -205,15 +267,18 @@ pub(super) fn check_cublaslt<B: FusedOps>(device: &B::Device) {
             "dense ({dtype:?}): not one cuBLASLt product (the bias in its epilogue)"
         );
         let got = values(y);
-        let (expected, scale) = host_product(&xh, &wh, [1, b * s, k, o], true);
-        for (e, ((&g, &c), &sc)) in got.iter().zip(&expected).zip(&scale).enumerate() {
-            let c = c + f64::from(bh[e % o]);
-            let sc = sc + f64::from(bh[e % o]).abs();
-            let err = (f64::from(g) - c).abs();
-            assert!(
-                err <= bound(c, sc, k, dtype, f32_gemm),
-                "dense ({dtype:?}): element {e} is {g} where the host gives {c}"
-            );
+        let (mut expected, mut scale) = host_product(&xh, &wh, [1, b * s, k, o], true);
+        for (e, (c, sc)) in expected.iter_mut().zip(&mut scale).enumerate() {
+            *c += f64::from(bh[e % o]);
+            *sc += f64::from(bh[e % o]).abs();
         }
+        assert_within(
+            &format!("dense with bias ({dtype:?})"),
+            &got,
+            &(expected, scale),
+            k,
+            dtype,
+            f32_gemm,
+        );
     }
 }
