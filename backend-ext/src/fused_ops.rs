@@ -1,0 +1,579 @@
+//! The [`FusedOps`] trait (the crate's docs say what it adds to a Burn backend) and what its
+//! methods return.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorMetadata, TensorPrimitive};
+
+use crate::*;
+
+/// What [`FusedOps::bias_dropout_add_layer_norm`] returns: the output and what backward needs.
+#[derive(Debug, Clone)]
+pub struct LayerNormForward<B: Backend> {
+    /// `LayerNorm(residual + dropout(x + bias))`, `[R, N]`.
+    pub output: FloatTensor<B>,
+    /// `residual + dropout(x + bias)`, the LayerNorm input, `[R, N]`.
+    pub pre_norm: FloatTensor<B>,
+    /// Mean of each row of `pre_norm`, `[R]`.
+    pub mean: FloatTensor<B>,
+    /// `1 / sqrt(var + eps)` of each row (biased variance), `[R]`.
+    pub rstd: FloatTensor<B>,
+}
+
+/// What [`FusedOps::bias_dropout_add_layer_norm_backward`] returns.
+#[derive(Debug, Clone)]
+pub struct LayerNormBackward<B: Backend> {
+    /// Gradient of the LayerNorm input (= of `residual`), `[R, N]`.
+    pub grad_pre_norm: FloatTensor<B>,
+    /// Gradient of `x` (and, summed over rows, of `bias`): `grad_pre_norm` through the dropout
+    /// mask, `[R, N]`.
+    pub grad_x: FloatTensor<B>,
+    /// `grad · x̂` per element; summed over rows it is the gradient of `gamma`, `[R, N]`.
+    pub grad_x_hat: FloatTensor<B>,
+}
+
+/// What [`FusedOps::masked_softmax_dropout`] returns.
+#[derive(Debug, Clone)]
+pub struct SoftmaxForward<B: Backend> {
+    /// `softmax(scores · scale + mask_bias)` over the last dim, `[B, nh, S, S]`.
+    pub probs: FloatTensor<B>,
+    /// `probs` after dropout (kept values scaled by `1 / (1 − p)`), `[B, nh, S, S]`.
+    pub dropped: FloatTensor<B>,
+}
+
+/// [`FusedOps::dense_backward`]'s gradients: `(dx, dweight, dbias)`, `dbias` when asked for.
+pub type DenseGrads<B> = (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>);
+
+/// A primitive float tensor as a `Tensor` of rank `D`.
+pub(crate) fn float<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(x))
+}
+
+/// A `Tensor`'s float primitive.
+pub(crate) fn prim<B: Backend, const D: usize>(x: Tensor<B, D>) -> FloatTensor<B> {
+    x.into_primitive().tensor()
+}
+
+/// The fused ops of BERT, added to a Burn backend. Every method has a default body, the
+/// [`reference`] composition; backends with kernels override them.
+///
+/// Inputs may have any strides; outputs are contiguous. Float inputs are f32 or bf16
+/// (kernels accumulate in f32).
+pub trait FusedOps: Backend {
+    /// Whether this backend implements the ops with its own kernels (what [`Kernels::Auto`]
+    /// picks).
+    const HAS_KERNELS: bool = false;
+
+    /// Whether [`FusedOps::adam_multi_tensor`] is this backend's own (kernels, or NdArray's
+    /// fused host loop) rather than the reference composition.
+    const HAS_MULTI_TENSOR: bool = Self::HAS_KERNELS;
+
+    /// Whether [`Kernels::Auto`] runs the fused ops on this backend: where it has kernels, and
+    /// on NdArray, whose fused ops are host loops on views (`host_layer.rs`, `linear.rs`).
+    const FUSED_BY_DEFAULT: bool = Self::HAS_KERNELS;
+
+    /// `x · weight + bias`, Burn's `Linear` (what Burn's `ModuleOps::linear` computes).
+    /// NdArray runs it as one GEMM on views, without the copies of Burn's NdArray matmul
+    /// (see `linear.rs`); other backends run Burn's op.
+    ///
+    /// # Shapes
+    /// `x` `[.., I]`, `weight` `[I, O]` (any strides: a transposed view is not copied on
+    /// NdArray), `bias` `[O]` → `[.., O]`
+    fn dense(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        linear::reference_linear::<Self>(x, weight, bias)
+    }
+
+    /// Mean cross-entropy `mean_i(lse_i − logits[i, label_i])` with `lse_i = log Σ_j
+    /// exp(logits[i, j])` (`torch.nn.functional.cross_entropy`), and the log-sum-exp for the
+    /// backward. The reference is max-shifted; NdArray runs one fused pass per row.
+    ///
+    /// # Shapes
+    /// `logits` `[N, C]`, `labels` `[N]` (values in `0..C`) → loss `[1]`, log-sum-exp `[N]`
+    fn cross_entropy(
+        logits: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+    ) -> CrossEntropyForward<Self> {
+        cross_entropy::reference_forward::<Self>(logits, labels)
+    }
+
+    /// Gradient of [`FusedOps::cross_entropy`]'s loss for the logits, `(exp(logits − lse) −
+    /// onehot(labels)) · grad / N`, from the forward's log-sum-exp and the loss's gradient.
+    ///
+    /// # Shapes
+    /// `logits` `[N, C]`, `labels` `[N]`, `log_sum_exp` `[N]`, `grad` `[1]` → `[N, C]`
+    fn cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        log_sum_exp: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        cross_entropy::reference_backward::<Self>(logits, labels, log_sum_exp, grad)
+    }
+
+    /// `x` reshaped to `shape` (same number of elements), Burn's `float_reshape`. NdArray
+    /// reshapes a contiguous array without copying it (Burn 0.21's NdArray copies on every
+    /// reshape): the multi-tensor optimizer flattens every parameter and gradient through it.
+    fn reshape_contiguous(x: FloatTensor<Self>, shape: burn::tensor::Shape) -> FloatTensor<Self> {
+        Self::float_reshape(x, shape)
+    }
+
+    /// Gradients of [`FusedOps::dense`] from the output's gradient `grad` `[.., O]`:
+    /// `(dx = grad · weightᵀ` `[.., I]`, `dweight = xᵀ · grad` `[I, O]` (summed over every
+    /// leading dimension), `dbias = Σ grad` `[O]` when `with_bias)`.
+    ///
+    /// The default body multiplies the rows flattened, `x` `[R, I]` and `grad` `[R, O]` with
+    /// R the product of the leading dimensions, as PyTorch's `linear` backward does (one
+    /// `mm` per gradient): one GEMM for `dweight` and one reduction for `dbias`, where Burn's
+    /// `linear_weight_backward` multiplies per sample and sums the `[B, I, O]` products
+    /// (an intermediate of B weights) and `linear_bias_backward` sums over each leading
+    /// dimension in turn. NdArray multiplies views (`linear.rs`).
+    fn dense_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        with_bias: bool,
+    ) -> DenseGrads<Self> {
+        linear::flattened_linear_backward::<Self>(x, weight, grad, with_bias, |a1, b1, a2, b2| {
+            (Self::float_matmul(a1, b1), Self::float_matmul(a2, b2))
+        })
+    }
+
+    /// The precision this backend's GEMMs give f32 operands on `device`: exact f32 on NdArray
+    /// and wherever the GPU has no TF32, TF32 on NVIDIA tensor cores (Note [GPU GEMMs] in
+    /// `gemm.rs`). Tests derive their tolerances from it; benchmarks print it.
+    fn f32_gemm_precision(_device: &Self::Device) -> GemmPrecision {
+        GemmPrecision::F32
+    }
+
+    /// Device memory this backend's allocator holds on `device`, in bytes: CubeCL's reserved
+    /// pages (`MemoryUsage::bytes_reserved`; the counterpart of PyTorch's
+    /// `torch.cuda.memory_reserved`), which its pools keep for reuse rather than return, so
+    /// that a reading after a step's peak still includes it. `None` where device memory is
+    /// the process's heap (NdArray: see the peak resident set size instead).
+    fn memory_reserved(_device: &Self::Device) -> Option<u64> {
+        None
+    }
+
+    /// `GELU(x + bias)` with the exact erf GELU (Hendrycks & Gimpel 2016; BERT's `"gelu"`).
+    ///
+    /// # Shapes
+    /// `x` `[R, N]`, `bias` `[N]` → `[R, N]`
+    fn bias_gelu(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
+        prim(reference::bias_gelu::<Self, 2>(float(x), float(bias)))
+    }
+
+    /// Gradient of [`FusedOps::bias_gelu`] with respect to `x` (and, summed over rows, `bias`):
+    /// `grad · (Φ(z) + z·φ(z))`, `z = x + bias` (the exact derivative, not Burn 0.21's tanh
+    /// approximation).
+    ///
+    /// # Shapes
+    /// `x`, `grad` `[R, N]`, `bias` `[N]` → `[R, N]`
+    fn bias_gelu_backward(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        prim(reference::bias_gelu_backward::<Self, 2>(
+            float(x),
+            float(bias),
+            float(grad),
+        ))
+    }
+
+    /// `LayerNorm(residual + dropout(x + bias)) · gamma + beta` over the last dim, as BERT's
+    /// `BertSelfOutput` / `BertOutput` (dense bias, dropout, residual add, post-LN).
+    ///
+    /// # Shapes
+    /// `x`, `residual` `[R, N]`; `bias`, `gamma`, `beta` `[N]` → [`LayerNormForward`]
+    #[allow(clippy::too_many_arguments)]
+    fn bias_dropout_add_layer_norm(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        dropout: DropoutSpec,
+        eps: f64,
+    ) -> LayerNormForward<Self> {
+        reference::bias_dropout_add_layer_norm_forward::<Self>(
+            float(x),
+            float(bias),
+            float(residual),
+            float(gamma),
+            float(beta),
+            dropout,
+            eps,
+        )
+    }
+
+    /// Backward of [`FusedOps::bias_dropout_add_layer_norm`] from what its forward saved:
+    /// `dy = rstd · (g − mean(g) − x̂ · mean(g·x̂))` with `g = grad · gamma`, `x̂ = (y − mean) ·
+    /// rstd` (Ba et al. 2016; apex's `cuComputeGradInput`).
+    ///
+    /// # Shapes
+    /// `grad`, `pre_norm` `[R, N]`; `mean`, `rstd` `[R]`; `gamma` `[N]` → [`LayerNormBackward`]
+    fn bias_dropout_add_layer_norm_backward(
+        grad: FloatTensor<Self>,
+        pre_norm: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        dropout: DropoutSpec,
+    ) -> LayerNormBackward<Self> {
+        reference::bias_dropout_add_layer_norm_backward::<Self>(
+            float(grad),
+            float(pre_norm),
+            float(mean),
+            float(rstd),
+            float(gamma),
+            dropout,
+        )
+    }
+
+    /// Masked softmax with dropout: `softmax(scores · scale + mask_bias)` over the last dim,
+    /// then dropout. `mask_bias` is additive (0 for real keys, −10000 for padded ones, Google's
+    /// `modeling.py`), so a fully padded row comes out uniform, not NaN.
+    ///
+    /// # Shapes
+    /// `scores` `[B, nh, S, S]`, `mask_bias` `[B, S]` → [`SoftmaxForward`]
+    fn masked_softmax_dropout(
+        scores: FloatTensor<Self>,
+        mask_bias: FloatTensor<Self>,
+        scale: f64,
+        dropout: DropoutSpec,
+    ) -> SoftmaxForward<Self> {
+        reference::masked_softmax_dropout_forward::<Self>(
+            float(scores),
+            float(mask_bias),
+            scale,
+            dropout,
+        )
+    }
+
+    /// Gradient of the raw `scores` of [`FusedOps::masked_softmax_dropout`] from the gradient
+    /// of its dropped output: `scale · P · (dP − Σ dP·P)`, `dP = dropout_backward(grad)`.
+    ///
+    /// # Shapes
+    /// `grad_dropped`, `probs` `[B, nh, S, S]` → `[B, nh, S, S]`
+    fn masked_softmax_dropout_backward(
+        grad_dropped: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        scale: f64,
+        dropout: DropoutSpec,
+    ) -> FloatTensor<Self> {
+        prim(reference::masked_softmax_dropout_backward::<Self>(
+            float(grad_dropped),
+            float(probs),
+            scale,
+            dropout,
+        ))
+    }
+
+    /// Dropout: `x · mask`, the scaled keep mask of `dropout` (kept elements × `1/(1−p)`, the
+    /// rest 0), keyed per sample and position (see [`DropoutSpec`]). Its own backward: the
+    /// gradient through the same mask is `dropout(grad)`.
+    ///
+    /// # Shapes
+    /// `x` `[B, S, N]` (or `[B, nh, S, S]`, or `[R, N]` rows with `dropout.seq_len`) → the
+    /// shape of `x`
+    fn dropout(x: FloatTensor<Self>, dropout: DropoutSpec) -> FloatTensor<Self> {
+        reference::dropout_primitive::<Self>(x, dropout)
+    }
+
+    /// One Adam-family step of many tensors, apex's `multi_tensor_adam`/`multi_tensor_lamb`
+    /// (stage 1): moments `m ← β1·m + (1−β1)·g`, `v ← β2·v + (1−β2)·g²`, then, per `kind`,
+    /// the new parameter (AdamW) or LAMB's update. Kernels update up to 32 tensors per launch
+    /// (fewer where the device has fewer bindings); the reference steps tensor by tensor.
+    ///
+    /// # Shapes
+    /// each of `tensors` flat `[n_i]` → one [`AdamOutput`] per tensor, in order
+    fn adam_multi_tensor(
+        tensors: Vec<AdamTensors<Self>>,
+        hyper: AdamHyper,
+        kind: AdamKind,
+    ) -> Vec<AdamOutput<Self>> {
+        tensors
+            .into_iter()
+            .map(|t| reference::adam_tensors::<Self>(t, hyper, kind))
+            .collect()
+    }
+
+    /// `Σ x²` of each tensor (squared L2 norms), accumulated in f32 on the device: LAMB's
+    /// norms and the global gradient norm of clipping (apex's `multi_tensor_l2norm`), in a
+    /// fixed order (the same bits in every process for the same input, as
+    /// [`FusedOps::sum_ordered`]).
+    ///
+    /// # Shapes
+    /// `xs` (not empty), each flat `[n_i]` → `[xs.len()]`
+    ///
+    /// # Panics
+    /// If `xs` is empty.
+    fn sum_squares_multi_tensor(xs: Vec<FloatTensor<Self>>) -> FloatTensor<Self> {
+        assert!(!xs.is_empty(), "sum_squares_multi_tensor of no tensors");
+        let sums = xs
+            .into_iter()
+            .map(|x| {
+                let x = float::<Self, 1>(x);
+                let (device, dtype) = (x.device(), x.dtype());
+                // A plain sum of millions of f32 squares (an embedding table's) is off by about
+                // 1e-5 of its value; where the backend has f64 (NdArray), accumulate in it. The
+                // CubeCL kernel sums strided partials per unit, then a tree, which stays near
+                // f32's rounding.
+                if dtype != DType::F64 && Self::supports_dtype(&device, DType::F64) {
+                    x.cast(FloatDType::F64).square().sum().cast(dtype)
+                } else {
+                    x.square().sum()
+                }
+            })
+            .collect();
+        prim(Tensor::cat(sums, 0))
+    }
+
+    /// Many tensors flattened into one, back to back: `[Σ n_i]`, tensor i's elements (in
+    /// row-major order) from `Σ_{j<i} n_j` on. What a gradient bucket is made of (PyTorch
+    /// DDP's flat buckets, apex's `multi_tensor_scale` copying gradients into them). The
+    /// default body is Burn's `cat` of the flattened tensors; CubeCL backends copy up to 32
+    /// tensors per launch instead of one per tensor.
+    ///
+    /// # Shapes
+    /// `xs` (not empty, one dtype), any shapes → `[Σ numel(x_i)]`
+    ///
+    /// # Panics
+    /// If `xs` is empty or mixes dtypes.
+    fn flatten_multi_tensor(xs: Vec<FloatTensor<Self>>) -> FloatTensor<Self> {
+        assert!(!xs.is_empty(), "flatten_multi_tensor of no tensors");
+        let flat = xs
+            .into_iter()
+            .map(|x| {
+                let n = x.shape().num_elements();
+                float::<Self, 1>(Self::float_reshape(x, Shape::new([n])))
+            })
+            .collect();
+        prim(Tensor::cat(flat, 0))
+    }
+
+    /// `Σ x` of a flat tensor in a fixed order: the same bits on every run and in every
+    /// process for the same input (Note [Ranks stay one model] in ember-trainer's
+    /// `parallel/consistency.rs`: what ranks compute from the same averaged gradient must be
+    /// equal, which an autotuned or atomic reduction does not promise). The default body is
+    /// Burn's `sum` (NdArray adds in order); CubeCL backends add strided partials per unit,
+    /// then a fixed tree, in f32.
+    ///
+    /// # Shapes
+    /// `x` `[n]` → `[1]`
+    fn sum_ordered(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        prim(float::<Self, 1>(x).sum())
+    }
+
+    /// The second half of a LAMB step for many tensors: `w_i ← w_i − lr · r_i · u_i` with the
+    /// trust ratio `r_i = ‖w_i‖ / ‖u_i‖` (1 if either norm is 0) from the squared norms on
+    /// the device (no host round trip).
+    ///
+    /// # Shapes
+    /// `params`, `updates` flat `[n_i]`; `param_sq`, `update_sq` `[params.len()]` → one `[n_i]`
+    /// per tensor
+    fn lamb_apply_multi_tensor(
+        params: Vec<FloatTensor<Self>>,
+        updates: Vec<FloatTensor<Self>>,
+        param_sq: FloatTensor<Self>,
+        update_sq: FloatTensor<Self>,
+        lr: f64,
+    ) -> Vec<FloatTensor<Self>> {
+        let (param_sq, update_sq) = (float::<Self, 1>(param_sq), float::<Self, 1>(update_sq));
+        params
+            .into_iter()
+            .zip(updates)
+            .enumerate()
+            .map(|(i, (param, update))| {
+                prim(reference::lamb_apply(
+                    float(param),
+                    float(update),
+                    param_sq.clone().slice(i..i + 1),
+                    update_sq.clone().slice(i..i + 1),
+                    lr,
+                ))
+            })
+            .collect()
+    }
+
+    /// Rows of the table `weights` at `indices` (Burn's `ModuleOps::embedding`, the default
+    /// body), with [`FusedOps::embedding_lookup_backward`] as its backward under autodiff.
+    ///
+    /// # Shapes
+    /// `weights` `[V, H]`, `indices` `[B, S]` (values in `0..V`) → `[B, S, H]`
+    fn embedding_lookup(weights: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> {
+        <Self as burn::tensor::ops::ModuleOps<Self>>::embedding(weights, indices)
+    }
+
+    /// Gradient of the table of [`FusedOps::embedding_lookup`]: zeros with each row of `grad`
+    /// added at its index (Burn's `ModuleOps::embedding_backward`, the default body; NdArray's
+    /// builds the zeros as one buffer, `host_embedding.rs`).
+    ///
+    /// # Shapes
+    /// `weights` `[V, H]` (for its shape), `grad` `[B, S, H]`, `indices` `[B, S]` → `[V, H]`
+    fn embedding_lookup_backward(
+        weights: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        <Self as burn::tensor::ops::ModuleOps<Self>>::embedding_backward(weights, grad, indices)
+    }
+
+    /// `sum` plus the table gradient of [`FusedOps::embedding_lookup`] (what
+    /// [`FusedOps::embedding_lookup_backward`] returns): the lookup's share of a tied table's
+    /// gradient added into the share already there (the MLM decoder's, see
+    /// [`FusedOps::tied_decoder_weight`]). The default body adds the two tables
+    /// ([`FusedOps::accumulate`]); NdArray adds each looked-up row into `sum` in place, the
+    /// rows of one index summed first in index order as the default's table holds them
+    /// (`host_embedding.rs`), so that the result is the default's.
+    ///
+    /// # Shapes
+    /// `sum` `[V, H]`, `grad` `[B, S, H]`, `indices` `[B, S]` → `[V, H]`
+    fn embedding_lookup_backward_into(
+        sum: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let rows = Self::embedding_lookup_backward(sum.clone(), grad, indices);
+        Self::accumulate(sum, rows)
+    }
+
+    /// A second gradient of one tensor added to the first, `sum + value` (Burn's
+    /// `Gradients::register` adds them with `float_add`, the default body, into a new tensor on
+    /// one thread). NdArray adds in `sum`'s buffer when nothing else holds it (copy-on-write
+    /// otherwise), on rayon's threads (`host_sum.rs`); the sum is elementwise, so the result
+    /// is the default's.
+    ///
+    /// # Shapes
+    /// `sum`, `value` of one shape → that shape
+    fn accumulate(sum: FloatTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_add(sum, value)
+    }
+
+    /// `Σ_r x[r, ..]`: the gradient of a bias broadcast over rows (Burn's `sum_dim(0)`, the
+    /// default body). NdArray sums blocks of columns on rayon's threads, each row by row in
+    /// row order (`sum_dim`'s order on NdArray, so the same result; `host_sum.rs`).
+    ///
+    /// # Shapes
+    /// `x` `[R, N]` → `[N]`
+    fn sum_rows(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::sum_rows::<Self>(x)
+    }
+
+    /// Each of `xs` in `dtype` (Burn's cast of each, the default body; a tensor already in
+    /// `dtype` is returned as it is): autocast's weights, cast together at the start of a
+    /// forward (Note [Weights cast together] in `ember-model`'s `weight_casts.rs`). CubeCL
+    /// converts up to 32 tensors per launch (apex's `multi_tensor_scale`) where a cast per
+    /// weight is a launch each. Under autodiff each result is a graph node of its own, whose
+    /// backward casts the gradient back to its input's dtype (as Burn's cast).
+    ///
+    /// # Shapes
+    /// each of `xs` any → the same, in `dtype`
+    fn cast_multi_tensor(xs: Vec<FloatTensor<Self>>, dtype: FloatDType) -> Vec<FloatTensor<Self>> {
+        xs.into_iter()
+            .map(|x| {
+                if x.dtype() == DType::from(dtype) {
+                    x
+                } else {
+                    Self::float_cast(x, dtype)
+                }
+            })
+            .collect()
+    }
+
+    /// [`FusedOps::sum_rows`] of each of `xs`, several `[R, N]` matrices of one shape: the
+    /// column sums LayerNorm's backward takes of the same rows (β's, γ's and the preceding
+    /// bias's gradients). CubeCL sums them all in two launches, in a fixed order (partial sums
+    /// per chunk of 256 rows, then their sum: `multi_column_partial_sums_kernel`,
+    /// `multi_column_sums_finish_kernel`), where the default body launches Burn's reduction
+    /// for each.
+    ///
+    /// # Shapes
+    /// each of `xs` `[R, N]` → one `[N]` per matrix, in order
+    fn sum_rows_many(xs: Vec<FloatTensor<Self>>) -> Vec<FloatTensor<Self>> {
+        xs.into_iter().map(Self::sum_rows).collect()
+    }
+
+    /// The MLM decoder's matrix: the word-embedding table `table` `[V, H]` (tied) transposed,
+    /// `[H, V]` (Burn's `swap_dims`, a view; the default body). Under autodiff, its backward
+    /// hands the table the decoder's share of its gradient right after the decoder's matmul:
+    /// `after` (the MLM transform's output, `[N, H]`) is a parent only for that order (Burn
+    /// runs backward by graph depth). The lookup's share, whose backward is the last of the
+    /// step, is then added into it ([`FusedOps::embedding_lookup_backward_into`]) instead of
+    /// the two shares being summed as whole tables (with Burn's `transpose`, the decoder's
+    /// share came last and was added to the lookup's zero-filled `[V, H]` table).
+    ///
+    /// # Shapes
+    /// `table` `[V, H]`, `after` any → `[H, V]`
+    fn tied_decoder_weight(
+        table: FloatTensor<Self>,
+        after: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let _ = after;
+        Self::float_swap_dims(table, 0, 1)
+    }
+
+    /// `x` in the row-major layout of its shape: a copy where `x` is a strided view, `x`
+    /// itself where it is contiguous already. For an operand that several kernels read: the
+    /// attention's Q, K, V (`[B, nh, S, hd]` views of `[B, S, H]` projections, heads strided)
+    /// and the gradient of its output, each read by two batched matmuls, which on CubeCL copy
+    /// such a view at every use (cubek's matmul takes batches strided no finer than rows).
+    /// NdArray's batched matmul reads the views as they are: the default is `x` itself.
+    ///
+    /// # Shapes
+    /// any → the same
+    fn contiguous(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        x
+    }
+
+    /// The batched matrix product of the attention, `C[b, h] = A[b, h] · B[b, h]` (Burn's
+    /// `float_matmul` of rank-4 tensors, which is the default body). NdArray multiplies each
+    /// `[b, h]` pair of (possibly transposed, head-strided) views with one GEMM, the pairs split
+    /// over rayon's threads (`host_matmul.rs`), without Burn 0.21 NdArray's copies of both
+    /// operands and of the output.
+    ///
+    /// # Shapes
+    /// `a` `[B, nh, M, K]`, `b` `[B, nh, K, N]` → `[B, nh, M, N]`
+    fn batched_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_matmul(a, b)
+    }
+
+    /// Two [`FusedOps::batched_matmul`]s that do not read each other's output (attention's
+    /// backward: `dV` and `dP`, `dQ` and `dK`), `(a1 · b1, a2 · b2)`. CUDA under
+    /// `model.gemm = "cublaslt"` runs both between one set of host waits (Note [cuBLASLt
+    /// beside CubeCL]); the default is two calls.
+    ///
+    /// # Shapes
+    /// as [`FusedOps::batched_matmul`], for each pair
+    fn batched_matmul_pair(
+        a1: FloatTensor<Self>,
+        b1: FloatTensor<Self>,
+        a2: FloatTensor<Self>,
+        b2: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        (Self::batched_matmul(a1, b1), Self::batched_matmul(a2, b2))
+    }
+
+    /// The attention core, `dropout(softmax(Q·Kᵀ·scale + mask_bias)) · V`: two batched
+    /// matmuls around [`FusedOps::masked_softmax_dropout`] (Vaswani et al. 2017, eq. 1; BERT's
+    /// `BertSelfAttention`).
+    ///
+    /// # Shapes
+    /// `q`, `k`, `v` `[B, nh, S, hd]`, `mask_bias` `[B, S]` → `[B, nh, S, hd]`
+    fn attention_core(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask_bias: FloatTensor<Self>,
+        scale: f64,
+        dropout: DropoutSpec,
+    ) -> FloatTensor<Self> {
+        let scores = Self::batched_matmul(q, Self::float_swap_dims(k, 2, 3));
+        let softmax = Self::masked_softmax_dropout(scores, mask_bias, scale, dropout);
+        Self::batched_matmul(softmax.dropped, v)
+    }
+}
