@@ -353,6 +353,27 @@ fn cuda_matmuls<C: CudaLike>(products: &[Operands<'_, C>]) -> Vec<Option<CubeTen
         .collect()
 }
 
+/// cudarc's `cublasLtMatmul` with elements `T`: `(handle, config, A', B', C', bias)`.
+///
+/// # Safety
+/// As `Matmul::matmul`: the pointers are live device buffers of the extents `config` reads.
+unsafe fn lt_matmul<T>(
+    (blas, cfg, lhs, rhs, dst, bias): (
+        &CudaBlasLT,
+        MatmulConfig,
+        &Borrowed<'_>,
+        &Borrowed<'_>,
+        &mut Borrowed<'_>,
+        Option<&Borrowed<'_>>,
+    ),
+) -> Result<(), cudarc::cublaslt::result::CublasError>
+where
+    CudaBlasLT: Matmul<T>,
+{
+    // SAFETY: the caller's.
+    unsafe { Matmul::<T>::matmul(blas, cfg, lhs, rhs, dst, bias, None) }
+}
+
 /// The planned products (`None`: skipped), between the two host waits of Note [cuBLASLt
 /// beside CubeCL]: `Ok` where the product was written into its output, else why cuBLASLt did
 /// not (no handle: the library, the device; an unaligned pointer; no algorithm for the layout;
@@ -437,35 +458,12 @@ fn run<C: CudaLike>(ordinal: usize, planned: &[Option<Planned<'_, C>>]) -> Vec<R
             // CubeCL's stream was waited for; the plan's extents stay within each tensor's
             // elements (gemm_layout.rs, tested against the column-major definition), and the
             // bias has C''s `m` elements (checked by `plan`).
+            let operands = (&handle.blas, cfg, &lhs, &rhs, &mut dst, bias.as_ref());
             unsafe {
                 match p.a.dtype {
-                    DType::BF16 => Matmul::<burn::tensor::bf16>::matmul(
-                        &handle.blas,
-                        cfg,
-                        &lhs,
-                        &rhs,
-                        &mut dst,
-                        bias.as_ref(),
-                        None,
-                    ),
-                    DType::F16 => Matmul::<burn::tensor::f16>::matmul(
-                        &handle.blas,
-                        cfg,
-                        &lhs,
-                        &rhs,
-                        &mut dst,
-                        bias.as_ref(),
-                        None,
-                    ),
-                    _ => Matmul::<f32>::matmul(
-                        &handle.blas,
-                        cfg,
-                        &lhs,
-                        &rhs,
-                        &mut dst,
-                        bias.as_ref(),
-                        None,
-                    ),
+                    DType::BF16 => lt_matmul::<burn::tensor::bf16>(operands),
+                    DType::F16 => lt_matmul::<burn::tensor::f16>(operands),
+                    _ => lt_matmul::<f32>(operands),
                 }
             }
             .map_err(|e| format!("{e:?}"))
