@@ -442,7 +442,9 @@ fn run<C: CudaLike>(ordinal: usize, planned: &[Option<Planned<'_, C>>]) -> Vec<R
         .iter()
         .zip(results)
         .map(|(p, pointers)| {
-            let (p, [pa, pb, pc, pbias]) = (p.as_ref().expect("planned"), pointers?);
+            // A product without a plan has no pointers: it stops here.
+            let [pa, pb, pc, pbias] = pointers?;
+            let p = p.as_ref().expect("a product with pointers has a plan");
             let element = p.a.dtype.size();
             let borrowed = |(ptr, bytes): (CUdeviceptr, u64)| Borrowed {
                 ptr,

@@ -238,18 +238,30 @@ pub(super) fn check_cublaslt<B: FusedOps>(device: &B::Device) {
         ember_backend_ext::cublaslt::products(),
         ember_backend_ext::cublaslt::refusals(),
     );
-    let scores = B::batched_matmul(q.into_primitive().tensor(), k.into_primitive().tensor());
-    assert_eq!(
-        Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(scores)).dims(),
-        [2, 4, 8, 8]
+    // In a pair beside a product that has a plan: that one alone runs on cuBLASLt.
+    let (a, b) = (
+        random::<B, 4>([2, 4, 8, 16], device),
+        random::<B, 4>([2, 4, 16, 8], device),
     );
+    let (scores, other) = B::batched_matmul_pair(
+        q.into_primitive().tensor(),
+        k.into_primitive().tensor(),
+        a.into_primitive().tensor(),
+        b.into_primitive().tensor(),
+    );
+    for product in [scores, other] {
+        assert_eq!(
+            Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(product)).dims(),
+            [2, 4, 8, 8]
+        );
+    }
     assert_eq!(
         (
             ember_backend_ext::cublaslt::products(),
             ember_backend_ext::cublaslt::refusals()
         ),
-        (products, refusals),
-        "a head-strided product has no cuBLASLt plan"
+        (products + 1, refusals),
+        "a head-strided product has no cuBLASLt plan; the other of its pair runs there"
     );
     // The dense layer: rows flattened to one product, the bias added in cuBLASLt's epilogue.
     for dtype in [DType::F32, DType::BF16] {
