@@ -219,12 +219,9 @@ impl<B: FusedOps> Buffer<B> {
                 Buffer::Host(values)
             }
             (Buffer::Device(t), Scalar::Device(c)) => {
-                // Out of place: an averaged bucket may be shared with other ranks' threads
-                // (the in-process hub), whose pending reads an in-place write on this
-                // thread's stream would overtake (Note [CubeCL streams and in-place writes]).
-                let scaled = t.clone() * c.clone();
-                drop(t);
-                Buffer::Device(scaled)
+                // In place where Burn can: a reduced bucket is this rank's own buffer, under
+                // NCCL and the in-process hub alike (Note [CubeCL streams and in-place writes]).
+                Buffer::Device(t * c.clone())
             }
             _ => unreachable!("one reducer keeps its numbers in one place"),
         }

@@ -126,8 +126,9 @@ pub trait Collective: Send {
 /// collectives of [`Collective`].
 pub trait DeviceCollective<B: Backend>: Collective {
     /// Reduces the flat bucket `bucket` (`[n]`, on this rank's device) over all ranks and
-    /// returns the result, on the same device. NCCL reduces in place (the returned tensor
-    /// shares the buffer); the in-process hub returns a new tensor.
+    /// returns the result, on the same device, in a buffer no other rank holds (the rank may
+    /// write it in place). NCCL reduces in place (the returned tensor shares the bucket's
+    /// buffer); the in-process hub returns a new tensor to each rank.
     ///
     /// # Errors
     /// As [`Collective::allreduce`].

@@ -18,6 +18,9 @@ enum Payload {
     /// A device tensor (`Tensor<B, 1>` of the ranks' backend), type-erased so that one hub
     /// serves host and device collectives in one numbered sequence.
     Device(Box<dyn Any + Send + Sync>),
+    /// One device tensor per rank, each taken once by its rank (a device allreduce's result:
+    /// Note [CubeCL streams and in-place writes]).
+    DeviceEach(Vec<Mutex<Option<Box<dyn Any + Send>>>>),
 }
 
 struct Slot {
@@ -297,7 +300,8 @@ impl Collective for InProcess {
 
 impl<B: Backend> DeviceCollective<B> for InProcess {
     /// Sums the ranks' tensors with Burn ops on the device, in rank order (identical results on
-    /// every rank and run), on the communication thread of the last rank to arrive.
+    /// every rank and run), on the communication thread of the last rank to arrive. Each rank
+    /// gets a buffer of its own (Note [CubeCL streams and in-place writes]).
     fn allreduce_device(
         &mut self,
         bucket: Tensor<B, 1>,
@@ -321,32 +325,56 @@ impl<B: Backend> DeviceCollective<B> for InProcess {
             // stream first submits the owner stream's queued work. A kernel that writes into a
             // buffer in place from a third stream escapes that: readers do not wait for it,
             // and it does not wait for their queued reads. So a buffer that crosses threads is
-            // never written in place: here `tensors` keeps every input alive, so the first
-            // sum (or the division of a single rank's bucket) gets a buffer of this thread's
-            // stream, which the later ops write into; the ranks scale the shared result out
-            // of place (`Buffer::scale`). The same holds for frees: see the wait below.
+            // never written in place, and no two ranks share one:
+            // - `tensors` keeps every input alive, so the first sum (or a single rank's
+            //   division) gets a buffer of this thread's stream, which the later ops write into;
+            // - each rank gets its own copy of the result, made here. A shared result is not
+            //   safe: once one rank has dropped its handle with a read of it still queued on
+            //   its stream, Burn lets the other rank write it in place (the handle looks
+            //   unique), and the queued read sees that write (CI saw it: a rank's `+ 1` on the
+            //   result reached the other rank). NCCL gives each rank its own buffer likewise.
+            // The same holds for frees: see the wait below.
             let mut sum = tensors[0].clone();
             for t in &tensors[1..] {
                 sum = sum + t.clone();
             }
-            let result = match op {
+            let finish = |sum: Tensor<B, 1>| match op {
                 ReduceOp::Average => sum.div_scalar(world_size as f32),
-                ReduceOp::Sum => sum,
+                // `× 1` copies exactly (it keeps −0.0, which `+ 0` would not).
+                ReduceOp::Sum => sum.mul_scalar(1.0),
             };
+            let mut results: Vec<Tensor<B, 1>> =
+                (1..world_size).map(|_| finish(sum.clone())).collect();
+            // The last rank takes the sum's own buffer (one copy fewer); with one rank and a
+            // `Sum`, that is its input, as the one-rank job returns.
+            results.push(match op {
+                ReduceOp::Sum if world_size > 1 => sum,
+                ReduceOp::Sum => tensors[0].clone(),
+                ReduceOp::Average => sum.div_scalar(world_size as f32),
+            });
             // Dropping the inputs here hands their memory back to the ranks' streams, whose
             // next kernels may reuse it at once; this thread's reads of it must reach the
             // device first. Waiting here blocks only the communication thread.
-            let _ = B::sync(&result.device());
+            let _ = B::sync(&results[0].device());
             drop(tensors);
-            Ok(Payload::Device(Box::new(result)))
+            Ok(Payload::DeviceEach(
+                results
+                    .into_iter()
+                    .map(|t| Mutex::new(Some(Box::new(t) as Box<dyn Any + Send>)))
+                    .collect(),
+            ))
         })?;
-        match &*output {
-            Payload::Device(t) => Ok(t
-                .downcast_ref::<Tensor<B, 1>>()
-                .expect("the ranks of a group share one backend")
-                .clone()),
-            _ => unreachable!("a device allreduce produces a tensor"),
-        }
+        let Payload::DeviceEach(results) = &*output else {
+            unreachable!("a device allreduce produces a tensor per rank")
+        };
+        let mine = results[self.rank]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .expect("each rank takes its result once");
+        Ok(*mine
+            .downcast::<Tensor<B, 1>>()
+            .expect("the ranks of a group share one backend"))
     }
 }
 
