@@ -151,3 +151,95 @@ pub fn dropout_and_masks_config(out: &std::path::Path) -> ember_trainer::TrainCo
     config.instances.max_predictions_per_seq = 8;
     config
 }
+
+/// Starts the test binary again with `OPENBLAS_CORETYPE` set when OpenBLAS chose kernels
+/// below this CPU's vector units (`ember_trainer::blas::better_openblas_core`; ember's own
+/// binary does the same in `cli_main`). Called before `main` by
+/// [`openblas_kernels_of_this_cpu!`], with the C runtime's `argc` and `argv`.
+///
+/// # Safety
+/// `argv` holds `argc` valid NUL-terminated strings (glibc's arguments to `.init_array`
+/// functions).
+#[doc(hidden)]
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+pub unsafe fn restart_with_this_cpus_openblas_kernels(
+    argc: std::ffi::c_int,
+    argv: *const *const std::ffi::c_char,
+) {
+    use std::os::unix::ffi::OsStringExt;
+    let Some((_, core)) = ember_trainer::blas::openblas_core_to_force() else {
+        return;
+    };
+    if argv.is_null() {
+        return;
+    }
+    let args = (0..argc.max(0) as usize)
+        .map(|i| {
+            // SAFETY: the caller's contract.
+            let arg = unsafe { std::ffi::CStr::from_ptr(*argv.add(i)) };
+            std::ffi::OsString::from_vec(arg.to_bytes().to_vec())
+        })
+        .collect();
+    // Returns only when the restart failed: the tests then run on OpenBLAS's own choice.
+    let error = ember_trainer::blas::restart_with_openblas_core(core, args);
+    eprintln!("could not start again with OPENBLAS_CORETYPE={core}: {error}");
+}
+
+/// Declares, in a test binary, a constructor that runs before the test harness's `main`: it
+/// starts the binary again with this CPU's OpenBLAS kernels where OpenBLAS chose slower ones
+/// ([`restart_with_this_cpus_openblas_kernels`]). OpenBLAS picks its kernels when it is
+/// loaded, before any test runs, so nothing later can change them; a harness-run test binary
+/// has no `main` of its own, hence the constructor (glibc passes `argc`, `argv` and `envp` to
+/// `.init_array` functions). The CPU tests took half the time on a Sapphire Rapids Xeon, where
+/// Debian's OpenBLAS 0.3.21 runs its SSE3 kernels (docs/testing.md).
+#[macro_export]
+macro_rules! openblas_kernels_of_this_cpu {
+    () => {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        #[used]
+        #[unsafe(link_section = ".init_array")]
+        static OPENBLAS_KERNELS_OF_THIS_CPU: unsafe extern "C" fn(
+            std::ffi::c_int,
+            *const *const std::ffi::c_char,
+            *const *const std::ffi::c_char,
+        ) = {
+            unsafe extern "C" fn restart(
+                argc: std::ffi::c_int,
+                argv: *const *const std::ffi::c_char,
+                _envp: *const *const std::ffi::c_char,
+            ) {
+                // SAFETY: glibc calls `.init_array` functions with the program's arguments.
+                unsafe { $crate::restart_with_this_cpus_openblas_kernels(argc, argv) }
+            }
+            restart
+        };
+    };
+}
+
+/// Asserts that this process runs OpenBLAS's kernels for this CPU (AVX2 and up where the CPU
+/// has them), as [`openblas_kernels_of_this_cpu!`] arranges; nothing to check when
+/// `OPENBLAS_CORETYPE` asks for slower kernels (the user's choice) or without OpenBLAS.
+pub fn assert_this_cpus_openblas_kernels() {
+    use ember_trainer::blas::SimdLevel;
+    let described = ember_trainer::blas::describe();
+    let Some(rest) = described.strip_prefix("OpenBLAS ") else {
+        return; // matrixmultiply: no OpenBLAS kernels to choose
+    };
+    if let Ok(user) = std::env::var("OPENBLAS_CORETYPE") {
+        if SimdLevel::of_openblas_core(&user).is_none_or(|level| level < SimdLevel::Avx2) {
+            return;
+        }
+    }
+    let name = rest
+        .split(" (")
+        .nth(1)
+        .and_then(|r| r.split(" kernels").next())
+        .unwrap_or_else(|| panic!("no kernels named in {described:?}"));
+    let cpu = SimdLevel::of_this_cpu();
+    if let Some(level) = SimdLevel::of_openblas_core(name) {
+        assert!(
+            level >= cpu.min(SimdLevel::Avx2),
+            "{described}: {level} kernels on a CPU with {cpu}"
+        );
+    }
+}

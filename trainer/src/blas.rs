@@ -144,9 +144,170 @@ pub fn describe() -> String {
     }
 }
 
+/// The widest vector instructions a set of GEMM kernels uses, or a CPU offers; lowest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SimdLevel {
+    /// SSE2–SSE4 (OpenBLAS's Prescott, Core2, Nehalem, … kernels).
+    Sse,
+    /// AVX (Sandybridge, Bulldozer, Piledriver, Steamroller).
+    Avx,
+    /// AVX2 with FMA (Haswell, Zen, Excavator).
+    Avx2,
+    /// AVX-512 F, CD, BW, DQ and VL (SkylakeX, Cooperlake, SapphireRapids).
+    Avx512,
+}
+
+impl SimdLevel {
+    /// The level of the OpenBLAS kernels named `corename` (what `openblas_get_corename`
+    /// returns: the names of OpenBLAS's `driver/others/dynamic.c`, compared without case);
+    /// `None` for a name not listed here (another architecture, or a core newer than this
+    /// list).
+    pub fn of_openblas_core(corename: &str) -> Option<SimdLevel> {
+        Some(match corename.to_ascii_lowercase().as_str() {
+            "skylakex" | "cooperlake" | "sapphirerapids" => SimdLevel::Avx512,
+            "haswell" | "zen" | "excavator" => SimdLevel::Avx2,
+            "sandybridge" | "bulldozer" | "piledriver" | "steamroller" => SimdLevel::Avx,
+            "katmai" | "coppermine" | "northwood" | "prescott" | "banias" | "atom" | "core2"
+            | "penryn" | "dunnington" | "nehalem" | "athlon" | "opteron" | "opteron(sse3)"
+            | "barcelona" | "nano" | "bobcat" => SimdLevel::Sse,
+            _ => return None,
+        })
+    }
+
+    /// What this CPU offers, from its `cpuid` (what the OS enabled included); [`SimdLevel::Sse`]
+    /// off x86-64.
+    pub fn of_this_cpu() -> SimdLevel {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f")
+                && has!("avx512cd")
+                && has!("avx512bw")
+                && has!("avx512dq")
+                && has!("avx512vl")
+            {
+                SimdLevel::Avx512
+            } else if has!("avx2") && has!("fma") {
+                SimdLevel::Avx2
+            } else if has!("avx") {
+                SimdLevel::Avx
+            } else {
+                SimdLevel::Sse
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        SimdLevel::Sse
+    }
+}
+
+impl std::fmt::Display for SimdLevel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SimdLevel::Sse => "SSE",
+            SimdLevel::Avx => "AVX",
+            SimdLevel::Avx2 => "AVX2",
+            SimdLevel::Avx512 => "AVX-512",
+        })
+    }
+}
+
+/// The `OPENBLAS_CORETYPE` that runs this CPU's GEMMs on its own vector units when OpenBLAS
+/// chose kernels below AVX2 (`detected`) on a CPU with AVX2 or AVX-512 (`cpu`): `SkylakeX` or
+/// `Haswell`; `None` otherwise (kernels of AVX2 and up are OpenBLAS's own choice, kept).
+///
+/// Why: OpenBLAS takes a CPU newer than its release for a generic x86-64 and falls back to its
+/// SSE3 (Prescott) kernels. Debian bookworm's 0.3.21 does so on Sapphire Rapids Xeons: the
+/// smoke run's step there took 0.23 s on Prescott kernels, 0.12 on SkylakeX's and 0.15 on
+/// Haswell's (2 in-process ranks on 2 cores, docs/performance.md, "CPU performance").
+pub fn better_openblas_core(detected: &str, cpu: SimdLevel) -> Option<&'static str> {
+    let kernels = SimdLevel::of_openblas_core(detected)?;
+    if kernels >= SimdLevel::Avx2 {
+        return None;
+    }
+    match cpu {
+        SimdLevel::Avx512 => Some("SkylakeX"),
+        SimdLevel::Avx2 => Some("Haswell"),
+        SimdLevel::Avx | SimdLevel::Sse => None,
+    }
+}
+
+/// The kernels OpenBLAS chose in this process and the `OPENBLAS_CORETYPE` that would run
+/// faster ones ([`better_openblas_core`]); `None` when `OPENBLAS_CORETYPE` is set (the user's
+/// choice, `Prescott` included, is kept), when the choice is right, and without the
+/// `openblas` feature.
+pub fn openblas_core_to_force() -> Option<(String, &'static str)> {
+    #[cfg(feature = "openblas")]
+    {
+        if std::env::var_os("OPENBLAS_CORETYPE").is_some() {
+            return None;
+        }
+        // SAFETY: OpenBLAS returns a pointer to a static NUL-terminated string.
+        let name = unsafe { ffi::openblas_get_corename() };
+        if name.is_null() {
+            return None;
+        }
+        let detected = unsafe { std::ffi::CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned();
+        better_openblas_core(&detected, SimdLevel::of_this_cpu()).map(|core| (detected, core))
+    }
+    #[cfg(not(feature = "openblas"))]
+    None
+}
+
+/// Replaces this process by the same program with the same `args` (the first one `argv[0]`)
+/// and `OPENBLAS_CORETYPE=core` added to its environment: OpenBLAS picks its kernels when it
+/// is loaded, before any of ember's code runs, so the choice takes a new start. The process
+/// keeps its id, standard streams and the rest of its environment.
+///
+/// # Errors
+/// Only returns on failure: this binary could not be located or executed.
+#[cfg(unix)]
+pub fn restart_with_openblas_core(core: &str, args: Vec<std::ffi::OsString>) -> std::io::Error {
+    use std::os::unix::process::CommandExt;
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => return e,
+    };
+    let mut args = args.into_iter();
+    let arg0 = args.next().unwrap_or_else(|| exe.clone().into_os_string());
+    std::process::Command::new(&exe)
+        .arg0(arg0)
+        .args(args)
+        .env("OPENBLAS_CORETYPE", core)
+        .exec()
+}
+
 #[cfg(all(test, feature = "openblas"))]
 mod tests {
-    use super::{GemmThreads, describe, share_cores};
+    use super::{GemmThreads, SimdLevel, better_openblas_core, describe, share_cores};
+
+    /// Kernels below AVX2 on an AVX2 or AVX-512 CPU are replaced; the user's and OpenBLAS's
+    /// own choice of AVX2 and up are kept, as are names not known here.
+    #[test]
+    fn openblas_fallback_kernels_are_replaced_by_this_cpus() {
+        use SimdLevel::*;
+        assert_eq!(better_openblas_core("Prescott", Avx512), Some("SkylakeX"));
+        assert_eq!(better_openblas_core("prescott", Avx2), Some("Haswell"));
+        assert_eq!(
+            better_openblas_core("Sandybridge", Avx512),
+            Some("SkylakeX")
+        );
+        assert_eq!(better_openblas_core("Opteron(SSE3)", Avx2), Some("Haswell"));
+        for kept in [
+            "Haswell",
+            "Zen",
+            "SkylakeX",
+            "SapphireRapids",
+            "NEOVERSEN1",
+            "",
+        ] {
+            assert_eq!(better_openblas_core(kept, Avx512), None, "{kept}");
+        }
+        assert_eq!(better_openblas_core("Prescott", Avx), None);
+        assert_eq!(better_openblas_core("Core2", Sse), None);
+        assert!(Sse < Avx && Avx < Avx2 && Avx2 < Avx512);
+    }
 
     /// Blas: the thread count is applied and GEMMs are not split. Rayon: OpenBLAS at one thread
     /// per call and one part per rayon thread of each rank. The description names both.

@@ -123,6 +123,21 @@ pub fn cli_main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+    // OpenBLAS chose its kernels when this binary was loaded: where it took this CPU for an
+    // older one, start again with the right ones (ember_trainer::blas::better_openblas_core).
+    #[cfg(unix)]
+    if let Some((detected, core)) = ember_trainer::blas::openblas_core_to_force() {
+        tracing::info!(
+            "OpenBLAS chose its {detected} kernels on a CPU with {}: starting again with \
+             OPENBLAS_CORETYPE={core} (set OPENBLAS_CORETYPE to keep another choice)",
+            ember_trainer::blas::SimdLevel::of_this_cpu()
+        );
+        let error =
+            ember_trainer::blas::restart_with_openblas_core(core, std::env::args_os().collect());
+        tracing::warn!(
+            "starting again with OPENBLAS_CORETYPE={core}: {error}; the GEMMs run on {detected} kernels"
+        );
+    }
     // The same command line under both names: help and usage say `ember` when the installed
     // binary runs, `cargo xtask` in a checkout.
     let invoked_as_ember = std::env::args_os()

@@ -533,3 +533,53 @@ fn flags_switch_settings_both_ways() {
     assert!(!adamw.status.success());
     assert!(stderr.contains("optimizer.nvlamb"), "{stderr}");
 }
+
+/// The CPU's GEMMs run on its own vector units: where OpenBLAS takes the CPU for an older one
+/// (Debian's 0.3.21 on a Sapphire Rapids Xeon: SSE3 kernels, half the training speed), ember
+/// starts again with `OPENBLAS_CORETYPE` naming this CPU's kernels (trainer/src/blas.rs). A
+/// user's `OPENBLAS_CORETYPE` is kept, even a slower one.
+#[test]
+fn the_cpu_gemm_runs_on_this_cpus_vector_units() {
+    use ember_trainer::blas::SimdLevel;
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), 1, 1);
+    // The kernels of the start-up log's `CPU GEMM` line, e.g. `OpenBLAS 0.3.21 (SkylakeX
+    // kernels, …`, and the log.
+    let kernels = |coretype: Option<&str>| {
+        let mut command = command(&config, &dir.path().join("run"), &["--eval-every", "1"]);
+        command.env("RUST_LOG", "info");
+        match coretype {
+            Some(name) => command.env("OPENBLAS_CORETYPE", name),
+            None => command.env_remove("OPENBLAS_CORETYPE"),
+        };
+        let output = command.output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        assert!(output.status.success(), "{stderr}");
+        let line = stderr
+            .lines()
+            .find(|l| l.contains("CPU GEMM"))
+            .unwrap_or_else(|| panic!("no CPU GEMM line: {stderr}"));
+        let name = line
+            .split(" (")
+            .nth(1)
+            .and_then(|rest| rest.split(" kernels").next())
+            .unwrap_or_else(|| panic!("no kernels named: {line}"))
+            .to_string();
+        (name, stderr)
+    };
+    let cpu = SimdLevel::of_this_cpu();
+    let (chosen, log) = kernels(None);
+    match SimdLevel::of_openblas_core(&chosen) {
+        // A core newer than ember's list is OpenBLAS's own right choice.
+        None => {}
+        Some(level) => assert!(
+            level >= cpu.min(SimdLevel::Avx2),
+            "{chosen} kernels ({level}) on a CPU with {cpu}:\n{log}"
+        ),
+    }
+    if cfg!(target_arch = "x86_64") {
+        let (kept, log) = kernels(Some("Prescott"));
+        assert_eq!(kept, "Prescott", "{log}");
+        assert!(!log.contains("starting again"), "{log}");
+    }
+}

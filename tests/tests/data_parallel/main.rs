@@ -5,6 +5,9 @@
 //! (`failures.rs`), 1-bit Adam and LAMB (`onebit.rs`), mixed precision (`precision.rs`); and
 //! same seed, same run (`determinism.rs`), which needs the generator to itself too.
 
+// OpenBLAS's kernels for this CPU (a restart before the harness starts where it chose slower).
+ember_tests::openblas_kernels_of_this_cpu!();
+
 mod clipping;
 mod details;
 mod determinism;
@@ -228,4 +231,11 @@ fn on_ranks<T: Send>(
 
 fn norm(values: &[f64]) -> f64 {
     values.iter().map(|x| x * x).sum::<f64>().sqrt()
+}
+
+/// The test binary runs on this CPU's OpenBLAS kernels (`openblas_kernels_of_this_cpu!`
+/// above), as ember's own binary does: these tests train for minutes on the CPU.
+#[test]
+fn this_test_binary_runs_this_cpus_openblas_kernels() {
+    ember_tests::assert_this_cpus_openblas_kernels();
 }

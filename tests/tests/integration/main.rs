@@ -6,6 +6,9 @@
 //! concurrent test with dropout draws from the generator while a run initialises). The fused
 //! kernels' own tests (`kernels/`) are here too, on this binary's wgpu backend type.
 
+// OpenBLAS's kernels for this CPU (a restart before the harness starts where it chose slower).
+ember_tests::openblas_kernels_of_this_cpu!();
+
 mod device_reducer;
 mod docs;
 mod embed;

@@ -245,3 +245,10 @@ fn config_file_errors_name_the_file() {
             .unwrap();
     shipped.validate().unwrap();
 }
+
+/// The test binary runs on this CPU's OpenBLAS kernels (`openblas_kernels_of_this_cpu!` in
+/// main.rs), as ember's own binary does.
+#[test]
+fn this_test_binary_runs_this_cpus_openblas_kernels() {
+    ember_tests::assert_this_cpus_openblas_kernels();
+}
