@@ -13,8 +13,9 @@
 //!
 //! OpenBLAS picks its kernels from the CPU it detects at start-up; some builds misdetect newer
 //! x86 CPUs and fall back to SSE3 kernels at a quarter of the speed. [`describe`] names the
-//! kernels in use so that the start-up log shows them; `OPENBLAS_CORETYPE=SkylakeX` (or
-//! `Haswell` on AVX2-only CPUs) forces the right ones.
+//! kernels in use so that the start-up log shows them; where they are below AVX2 on a CPU with
+//! AVX2 or AVX-512, ember starts again with `OPENBLAS_CORETYPE=SkylakeX` (or `Haswell`)
+//! ([`better_openblas_core`], [`restart_with_openblas_core`]).
 
 #[cfg(feature = "openblas")]
 mod ffi {
@@ -217,8 +218,8 @@ impl std::fmt::Display for SimdLevel {
 ///
 /// Why: OpenBLAS takes a CPU newer than its release for a generic x86-64 and falls back to its
 /// SSE3 (Prescott) kernels. Debian bookworm's 0.3.21 does so on Sapphire Rapids Xeons: the
-/// smoke run's step there took 0.23 s on Prescott kernels, 0.12 on SkylakeX's and 0.15 on
-/// Haswell's (2 in-process ranks on 2 cores, docs/performance.md, "CPU performance").
+/// smoke recipe's 100 steps with 2 in-process ranks took 23 s there on Prescott's kernels, 15
+/// on Haswell's and 12 on SkylakeX's (2 cores, docs/performance.md, "CPU performance").
 pub fn better_openblas_core(detected: &str, cpu: SimdLevel) -> Option<&'static str> {
     let kernels = SimdLevel::of_openblas_core(detected)?;
     if kernels >= SimdLevel::Avx2 {

@@ -75,7 +75,8 @@ fn warm_up_is_the_exact_optimizer_and_compression_sends_over_16_times_fewer_byte
 
 /// Convergence of an exact optimizer and its 1-bit version at learning rate `lr` on the smoke
 /// run's recipe (`configs/tiny-cpu.toml`: the embedded corpus, tiny
-/// model; AdamW at its 2e-3, LAMB at 5e-3) with 2 in-process ranks × batch 4 (docs/parallel.md's
+/// model; AdamW at 2e-3, the recipe's rate until it became 1e-3 for its 2000 steps, LAMB at
+/// 5e-3) with 2 in-process ranks × batch 4 (docs/parallel.md's
 /// measurements: 4 ranks × batch 2, the same global batch; 2 ranks take half the time on 2
 /// cores, this test having been the slowest of the suite at about 15 minutes) and the freeze
 /// at 20% of the steps, 1-bit settings at their defaults: both learn (above the unigram
