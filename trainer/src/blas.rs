@@ -130,7 +130,7 @@ pub fn describe() -> String {
         };
         let config = text(unsafe { ffi::openblas_get_config() });
         let version = config.split_whitespace().nth(1).unwrap_or("?").to_string();
-        let corename = text(unsafe { ffi::openblas_get_corename() });
+        let corename = openblas_kernels().unwrap_or_else(|| "?".to_string());
         let threads = unsafe { ffi::openblas_get_num_threads() };
         match ember_backend_ext::gemm_parts() {
             1 => format!("OpenBLAS {version} ({corename} kernels, {threads} threads)"),
@@ -242,15 +242,28 @@ pub fn openblas_core_to_force() -> Option<(String, &'static str)> {
         if std::env::var_os("OPENBLAS_CORETYPE").is_some() {
             return None;
         }
+        let detected = openblas_kernels()?;
+        better_openblas_core(&detected, SimdLevel::of_this_cpu()).map(|core| (detected, core))
+    }
+    #[cfg(not(feature = "openblas"))]
+    None
+}
+
+/// The name of the kernels OpenBLAS runs in this process (`openblas_get_corename`:
+/// `SkylakeX`, `Haswell`, `Prescott`, …); `None` without the `openblas` feature.
+pub fn openblas_kernels() -> Option<String> {
+    #[cfg(feature = "openblas")]
+    {
         // SAFETY: OpenBLAS returns a pointer to a static NUL-terminated string.
         let name = unsafe { ffi::openblas_get_corename() };
         if name.is_null() {
             return None;
         }
-        let detected = unsafe { std::ffi::CStr::from_ptr(name) }
-            .to_string_lossy()
-            .into_owned();
-        better_openblas_core(&detected, SimdLevel::of_this_cpu()).map(|core| (detected, core))
+        Some(
+            unsafe { std::ffi::CStr::from_ptr(name) }
+                .to_string_lossy()
+                .into_owned(),
+        )
     }
     #[cfg(not(feature = "openblas"))]
     None
