@@ -313,24 +313,7 @@ pub trait FusedOps: Backend {
     /// # Panics
     /// If `xs` is empty.
     fn sum_squares_multi_tensor(xs: Vec<FloatTensor<Self>>) -> FloatTensor<Self> {
-        assert!(!xs.is_empty(), "sum_squares_multi_tensor of no tensors");
-        let sums = xs
-            .into_iter()
-            .map(|x| {
-                let x = float::<Self, 1>(x);
-                let (device, dtype) = (x.device(), x.dtype());
-                // A plain sum of millions of f32 squares (an embedding table's) is off by about
-                // 1e-5 of its value; where the backend has f64 (NdArray), accumulate in it. The
-                // CubeCL kernel sums strided partials per unit, then a tree, which stays near
-                // f32's rounding.
-                if dtype != DType::F64 && Self::supports_dtype(&device, DType::F64) {
-                    x.cast(FloatDType::F64).square().sum().cast(dtype)
-                } else {
-                    x.square().sum()
-                }
-            })
-            .collect();
-        prim(Tensor::cat(sums, 0))
+        reference::sum_squares_multi_tensor::<Self>(xs)
     }
 
     /// Many tensors flattened into one, back to back: `[Σ n_i]`, tensor i's elements (in
@@ -383,21 +366,7 @@ pub trait FusedOps: Backend {
         update_sq: FloatTensor<Self>,
         lr: f64,
     ) -> Vec<FloatTensor<Self>> {
-        let (param_sq, update_sq) = (float::<Self, 1>(param_sq), float::<Self, 1>(update_sq));
-        params
-            .into_iter()
-            .zip(updates)
-            .enumerate()
-            .map(|(i, (param, update))| {
-                prim(reference::lamb_apply(
-                    float(param),
-                    float(update),
-                    param_sq.clone().slice(i..i + 1),
-                    update_sq.clone().slice(i..i + 1),
-                    lr,
-                ))
-            })
-            .collect()
+        reference::lamb_apply_multi_tensor::<Self>(params, updates, param_sq, update_sq, lr)
     }
 
     /// Rows of the table `weights` at `indices` (Burn's `ModuleOps::embedding`, the default

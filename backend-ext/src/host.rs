@@ -71,6 +71,29 @@ where
             .collect()
     }
 
+    fn sum_squares_multi_tensor(xs: Vec<FloatTensor<Self>>) -> FloatTensor<Self> {
+        assert!(!xs.is_empty(), "sum_squares_multi_tensor of no tensors");
+        match host_adam::sum_squares(&xs) {
+            Some(sums) => sums,
+            None => reference::sum_squares_multi_tensor::<Self>(xs),
+        }
+    }
+
+    fn lamb_apply_multi_tensor(
+        params: Vec<FloatTensor<Self>>,
+        updates: Vec<FloatTensor<Self>>,
+        param_sq: FloatTensor<Self>,
+        update_sq: FloatTensor<Self>,
+        lr: f64,
+    ) -> Vec<FloatTensor<Self>> {
+        match host_adam::lamb_apply(params, &updates, &param_sq, &update_sq, lr) {
+            Ok(new) => new,
+            Err(params) => {
+                reference::lamb_apply_multi_tensor::<Self>(params, updates, param_sq, update_sq, lr)
+            }
+        }
+    }
+
     fn embedding_lookup_backward(
         weights: FloatTensor<Self>,
         grad: FloatTensor<Self>,

@@ -1,5 +1,11 @@
 //! NdArray's [`FusedOps::adam_multi_tensor`](crate::FusedOps::adam_multi_tensor): one pass over
-//! each tensor, as apex's `multi_tensor_adam` kernel, on the CPU's threads.
+//! each tensor, as apex's `multi_tensor_adam` kernel, on the CPU's threads; and the rest of a
+//! LAMB step, [`FusedOps::sum_squares_multi_tensor`](crate::FusedOps::sum_squares_multi_tensor)
+//! (apex's `multi_tensor_l2norm`) and
+//! [`FusedOps::lamb_apply_multi_tensor`](crate::FusedOps::lamb_apply_multi_tensor) (its
+//! `multi_tensor_lamb` stage 2), each one pass per tensor instead of the reference's
+//! composition (a cast to f64, a square and a sum, each a whole-tensor copy; then three ops for
+//! `w − lr·r·u`): LAMB's step cost 1.5× AdamW's on the tiny model before (docs/performance.md).
 //!
 //! The reference composition (and Burn's `AdamW`) computes a step as about a dozen whole-tensor
 //! ops, each a single-threaded pass that allocates its result: BERT-base's AdamW step took
@@ -13,7 +19,7 @@
 //! of BERT-base's optimizer time.
 
 use burn_ndarray::NdArrayTensor;
-use ndarray::{ArcArray, ArrayView1, Ix1, IxDyn};
+use ndarray::{ArcArray, Array1, ArrayView1, Ix1, IxDyn};
 use rayon::prelude::*;
 
 /// Elements per task of rayon's threads.
@@ -150,6 +156,93 @@ where
     Ok([p, m, v].map(NdArrayTensor::from))
 }
 
+/// `Σ x²` of each flat f32 tensor, accumulated in f64 as the reference does (`host_norm`'s
+/// fixed lanes, then rounded to f32), the tensors on rayon's threads; `None` (the caller runs
+/// the reference) unless every tensor is flat f32.
+///
+/// # Shapes
+/// `xs`, each `[n_i]` → `[xs.len()]`
+pub(crate) fn sum_squares(xs: &[NdArrayTensor]) -> Option<NdArrayTensor> {
+    let views = xs.iter().map(flat).collect::<Option<Vec<_>>>()?;
+    let sums: Vec<f32> = views
+        .par_iter()
+        .map(|x| {
+            let x = x.as_standard_layout();
+            let x = x.as_slice().expect("a standard-layout view is one slice");
+            crate::host_norm::sum_squares(x) as f32
+        })
+        .collect();
+    Some(NdArrayTensor::from(
+        Array1::from(sums).into_dyn().into_shared(),
+    ))
+}
+
+/// LAMB's trust ratio from squared norms, as [`reference::lamb_apply`](crate::reference::lamb_apply)
+/// computes it in f32: `‖w‖ / max(‖u‖, f32::MIN_POSITIVE)`, 1 where either norm is ≤ 0.
+fn trust_ratio(param_sq: f32, update_sq: f32) -> f32 {
+    let (w, u) = (param_sq.sqrt(), update_sq.sqrt());
+    // Burn's `clamp_min` (`x < min ? min : x`: NaN stays NaN), then the two masks.
+    let clamped = if u < f32::MIN_POSITIVE {
+        f32::MIN_POSITIVE
+    } else {
+        u
+    };
+    if u <= 0.0 || w <= 0.0 {
+        1.0
+    } else {
+        w / clamped
+    }
+}
+
+/// `w_i ← w_i − u_i · (r_i · lr)` for each tensor (the reference's f32 operations in its
+/// order, so its bits), in the parameter's buffer when nothing else holds it; `params` given
+/// back (the caller runs the reference) unless every tensor is flat f32 of its update's length.
+pub(crate) fn lamb_apply(
+    params: Vec<NdArrayTensor>,
+    updates: &[NdArrayTensor],
+    param_sq: &NdArrayTensor,
+    update_sq: &NdArrayTensor,
+    lr: f64,
+) -> Result<Vec<NdArrayTensor>, Vec<NdArrayTensor>> {
+    let squares = |x: &NdArrayTensor| flat(x).map(|x| x.to_vec());
+    let (Some(param_sq), Some(update_sq)) = (squares(param_sq), squares(update_sq)) else {
+        return Err(params);
+    };
+    let fits = param_sq.len() == params.len()
+        && update_sq.len() == params.len()
+        && updates.len() == params.len()
+        && params
+            .iter()
+            .zip(updates)
+            .all(|(p, u)| matches!((flat(p), flat(u)), (Some(p), Some(u)) if p.len() == u.len()));
+    if !fits {
+        return Err(params);
+    }
+    let lr = lr as f32;
+    Ok(params
+        .into_iter()
+        .zip(updates)
+        .enumerate()
+        .map(|(i, (param, update))| {
+            let step = trust_ratio(param_sq[i], update_sq[i]) * lr;
+            let u = flat(update).expect("checked above");
+            let u = u.as_standard_layout();
+            let u = u.as_slice().expect("a standard-layout view is one slice");
+            let mut w = writable(param).expect("checked above: f32");
+            w.as_slice_mut()
+                .expect("standard layout")
+                .par_chunks_mut(CHUNK)
+                .zip(u.par_chunks(CHUNK))
+                .for_each(|(w, u)| {
+                    for (w, &u) in w.iter_mut().zip(u) {
+                        *w -= u * step;
+                    }
+                });
+            NdArrayTensor::from(w)
+        })
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use burn::backend::NdArray;
@@ -282,6 +375,65 @@ mod tests {
                     "{what}[{i}]: {x} vs {y}"
                 );
             }
+        }
+    }
+
+    /// NdArray's LAMB second half and norms against the reference composition: the squared
+    /// norms to f32 rounding of the f64 sum, the new parameters bit for bit (same f32
+    /// operations), including a zero update (trust ratio 1) and a parameter another tensor
+    /// still holds (copied, keeping its values).
+    #[test]
+    fn ndarray_lamb_apply_and_norms_equal_the_reference() {
+        let device = Default::default();
+        let t = |n: usize, mean: f64| {
+            Tensor::<NdArray, 1>::random([n], Distribution::Normal(mean, 1.0), &device)
+        };
+        let params = vec![t(1031, 0.0), t(17, 0.5), t(300, -0.1)];
+        let updates = vec![t(1031, 0.1), Tensor::zeros([17], &device), t(300, 0.2)];
+        let prim = |x: &Tensor<NdArray, 1>| x.clone().into_primitive().tensor();
+        let xs: Vec<_> = params.iter().chain(&updates).map(prim).collect();
+        let ours = data(<NdArray as FusedOps>::sum_squares_multi_tensor(xs.clone()));
+        for (i, x) in params.iter().chain(&updates).enumerate() {
+            let exact: f64 = x
+                .clone()
+                .into_data()
+                .to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .map(|&v| f64::from(v) * f64::from(v))
+                .sum();
+            assert_eq!(ours[i], exact as f32, "tensor {i}");
+        }
+        let squares =
+            Tensor::<NdArray, 1>::from_data(burn::tensor::TensorData::new(ours, [6]), &device);
+        let (param_sq, update_sq) = (squares.clone().slice(0..3), squares.slice(3..6));
+        let before = data(prim(&params[0]));
+        let held = params[0].clone();
+        let new = <NdArray as FusedOps>::lamb_apply_multi_tensor(
+            params.iter().map(prim).collect(),
+            updates.iter().map(prim).collect(),
+            prim(&param_sq),
+            prim(&update_sq),
+            2e-3,
+        );
+        assert_eq!(
+            data(prim(&held)),
+            before,
+            "a shared parameter keeps its values"
+        );
+        for (i, new) in new.into_iter().enumerate() {
+            let expected = reference::lamb_apply(
+                params[i].clone(),
+                updates[i].clone(),
+                param_sq.clone().slice(i..i + 1),
+                update_sq.clone().slice(i..i + 1),
+                2e-3,
+            );
+            assert_eq!(
+                data(new),
+                data(expected.into_primitive().tensor()),
+                "tensor {i}"
+            );
         }
     }
 }

@@ -33,7 +33,7 @@ const LANES: usize = 16;
 static FORCE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 #[inline(always)]
-fn forced() -> u8 {
+pub(crate) fn forced() -> u8 {
     #[cfg(test)]
     {
         FORCE.load(std::sync::atomic::Ordering::Relaxed)

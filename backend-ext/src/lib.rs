@@ -43,8 +43,10 @@ mod host_adam;
 mod host_embedding;
 mod host_gemm;
 mod host_layer;
+#[macro_use]
 mod host_math;
 mod host_matmul;
+pub mod host_norm;
 mod host_sum;
 mod kernels_choice;
 mod linear;

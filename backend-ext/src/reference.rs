@@ -8,7 +8,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorData, TensorMetadata};
+use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 
 use crate::{
     AdamHyper, AdamKind, AdamOutput, DropoutSpec, LayerNormForward, SoftmaxForward, keep_mask, prim,
@@ -307,6 +307,70 @@ pub fn adam_tensors<B: Backend>(
         hyper,
         kind,
     )
+}
+
+/// `Σ x²` of each tensor (the default body of
+/// [`FusedOps::sum_squares_multi_tensor`](crate::FusedOps::sum_squares_multi_tensor)),
+/// accumulated in f64 where the backend has it.
+///
+/// # Shapes
+/// `xs` (not empty), each flat `[n_i]` → `[xs.len()]`
+///
+/// # Panics
+/// If `xs` is empty.
+pub fn sum_squares_multi_tensor<B: Backend>(xs: Vec<FloatTensor<B>>) -> FloatTensor<B> {
+    assert!(!xs.is_empty(), "sum_squares_multi_tensor of no tensors");
+    let sums = xs
+        .into_iter()
+        .map(|x| {
+            let x = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(x));
+            let (device, dtype) = (x.device(), x.dtype());
+            // A plain sum of millions of f32 squares (an embedding table's) is off by about
+            // 1e-5 of its value; where the backend has f64 (NdArray), accumulate in it. The
+            // CubeCL kernel sums strided partials per unit, then a tree, which stays near
+            // f32's rounding.
+            if dtype != DType::F64 && B::supports_dtype(&device, DType::F64) {
+                x.cast(FloatDType::F64).square().sum().cast(dtype)
+            } else {
+                x.square().sum()
+            }
+        })
+        .collect();
+    Tensor::cat(sums, 0).into_primitive().tensor()
+}
+
+/// LAMB's second half for many tensors (the default body of
+/// [`FusedOps::lamb_apply_multi_tensor`](crate::FusedOps::lamb_apply_multi_tensor)):
+/// [`lamb_apply`] tensor by tensor.
+///
+/// # Shapes
+/// `params`, `updates` flat `[n_i]`; `param_sq`, `update_sq` `[params.len()]` → one `[n_i]`
+/// per tensor
+pub fn lamb_apply_multi_tensor<B: Backend>(
+    params: Vec<FloatTensor<B>>,
+    updates: Vec<FloatTensor<B>>,
+    param_sq: FloatTensor<B>,
+    update_sq: FloatTensor<B>,
+    lr: f64,
+) -> Vec<FloatTensor<B>> {
+    let float = |x| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(x));
+    let (param_sq, update_sq) = (float(param_sq), float(update_sq));
+    params
+        .into_iter()
+        .zip(updates)
+        .enumerate()
+        .map(|(i, (param, update))| {
+            lamb_apply(
+                float(param),
+                float(update),
+                param_sq.clone().slice(i..i + 1),
+                update_sq.clone().slice(i..i + 1),
+                lr,
+            )
+            .into_primitive()
+            .tensor()
+        })
+        .collect()
 }
 
 /// LAMB's second half for one tensor (the default body of

@@ -13,7 +13,6 @@ pub mod cuda;
 mod error;
 pub mod eval;
 pub mod grads;
-pub mod host_norm;
 pub mod loss_scale;
 pub mod mllog;
 pub mod onebit;

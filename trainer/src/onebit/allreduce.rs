@@ -23,6 +23,13 @@
 use super::compress::{add_chunk, compress_chunk, rms_scale, scales_per_chunk};
 use crate::parallel::{Collective, CommError};
 
+/// `scales` as little-endian bytes into `out` (4 per scale), where a message carries them.
+fn write_scales(scales: &[f32], out: &mut [u8]) {
+    for (scale, bytes) in scales.iter().zip(out.chunks_exact_mut(4)) {
+        bytes.copy_from_slice(&scale.to_le_bytes());
+    }
+}
+
 /// The length DeepSpeed pads a buffer of `len` elements to for `world_size` ranks: the next
 /// multiple of `world_size · lcm(world_size, 8)`.
 pub fn padded_len(len: usize, world_size: usize) -> usize {
@@ -169,15 +176,13 @@ impl CompressedAllreduce {
                 *e += y;
             }
             let whole = (self.block == 0).then(|| rms_scale(error));
-            let (scale_offset, _, sign_offset, bytes) = layout[s];
+            let (scale_offset, n, sign_offset, bytes) = layout[s];
+            let mut scales = vec![0.0; n];
             for (j, chunk) in error.chunks_mut(c).enumerate() {
-                let (scales, signs) = compress_chunk(chunk, self.block, whole);
                 let message = &mut send[j * message_len..(j + 1) * message_len];
-                for (k, scale) in scales.iter().enumerate() {
-                    let at = scale_offset + 4 * k;
-                    message[at..at + 4].copy_from_slice(&scale.to_le_bytes());
-                }
-                message[sign_offset..sign_offset + bytes].copy_from_slice(&signs);
+                let signs = &mut message[sign_offset..sign_offset + bytes];
+                compress_chunk(chunk, self.block, whole, &mut scales, signs);
+                write_scales(&scales, &mut message[scale_offset..scale_offset + 4 * n]);
             }
         }
 
@@ -199,12 +204,13 @@ impl CompressedAllreduce {
             for (e, &x) in error.iter_mut().zip(&chunk) {
                 *e += x;
             }
-            let (scales, signs) = compress_chunk(error, self.block, None);
-            for (k, scale) in scales.iter().enumerate() {
-                let at = scale_offset + 4 * k;
-                message[at..at + 4].copy_from_slice(&scale.to_le_bytes());
-            }
-            message[sign_offset..sign_offset + bytes].copy_from_slice(&signs);
+            let mut scales = vec![0.0; place.1];
+            let signs = &mut message[sign_offset..sign_offset + bytes];
+            compress_chunk(error, self.block, None, &mut scales, signs);
+            write_scales(
+                &scales,
+                &mut message[scale_offset..scale_offset + 4 * place.1],
+            );
         }
 
         // 4. Allgather: every server chunk, rebuilt as scale · sign.

@@ -11,6 +11,13 @@
 //! Signs travel packed 8 per byte, the first element in the most significant bit (NumPy's and
 //! CuPy's `packbits`, which DeepSpeed uses). A zero (and −0, and NaN) is sent as +1: DeepSpeed's
 //! `sign().add_(1).bool()` maps 0 to `true`.
+//!
+//! Eight values at a time go through SSE2 on x86-64 (every x86-64 CPU has it): a compare and a
+//! `movemask` for the byte, a select and an add for the error, and back, a bit test per lane.
+//! Written element by element the compiler kept the loops scalar (a shift and an or per bit):
+//! compression alone took ~30 ms a step per rank of the tiny model's 1-bit LAMB (4.4M
+//! momenta, block scales). The lanes run the scalar form's IEEE operations, so the bits are
+//! the same (tested against it).
 
 /// Whether `x` is sent as +1 (`true`) or −1.
 #[inline]
@@ -26,7 +33,7 @@ pub fn rms_scale(values: &[f32]) -> f32 {
     if values.is_empty() {
         return 0.0;
     }
-    (crate::host_norm::sum_squares(values) / values.len() as f64).sqrt() as f32
+    (ember_backend_ext::host_norm::sum_squares(values) / values.len() as f64).sqrt() as f32
 }
 
 /// Packs the sign bits of `values` 8 per byte, the first value in the most significant bit.
@@ -53,24 +60,50 @@ pub fn pack_signs(values: &[f32]) -> Vec<u8> {
 /// If `bytes` holds fewer than `n` bits (a bug: the message layout fixes the sizes).
 pub fn add_scaled_signs(bytes: &[u8], scale: f32, out: &mut [f32]) {
     assert!(bytes.len() * 8 >= out.len(), "too few packed signs");
-    let add = |byte: u8, chunk: &mut [f32]| {
-        for (i, x) in chunk.iter_mut().enumerate() {
-            *x += if (byte >> (7 - i)) & 1 == 1 {
-                scale
-            } else {
-                -scale
-            };
-        }
-    };
-    let full = out.len() / 8;
-    let mut chunks = out.chunks_exact_mut(8);
-    for (chunk, &byte) in (&mut chunks).zip(bytes) {
-        add(byte, chunk);
+    let (whole, tail) = out.as_chunks_mut::<8>();
+    let full = whole.len();
+    for (chunk, &byte) in whole.iter_mut().zip(bytes) {
+        add_8(byte, scale, chunk);
     }
-    let tail = chunks.into_remainder();
     if !tail.is_empty() {
-        add(bytes[full], tail);
+        add_scalar(bytes[full], scale, tail);
     }
+}
+
+/// `out[i] += ±scale` by bit `7 − i` of `byte`, element by element (the tail of a buffer, and
+/// what [`add_8`] computes).
+fn add_scalar(byte: u8, scale: f32, out: &mut [f32]) {
+    for (i, x) in out.iter_mut().enumerate() {
+        *x += if (byte >> (7 - i)) & 1 == 1 {
+            scale
+        } else {
+            -scale
+        };
+    }
+}
+
+/// [`add_scalar`] of eight values.
+#[inline(always)]
+fn add_8(byte: u8, scale: f32, out: &mut [f32; 8]) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE2 is part of x86-64's baseline; `out` holds 8 f32 (unaligned loads and
+    // stores of two halves).
+    unsafe {
+        use std::arch::x86_64::*;
+        let bits = _mm_set1_epi32(i32::from(byte));
+        // Lane i tests bit 7 − i: 128, 64, 32, 16, then 8, 4, 2, 1 (`_mm_set_epi32` lists
+        // lanes 3 to 0).
+        let lane_bits = [_mm_set_epi32(16, 32, 64, 128), _mm_set_epi32(1, 2, 4, 8)];
+        let (plus, minus) = (_mm_set1_ps(scale), _mm_set1_ps(-scale));
+        for (half, lane_bit) in lane_bits.into_iter().enumerate() {
+            let set = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(bits, lane_bit), lane_bit));
+            let step = _mm_or_ps(_mm_and_ps(set, plus), _mm_andnot_ps(set, minus));
+            let at = out.as_mut_ptr().add(4 * half);
+            _mm_storeu_ps(at, _mm_add_ps(_mm_loadu_ps(at), step));
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    add_scalar(byte, scale, out);
 }
 
 /// Compresses `x` (the value plus the error feedback) and leaves in it what the compression
@@ -83,28 +116,71 @@ pub fn compress_in_place(x: &mut [f32]) -> (f32, Vec<u8>) {
 
 /// As [`compress_in_place`] with a given scale: the packed signs of `x`, and `x ← x − scale ·
 /// sign(x)`.
-///
-/// Branch-free (a select per element, which the compiler vectorizes): `v + (−scale)` is `v −
-/// scale` exactly in IEEE arithmetic, so the errors are those of the branching form.
 pub fn compress_with_scale(x: &mut [f32], scale: f32) -> Vec<u8> {
-    let byte = |chunk: &mut [f32]| {
-        let mut byte = 0u8;
-        for (i, v) in chunk.iter_mut().enumerate() {
-            let bit = sign_bit(*v);
-            byte |= u8::from(bit) << (7 - i);
-            *v += if bit { -scale } else { scale };
-        }
-        byte
-    };
-    let mut packed = Vec::with_capacity(x.len().div_ceil(8));
-    let mut chunks = x.chunks_exact_mut(8);
-    // Whole bytes: eight lanes of fixed length, which the compiler unrolls and vectorizes.
-    packed.extend((&mut chunks).map(|chunk| byte(chunk)));
-    let tail = chunks.into_remainder();
-    if !tail.is_empty() {
-        packed.push(byte(tail));
-    }
+    let mut packed = vec![0; x.len().div_ceil(8)];
+    compress_with_scale_into(x, scale, &mut packed);
     packed
+}
+
+/// As [`compress_with_scale`], the packed signs written to `signs`
+/// (`x.len().div_ceil(8)` bytes).
+///
+/// # Panics
+/// If `signs` has another length (a bug: the message layout fixes the sizes).
+pub fn compress_with_scale_into(x: &mut [f32], scale: f32, signs: &mut [u8]) {
+    assert_eq!(
+        signs.len(),
+        x.len().div_ceil(8),
+        "one sign byte per 8 values"
+    );
+    let (whole, tail) = x.as_chunks_mut::<8>();
+    let full = whole.len();
+    for (chunk, byte) in whole.iter_mut().zip(signs.iter_mut()) {
+        *byte = compress_8(chunk, scale);
+    }
+    if !tail.is_empty() {
+        signs[full] = compress_scalar(tail, scale);
+    }
+}
+
+/// The sign byte of up to eight values (the first in the most significant bit, the low bits 0
+/// past the end), and `x ← x − scale` where the sign is +1, `x + scale` where it is −1:
+/// `v + (−scale)` is `v − scale` exactly in IEEE arithmetic.
+fn compress_scalar(x: &mut [f32], scale: f32) -> u8 {
+    let mut byte = 0u8;
+    for (i, v) in x.iter_mut().enumerate() {
+        let bit = sign_bit(*v);
+        byte |= u8::from(bit) << (7 - i);
+        *v += if bit { -scale } else { scale };
+    }
+    byte
+}
+
+/// [`compress_scalar`] of eight values.
+#[inline(always)]
+fn compress_8(x: &mut [f32; 8], scale: f32) -> u8 {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE2 is part of x86-64's baseline; `x` holds 8 f32 (unaligned loads and stores
+    // of two halves).
+    unsafe {
+        use std::arch::x86_64::*;
+        let (plus, minus, zero) = (_mm_set1_ps(scale), _mm_set1_ps(-scale), _mm_setzero_ps());
+        let mut negative = 0;
+        for half in 0..2 {
+            let at = x.as_mut_ptr().add(4 * half);
+            let v = _mm_loadu_ps(at);
+            // `v < 0`: all ones in the lane; false for +0, −0 and NaN (sent as +1).
+            let below = _mm_cmplt_ps(v, zero);
+            let step = _mm_or_ps(_mm_and_ps(below, plus), _mm_andnot_ps(below, minus));
+            _mm_storeu_ps(at, _mm_add_ps(v, step));
+            negative |= _mm_movemask_ps(below) << (4 * half);
+        }
+        // Bit i of `negative`: value i is below 0. The byte has value 0 in its top bit and 1
+        // for "not below 0".
+        (!(negative as u8)).reverse_bits()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    compress_scalar(x, scale)
 }
 
 /// Scales a chunk of `len` elements has: one (`block` 0, DeepSpeed's granularity), else one
@@ -114,21 +190,42 @@ pub fn scales_per_chunk(len: usize, block: usize) -> usize {
 }
 
 /// Compresses a chunk in place with one scale per `block` elements (`block` a multiple of 8;
-/// 0: one scale, `whole` if given, else the chunk's own RMS). Returns the scales and the packed
-/// signs; `x` keeps what the compression lost.
-pub fn compress_chunk(x: &mut [f32], block: usize, whole: Option<f32>) -> (Vec<f32>, Vec<u8>) {
+/// 0: one scale, `whole` if given, else the chunk's own RMS), writing the scales to `scales`
+/// ([`scales_per_chunk`] of them) and the packed signs to `signs` (`x.len().div_ceil(8)`
+/// bytes); `x` keeps what the compression lost.
+///
+/// # Panics
+/// If `scales` or `signs` has another length (a bug: the message layout fixes the sizes).
+pub fn compress_chunk(
+    x: &mut [f32],
+    block: usize,
+    whole: Option<f32>,
+    scales: &mut [f32],
+    signs: &mut [u8],
+) {
+    assert_eq!(
+        scales.len(),
+        scales_per_chunk(x.len(), block),
+        "one scale per block"
+    );
     if block == 0 {
-        let scale = whole.unwrap_or_else(|| rms_scale(x));
-        return (vec![scale], compress_with_scale(x, scale));
+        scales[0] = whole.unwrap_or_else(|| rms_scale(x));
+        compress_with_scale_into(x, scales[0], signs);
+        return;
     }
-    let mut scales = Vec::with_capacity(scales_per_chunk(x.len(), block));
-    let mut packed = Vec::with_capacity(x.len().div_ceil(8));
-    for part in x.chunks_mut(block) {
-        let (scale, bits) = compress_in_place(part);
-        scales.push(scale);
-        packed.extend_from_slice(&bits);
+    assert_eq!(
+        signs.len(),
+        x.len().div_ceil(8),
+        "one sign byte per 8 values"
+    );
+    for ((part, scale), bits) in x
+        .chunks_mut(block)
+        .zip(scales)
+        .zip(signs.chunks_mut(block / 8))
+    {
+        *scale = rms_scale(part);
+        compress_with_scale_into(part, *scale, bits);
     }
-    (scales, packed)
 }
 
 /// Adds `factor · scale_b · sign` to `out`, block by block (the inverse of [`compress_chunk`]).
@@ -200,5 +297,73 @@ mod tests {
             assert_eq!(c.abs(), scale);
             assert_eq!(*c >= 0.0, *x >= 0.0);
         }
+    }
+
+    /// The eight-lane forms against the scalar ones, bit for bit: values of both signs, ±0,
+    /// NaN, ±∞ and subnormals, buffers with and without a tail, and a zero scale.
+    #[test]
+    fn eight_lanes_equal_the_scalar_form() {
+        let specials = [
+            0.0,
+            -0.0,
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1e-40,
+            -1e-40,
+        ];
+        for len in [0, 5, 8, 13, 64, 1003] {
+            let values: Vec<f32> = (0..len)
+                .map(|i| match i % 11 {
+                    0 => specials[(i / 11) % specials.len()],
+                    k => ((i * 7919) % 97) as f32 * 0.013 - 0.6 + k as f32 * 1e-3,
+                })
+                .collect();
+            for scale in [0.37, 0.0] {
+                let mut ours = values.clone();
+                let signs = compress_with_scale(&mut ours, scale);
+                let mut expected = values.clone();
+                let expected_signs: Vec<u8> = expected
+                    .chunks_mut(8)
+                    .map(|chunk| compress_scalar(chunk, scale))
+                    .collect();
+                assert_eq!(signs, expected_signs, "len {len} scale {scale}");
+                assert_eq!(signs, pack_signs(&values), "len {len}");
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&ours), bits(&expected), "len {len} scale {scale}");
+
+                let mut added = values.clone();
+                add_scaled_signs(&signs, 1.5, &mut added);
+                let mut expected = values.clone();
+                for (chunk, &byte) in expected.chunks_mut(8).zip(&signs) {
+                    add_scalar(byte, 1.5, chunk);
+                }
+                assert_eq!(bits(&added), bits(&expected), "len {len}");
+            }
+        }
+    }
+
+    /// Block scales: each block's RMS, its signs at its own bytes, the same as compressing
+    /// the blocks one by one.
+    #[test]
+    fn chunk_compression_with_blocks_equals_block_by_block() {
+        let x: Vec<f32> = (0..200)
+            .map(|i| ((i * 31) % 17) as f32 * 0.1 - 0.8)
+            .collect();
+        let mut ours = x.clone();
+        let mut scales = vec![0.0; scales_per_chunk(x.len(), 64)];
+        let mut signs = vec![0; x.len().div_ceil(8)];
+        compress_chunk(&mut ours, 64, None, &mut scales, &mut signs);
+        assert_eq!(scales.len(), 4);
+        let mut expected = x.clone();
+        let mut expected_signs = Vec::new();
+        for (k, part) in expected.chunks_mut(64).enumerate() {
+            let (scale, bits) = compress_in_place(part);
+            assert_eq!(scales[k], scale, "block {k}");
+            expected_signs.extend(bits);
+        }
+        assert_eq!(signs, expected_signs);
+        assert_eq!(ours, expected);
     }
 }

@@ -11,9 +11,9 @@ use ember_backend_ext::FusedOps;
 
 use super::allreduce::BytesSent;
 use super::optimizer::{OnebitKind, OnebitOptimizer, OnebitStep, ReadHost, WriteHost};
-use crate::host_norm::norm;
 use crate::onebit::{OnebitLambCoeff, OnebitVariance};
 use crate::parallel::CommError;
+use ember_backend_ext::host_norm::norm;
 
 impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOptimizer<M, B> {
     /// The compression stage's step (see the module docs of `optimizer.rs`).
@@ -80,13 +80,15 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
                 .iter_mut()
                 .map(|p| std::mem::take(&mut p.m))
                 .collect(),
-            OnebitKind::Lamb => vec![
-                stage
-                    .params
-                    .iter_mut()
-                    .flat_map(|p| std::mem::take(&mut p.m))
-                    .collect(),
-            ],
+            // Copied back to back (each `p.m` keeps its buffer for the average below).
+            OnebitKind::Lamb => {
+                let total = stage.params.iter().map(|p| p.m.len()).sum();
+                let mut flat = Vec::with_capacity(total);
+                for p in &stage.params {
+                    flat.extend_from_slice(&p.m);
+                }
+                vec![flat]
+            }
         };
         let allreduce = stage
             .allreduce
@@ -112,8 +114,8 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
                 let flat = values.next().expect("one segment");
                 let mut offset = 0;
                 for p in &mut stage.params {
-                    let n = p.v.len();
-                    p.m = flat[offset..offset + n].to_vec();
+                    let n = p.m.len();
+                    p.m.copy_from_slice(&flat[offset..offset + n]);
                     offset += n;
                 }
             }
@@ -160,7 +162,6 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
                     d + eps
                 }
             };
-            let fresh_or_zero = |i: usize| p.v_fresh.get(i).copied().unwrap_or(0.0);
             if !lamb {
                 // Adam: one pass, no temporaries; zipped slices without an index (bounds
                 // checks kept the loop scalar), the same operations in the same order.
@@ -180,25 +181,32 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
                 updated.insert(p.id, w.clone());
                 continue;
             }
-            let denom: Vec<f32> = (0..p.v.len())
-                .map(|i| denom(p.v[i], fresh_or_zero(i), p.m[i]))
-                .collect();
-            let prelim: Vec<f32> =
+            // One pass over zipped slices (no index: bounds checks kept the loop scalar) for
+            // the preliminary update `m̂ / denom` and, with a fresh variance, the largest
+            // ratio of the frozen denominator to the fresh one (the maximum in element order,
+            // as a fold).
+            let mut factor = f32::MIN;
+            let prelim: Vec<f32> = if p.v_fresh.is_empty() {
                 p.m.iter()
-                    .zip(&denom)
-                    .map(|(&m, &d)| (m / bc1) / d)
-                    .collect();
+                    .zip(&p.v)
+                    .map(|(&m, &v)| (m / bc1) / denom(v, 0.0, m))
+                    .collect()
+            } else {
+                p.m.iter()
+                    .zip(&p.v)
+                    .zip(&p.v_fresh)
+                    .map(|((&m, &v), &f)| {
+                        let d = denom(v, f, m);
+                        factor = factor.max(d / ((f / bc2_fresh).sqrt() + eps));
+                        (m / bc1) / d
+                    })
+                    .collect()
+            };
             let update: Vec<f32> = prelim
                 .iter()
                 .zip(w.iter())
                 .map(|(&u, &w)| u + decay * w)
                 .collect();
-            let mut factor = p
-                .v_fresh
-                .iter()
-                .zip(&denom)
-                .map(|(&f, &d)| d / ((f / bc2_fresh).sqrt() + eps))
-                .fold(f32::MIN, f32::max);
             // ‖u‖ once: the weight decay's share below and the trust ratio use it.
             let update_norm = norm(&update);
             if decay > 0.0 {

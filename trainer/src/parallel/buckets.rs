@@ -200,7 +200,7 @@ impl<B: FusedOps> Buffer<B> {
     /// The squared L2 norm, `Σ x²` (the multi-tensor norm kernel on CubeCL backends).
     pub(crate) fn sq_norm(&self) -> Scalar<B> {
         match self {
-            Buffer::Host(values) => Scalar::Host(crate::host_norm::sum_squares(values)),
+            Buffer::Host(values) => Scalar::Host(ember_backend_ext::host_norm::sum_squares(values)),
             Buffer::Device(t) => {
                 let sums = B::sum_squares_multi_tensor(vec![t.clone().into_primitive().tensor()]);
                 Scalar::Device(Tensor::from_primitive(TensorPrimitive::Float(sums)))

@@ -1,26 +1,32 @@
-//! Sums of squares of host f32 buffers, accumulated in f64: the gradient norms of host buckets
-//! (`parallel/buckets.rs`), 1-bit compression's scales (`onebit/compress.rs`) and 1-bit LAMB's
-//! norms (`onebit/step.rs`).
+//! Sums of squares of host f32 buffers, accumulated in f64: the gradient norms of ember-trainer's
+//! host buckets (`parallel/buckets.rs`), 1-bit compression's scales (`onebit/compress.rs`),
+//! 1-bit LAMB's norms (`onebit/step.rs`), and NdArray's
+//! [`FusedOps::sum_squares_multi_tensor`](crate::FusedOps::sum_squares_multi_tensor) (LAMB's
+//! trust ratios, the gradient norm of clipping).
 //!
 //! A plain `iter().map(..).sum::<f64>()` is one chain of dependent additions: the compiler may
 //! not reorder floating-point sums, so it runs at one addition per FP-add latency (~4 cycles)
 //! and took 12% of a 1-bit LAMB step of the tiny model (4.4M parameters, four norms a step).
 //! Here [`LANES`] independent partial sums run side by side (vector registers of f64) and are
 //! added pairwise at the end: a fixed order, so the result is the same on every run and
-//! machine, within f64 rounding (≤ n·2⁻⁵³ relative, as any order) of the sequential sum.
+//! machine, within f64 rounding (≤ n·2⁻⁵³ relative, as any order) of the sequential sum. The
+//! loop is compiled for AVX-512, for AVX2 and for the baseline (`host_math.rs`'s
+//! `multiversion!`); each squares and adds in the same lanes without fused multiply-adds, so
+//! every variant gives the same bits.
 
 /// Partial sums: one AVX-512 register of f64, two AVX2 ones, four SSE2 ones.
 const LANES: usize = 8;
 
+multiversion! {
 /// `Σ xᵢ²` of `x`, each square and the sum in f64; 0 for an empty buffer.
 pub fn sum_squares(x: &[f32]) -> f64 {
     let mut acc = [0.0f64; LANES];
-    let chunks = x.chunks_exact(LANES);
-    let tail = chunks.remainder();
+    // Fixed-size chunks: the lanes' loop unrolls into vector operations.
+    let (chunks, tail) = x.as_chunks::<LANES>();
     for chunk in chunks {
-        for (a, &v) in acc.iter_mut().zip(chunk) {
-            let v = f64::from(v);
-            *a += v * v;
+        for lane in 0..LANES {
+            let v = f64::from(chunk[lane]);
+            acc[lane] += v * v;
         }
     }
     for (a, &v) in acc.iter_mut().zip(tail) {
@@ -36,6 +42,7 @@ pub fn sum_squares(x: &[f32]) -> f64 {
         }
     }
     acc[0]
+}
 }
 
 /// `‖x‖₂`, accumulated in f64 ([`sum_squares`]).
