@@ -216,6 +216,81 @@ macro_rules! openblas_kernels_of_this_cpu {
     };
 }
 
+/// mimalloc, for [`ember_binarys_allocator!`].
+#[doc(hidden)]
+pub use mimalloc;
+
+/// Keeps the memory mimalloc frees in the process (its `purge_delay` option at −1), unless
+/// `MIMALLOC_PURGE_DELAY` says otherwise: what `ember`'s binary does at start-up
+/// (`keep_freed_memory` in xtask/src/lib.rs). Called before `main` by
+/// [`ember_binarys_allocator!`].
+#[doc(hidden)]
+pub fn keep_memory_that_mimalloc_frees() {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        // SAFETY: a plain C call without pointers.
+        unsafe { mimalloc_api::mi_option_set(mimalloc_api::PURGE_DELAY, -1) };
+    }
+}
+
+/// The parts of mimalloc's C API (mimalloc.h) the test binaries use; the library is linked
+/// through the `mimalloc` crate.
+mod mimalloc_api {
+    use std::ffi::{c_int, c_long, c_void};
+
+    /// `mi_option_purge_delay`.
+    pub const PURGE_DELAY: c_int = 15;
+
+    unsafe extern "C" {
+        pub fn mi_option_set(option: c_int, value: c_long);
+        pub fn mi_option_get(option: c_int) -> c_long;
+        pub fn mi_is_in_heap_region(p: *const c_void) -> bool;
+    }
+}
+
+/// Asserts that this process allocates with mimalloc and keeps the memory it frees, as
+/// [`ember_binarys_allocator!`] arranges (unless `MIMALLOC_PURGE_DELAY` asks otherwise).
+pub fn assert_ember_binarys_allocator() {
+    let probe = Box::new([0u64; 64]);
+    // SAFETY: plain C calls; the pointer is only compared with mimalloc's regions.
+    let (ours, purge_delay) = unsafe {
+        (
+            mimalloc_api::mi_is_in_heap_region(probe.as_ptr().cast()),
+            mimalloc_api::mi_option_get(mimalloc_api::PURGE_DELAY),
+        )
+    };
+    assert!(ours, "a Box was not allocated by mimalloc");
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        assert_eq!(
+            purge_delay, -1,
+            "mimalloc returns freed memory after {purge_delay} ms"
+        );
+    }
+}
+
+/// Declares, in a test binary, the allocator of `ember`'s binary (xtask/src/lib.rs): mimalloc,
+/// keeping freed pages ([`keep_memory_that_mimalloc_frees`], from a constructor that runs
+/// before the harness). With the system allocator a training step's large buffers (a tiny
+/// BERT's 17.6 MB of parameters, gradients and 1-bit momenta, copied several times a step) are
+/// fresh pages every step, each page faulted and zeroed by the kernel: the tests would time a
+/// slower trainer than the one users run (docs/testing.md).
+#[macro_export]
+macro_rules! ember_binarys_allocator {
+    () => {
+        #[global_allocator]
+        static EMBER_BINARYS_ALLOCATOR: $crate::mimalloc::MiMalloc = $crate::mimalloc::MiMalloc;
+
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        #[used]
+        #[unsafe(link_section = ".init_array")]
+        static KEEP_MEMORY_THAT_MIMALLOC_FREES: extern "C" fn() = {
+            extern "C" fn keep() {
+                $crate::keep_memory_that_mimalloc_frees()
+            }
+            keep
+        };
+    };
+}
+
 /// Asserts that this process runs OpenBLAS's kernels for this CPU (AVX2 and up where the CPU
 /// has them), as [`openblas_kernels_of_this_cpu!`] arranges; nothing to check when
 /// `OPENBLAS_CORETYPE` asks for slower kernels (the user's choice) or without OpenBLAS.

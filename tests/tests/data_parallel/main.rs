@@ -7,6 +7,8 @@
 
 // OpenBLAS's kernels for this CPU (a restart before the harness starts where it chose slower).
 ember_tests::openblas_kernels_of_this_cpu!();
+// The allocator of `ember`'s binary: mimalloc, keeping freed pages.
+ember_tests::ember_binarys_allocator!();
 
 mod clipping;
 mod details;
@@ -238,4 +240,10 @@ fn norm(values: &[f64]) -> f64 {
 #[test]
 fn this_test_binary_runs_this_cpus_openblas_kernels() {
     ember_tests::assert_this_cpus_openblas_kernels();
+}
+
+/// The test binary allocates as ember's binary does (`ember_binarys_allocator!` above): mimalloc, keeping the pages it frees.
+#[test]
+fn this_test_binary_allocates_as_embers_binary() {
+    ember_tests::assert_ember_binarys_allocator();
 }

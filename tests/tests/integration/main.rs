@@ -8,6 +8,8 @@
 
 // OpenBLAS's kernels for this CPU (a restart before the harness starts where it chose slower).
 ember_tests::openblas_kernels_of_this_cpu!();
+// The allocator of `ember`'s binary: mimalloc, keeping freed pages.
+ember_tests::ember_binarys_allocator!();
 
 mod device_reducer;
 mod docs;

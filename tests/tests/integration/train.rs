@@ -252,3 +252,9 @@ fn config_file_errors_name_the_file() {
 fn this_test_binary_runs_this_cpus_openblas_kernels() {
     ember_tests::assert_this_cpus_openblas_kernels();
 }
+
+/// The test binary allocates as ember's binary does (`ember_binarys_allocator!` in main.rs): mimalloc, keeping the pages it frees.
+#[test]
+fn this_test_binary_allocates_as_embers_binary() {
+    ember_tests::assert_ember_binarys_allocator();
+}
