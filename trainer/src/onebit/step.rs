@@ -151,17 +151,15 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
                     *f = b2 * *f + (1.0 - b2) * g * g;
                 }
             }
-            // √v̂ + ε of the frozen variance (or of the larger of it and the fresh one), at
-            // least |m̂| + ε when bounded.
-            let denom = |v: f32, f: f32, m: f32| {
-                let v = v / bc2;
-                let d = if floor { v.max(f / bc2_fresh) } else { v }.sqrt();
-                if bounded {
-                    d.max((m / bc1).abs()) + eps
-                } else {
-                    d + eps
-                }
+            let den = Denominator {
+                bc1,
+                bc2,
+                bc2_fresh,
+                eps,
+                floor,
+                bounded,
             };
+            let denom = |v: f32, f: f32, m: f32| den.of(v, f, m);
             if !lamb {
                 // Adam: one pass, no temporaries; zipped slices without an index (bounds
                 // checks kept the loop scalar), the same operations in the same order.
@@ -181,26 +179,23 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
                 updated.insert(p.id, w.clone());
                 continue;
             }
-            // One pass over zipped slices (no index: bounds checks kept the loop scalar) for
-            // the preliminary update `m̂ / denom` and, with a fresh variance, the largest
-            // ratio of the frozen denominator to the fresh one (the maximum in element order,
-            // as a fold).
-            let mut factor = f32::MIN;
-            let prelim: Vec<f32> = if p.v_fresh.is_empty() {
-                p.m.iter()
-                    .zip(&p.v)
-                    .map(|(&m, &v)| (m / bc1) / denom(v, 0.0, m))
-                    .collect()
+            // The preliminary update `m̂ / denom` and each denominator
+            // ([`prelim_and_denominators`]); then, with a fresh variance, the largest ratio of
+            // the frozen denominator to the fresh one ([`largest_ratio`]).
+            let n = p.m.len();
+            let zeros;
+            let fresh: &[f32] = if p.v_fresh.is_empty() {
+                zeros = vec![0.0; n];
+                &zeros
             } else {
-                p.m.iter()
-                    .zip(&p.v)
-                    .zip(&p.v_fresh)
-                    .map(|((&m, &v), &f)| {
-                        let d = denom(v, f, m);
-                        factor = factor.max(d / ((f / bc2_fresh).sqrt() + eps));
-                        (m / bc1) / d
-                    })
-                    .collect()
+                &p.v_fresh
+            };
+            let (mut prelim, mut denoms) = (vec![0.0f32; n], vec![0.0f32; n]);
+            prelim_and_denominators(den, &p.m, &p.v, fresh, &mut prelim, &mut denoms);
+            let mut factor = if p.v_fresh.is_empty() {
+                f32::MIN
+            } else {
+                largest_ratio(&denoms, &p.v_fresh, bc2_fresh, eps)
             };
             let update: Vec<f32> = prelim
                 .iter()
@@ -255,5 +250,197 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
                 bytes,
             },
         ))
+    }
+}
+
+/// The constants of the compression stage's update denominators.
+#[derive(Debug, Clone, Copy)]
+struct Denominator {
+    /// `1 − β₁ᵗ`.
+    bc1: f32,
+    /// `1 − β₂ᵗ` at the freeze.
+    bc2: f32,
+    /// `1 − β₂ᵗ` now (the fresh variance's correction).
+    bc2_fresh: f32,
+    eps: f32,
+    /// `variance = frozen-or-fresh`: the larger of the frozen and the fresh variance.
+    floor: bool,
+    /// `variance = frozen-bounded`: at least `|m̂|`.
+    bounded: bool,
+}
+
+impl Denominator {
+    /// `√v̂ + ε` of the frozen variance `v` (or of the larger of it and the fresh one `f`), at
+    /// least `|m̂| + ε` when bounded.
+    #[inline(always)]
+    fn of(&self, v: f32, f: f32, m: f32) -> f32 {
+        let v = v / self.bc2;
+        let d = if self.floor {
+            v.max(f / self.bc2_fresh)
+        } else {
+            v
+        }
+        .sqrt();
+        if self.bounded {
+            d.max((m / self.bc1).abs()) + self.eps
+        } else {
+            d + self.eps
+        }
+    }
+}
+
+/// 1-bit LAMB's preliminary update `prelim_i = (m_i / bc1) / d_i` and its denominators
+/// `d_i = den.of(v_i, fresh_i, m_i)` (`fresh`: the fresh variance, or zeros). The settings'
+/// branches are taken once, outside the loop, and the loop runs over chunks of 8 lanes: a
+/// zipped loop with them inside stayed scalar, and its square roots and divisions were most
+/// of the 1-bit LAMB step's update phase. The operations are those of the scalar form.
+fn prelim_and_denominators(
+    den: Denominator,
+    m: &[f32],
+    v: &[f32],
+    fresh: &[f32],
+    prelim: &mut [f32],
+    denoms: &mut [f32],
+) {
+    #[inline(always)]
+    fn lanes<const FLOOR: bool, const BOUNDED: bool>(
+        den: Denominator,
+        m: &[f32],
+        v: &[f32],
+        fresh: &[f32],
+        prelim: &mut [f32],
+        denoms: &mut [f32],
+    ) {
+        const LANES: usize = 8;
+        let den = Denominator {
+            floor: FLOOR,
+            bounded: BOUNDED,
+            ..den
+        };
+        let one = |m: f32, v: f32, f: f32, u: &mut f32, d: &mut f32| {
+            *d = den.of(v, f, m);
+            *u = (m / den.bc1) / *d;
+        };
+        let (m_chunks, m_tail) = m.as_chunks::<LANES>();
+        let (v_chunks, v_tail) = v.as_chunks::<LANES>();
+        let (f_chunks, f_tail) = fresh.as_chunks::<LANES>();
+        let (u_chunks, u_tail) = prelim.as_chunks_mut::<LANES>();
+        let (d_chunks, d_tail) = denoms.as_chunks_mut::<LANES>();
+        for ((((m, v), f), u), d) in m_chunks
+            .iter()
+            .zip(v_chunks)
+            .zip(f_chunks)
+            .zip(u_chunks)
+            .zip(d_chunks)
+        {
+            for lane in 0..LANES {
+                one(m[lane], v[lane], f[lane], &mut u[lane], &mut d[lane]);
+            }
+        }
+        for ((((&m, &v), &f), u), d) in m_tail
+            .iter()
+            .zip(v_tail)
+            .zip(f_tail)
+            .zip(u_tail)
+            .zip(d_tail)
+        {
+            one(m, v, f, u, d);
+        }
+    }
+    let n = m.len();
+    assert!(
+        [v.len(), fresh.len(), prelim.len(), denoms.len()] == [n; 4],
+        "one value of each per element"
+    );
+    match (den.floor, den.bounded) {
+        (false, false) => lanes::<false, false>(den, m, v, fresh, prelim, denoms),
+        (true, false) => lanes::<true, false>(den, m, v, fresh, prelim, denoms),
+        (false, true) => lanes::<false, true>(den, m, v, fresh, prelim, denoms),
+        (true, true) => lanes::<true, true>(den, m, v, fresh, prelim, denoms),
+    }
+}
+
+/// `max_i d_i / (√(f_i / bc2) + ε)`, `f32::MIN` for no elements: 1-bit LAMB's ratio of the frozen
+/// denominators `d` to the fresh variance's. Eight lane-wise maxima, then their maximum: a
+/// maximum is exact, so this is the element-order fold's value (NaN ratios skipped, as
+/// `f32::max` skips them), and the loop vectorizes.
+fn largest_ratio(d: &[f32], fresh: &[f32], bc2: f32, eps: f32) -> f32 {
+    const LANES: usize = 8;
+    let ratio = |d: f32, f: f32| d / ((f / bc2).sqrt() + eps);
+    let (d_chunks, d_tail) = d.as_chunks::<LANES>();
+    let (f_chunks, f_tail) = fresh.as_chunks::<LANES>();
+    let mut lanes = [f32::MIN; LANES];
+    for (d, f) in d_chunks.iter().zip(f_chunks) {
+        for lane in 0..LANES {
+            lanes[lane] = lanes[lane].max(ratio(d[lane], f[lane]));
+        }
+    }
+    let tail = d_tail.iter().zip(f_tail).map(|(&d, &f)| ratio(d, f));
+    lanes.into_iter().chain(tail).fold(f32::MIN, f32::max)
+}
+
+#[cfg(test)]
+mod tests {
+    /// The chunked preliminary update equals the element-by-element formula bit for bit, for
+    /// every variance setting, with a tail.
+    #[test]
+    fn prelim_and_denominators_equal_the_formula() {
+        let n = 29;
+        let m: Vec<f32> = (0..n)
+            .map(|i| ((i * 7) % 13) as f32 * 1e-3 - 6e-3)
+            .collect();
+        let v: Vec<f32> = (0..n)
+            .map(|i| ((i * 5) % 11) as f32 * 1e-6 + 1e-8)
+            .collect();
+        let f: Vec<f32> = (0..n).map(|i| ((i * 3) % 17) as f32 * 1e-6).collect();
+        for (floor, bounded) in [(false, false), (true, false), (false, true), (true, true)] {
+            let den = super::Denominator {
+                bc1: 0.41,
+                bc2: 0.02,
+                bc2_fresh: 0.03,
+                eps: 1e-6,
+                floor,
+                bounded,
+            };
+            let (mut u, mut d) = (vec![0.0; n], vec![0.0; n]);
+            super::prelim_and_denominators(den, &m, &v, &f, &mut u, &mut d);
+            for i in 0..n {
+                let frozen = v[i] / den.bc2;
+                let mut want = if floor {
+                    frozen.max(f[i] / den.bc2_fresh)
+                } else {
+                    frozen
+                }
+                .sqrt();
+                if bounded {
+                    want = want.max((m[i] / den.bc1).abs());
+                }
+                let want = want + den.eps;
+                assert_eq!(d[i].to_bits(), want.to_bits(), "{floor} {bounded} d[{i}]");
+                let prelim = (m[i] / den.bc1) / want;
+                assert_eq!(u[i].to_bits(), prelim.to_bits(), "{floor} {bounded} u[{i}]");
+            }
+        }
+    }
+
+    /// The lane-wise maximum equals the element-order fold, NaN ratios skipped, with and
+    /// without a tail.
+    #[test]
+    fn largest_ratio_equals_the_fold() {
+        for n in [0, 3, 8, 61] {
+            let d: Vec<f32> = (0..n)
+                .map(|i| 1e-3 + ((i * 37) % 11) as f32 * 1e-4)
+                .collect();
+            let mut fresh: Vec<f32> = (0..n).map(|i| ((i * 13) % 7) as f32 * 1e-7).collect();
+            if n > 5 {
+                fresh[5] = f32::NAN;
+            }
+            let fold = d
+                .iter()
+                .zip(&fresh)
+                .map(|(&d, &f)| d / ((f / 0.3).sqrt() + 1e-6))
+                .fold(f32::MIN, f32::max);
+            assert_eq!(super::largest_ratio(&d, &fresh, 0.3, 1e-6), fold, "n = {n}");
+        }
     }
 }
