@@ -193,7 +193,7 @@ impl CompressedAllreduce {
         // server error, compressed again.
         let mut message = vec![0u8; message_len];
         for (s, &place) in layout.iter().enumerate() {
-            let (scale_offset, _, sign_offset, bytes) = place;
+            let (scale_offset, n, sign_offset, bytes) = place;
             let mut chunk = vec![0.0f32; self.chunk_len(s)];
             for from in received.chunks(message_len) {
                 let scales = scales_of(from, place);
@@ -204,13 +204,10 @@ impl CompressedAllreduce {
             for (e, &x) in error.iter_mut().zip(&chunk) {
                 *e += x;
             }
-            let mut scales = vec![0.0; place.1];
+            let mut scales = vec![0.0; n];
             let signs = &mut message[sign_offset..sign_offset + bytes];
             compress_chunk(error, self.block, None, &mut scales, signs);
-            write_scales(
-                &scales,
-                &mut message[scale_offset..scale_offset + 4 * place.1],
-            );
+            write_scales(&scales, &mut message[scale_offset..scale_offset + 4 * n]);
         }
 
         // 4. Allgather: every server chunk, rebuilt as scale · sign.

@@ -159,12 +159,11 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: FusedOps>> OnebitOpt
                 floor,
                 bounded,
             };
-            let denom = |v: f32, f: f32, m: f32| den.of(v, f, m);
             if !lamb {
                 // Adam: one pass, no temporaries; zipped slices without an index (bounds
                 // checks kept the loop scalar), the same operations in the same order.
                 let apply = |w: &mut f32, m: f32, v: f32, f: f32| {
-                    let u = (m / bc1) / denom(v, f, m) + decay * *w;
+                    let u = (m / bc1) / den.of(v, f, m) + decay * *w;
                     *w -= lr * u;
                 };
                 if p.v_fresh.is_empty() {
