@@ -42,6 +42,8 @@ macro_rules! register_sum {
     }};
 }
 
+mod attention;
+
 /// A reshape: parent x; state x's shape. Both ways through [`FusedOps::reshape_contiguous`],
 /// so that NdArray moves neither a contiguous activation nor its gradient (Burn's autodiff
 /// reshape runs `float_reshape`, which copies on NdArray).
@@ -149,72 +151,24 @@ impl<B: FusedOps> Backward<B, 5> for LayerNormBackwardOp {
     }
 }
 
-/// What the attention backward needs: q, k, v, softmax probs, dropped probs, scale, dropout.
-type AttentionState<B> = (
-    FloatTensor<B>,
-    FloatTensor<B>,
-    FloatTensor<B>,
-    FloatTensor<B>,
-    FloatTensor<B>,
-    f64,
-    DropoutSpec,
-);
-
+/// [`FusedOps::concat_columns`] of three parts (the packed QKV weight or bias): parents the
+/// parts; state their widths. Backward: [`FusedOps::split_columns`] of the gradient.
 #[derive(Debug)]
-struct AttentionBackward;
+struct ConcatColumnsBackward;
 
-impl<B: FusedOps> Backward<B, 3> for AttentionBackward {
-    type State = AttentionState<B>;
+impl<B: FusedOps> Backward<B, 3> for ConcatColumnsBackward {
+    type State = [usize; 3];
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_q, node_k, node_v] = ops.parents;
-        // [B, nh, S, hd], usually a head-strided view of the merged context's gradient:
-        // made contiguous once for its two products.
-        let grad = B::contiguous(grads.consume::<B>(&ops.node));
-        let (q, k, v, probs, dropped, scale, dropout) = ops.state;
-        // context = dropped · V  ⇒  dV = droppedᵀ · grad, d(dropped) = grad · Vᵀ: a pair of
-        // products where both are needed (one window of host waits on cuBLASLt).
-        let wants_scores = node_q.is_some() || node_k.is_some();
-        let grad_dropped = match (node_v, wants_scores) {
-            (Some(node), true) => {
-                let (grad_v, grad_dropped) = B::batched_matmul_pair(
-                    B::float_swap_dims(dropped, 2, 3),
-                    grad.clone(),
-                    grad,
-                    B::float_swap_dims(v, 2, 3),
-                );
-                register_sum!(grads, &node, grad_v);
-                grad_dropped
+        let grad = grads.consume::<B>(&ops.node);
+        if ops.parents.iter().all(Option::is_none) {
+            return;
+        }
+        let parts = B::split_columns(grad, &ops.state);
+        for (node, part) in ops.parents.into_iter().zip(parts) {
+            if let Some(node) = node {
+                register_sum!(grads, &node, part);
             }
-            (Some(node), false) => {
-                let grad_v = B::batched_matmul(B::float_swap_dims(dropped, 2, 3), grad);
-                register_sum!(grads, &node, grad_v);
-                return;
-            }
-            (None, true) => B::batched_matmul(grad, B::float_swap_dims(v, 2, 3)),
-            (None, false) => return,
-        };
-        let grad_scores = B::masked_softmax_dropout_backward(grad_dropped, probs, scale, dropout);
-        // scores = Q · Kᵀ  ⇒  dQ = dS · K, dK = dSᵀ · Q
-        match (node_q, node_k) {
-            (Some(node_q), Some(node_k)) => {
-                let (grad_q, grad_k) = B::batched_matmul_pair(
-                    grad_scores.clone(),
-                    k,
-                    B::float_swap_dims(grad_scores, 2, 3),
-                    q,
-                );
-                register_sum!(grads, &node_q, grad_q);
-                register_sum!(grads, &node_k, grad_k);
-            }
-            (Some(node), None) => {
-                register_sum!(grads, &node, B::batched_matmul(grad_scores, k));
-            }
-            (None, Some(node)) => {
-                let grad_k = B::batched_matmul(B::float_swap_dims(grad_scores, 2, 3), q);
-                register_sum!(grads, &node, grad_k);
-            }
-            (None, None) => {}
         }
     }
 }
@@ -575,25 +529,66 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         scale: f64,
         dropout: DropoutSpec,
     ) -> FloatTensor<Self> {
-        let prepared = AttentionBackward
+        let prepared = attention::AttentionBackward
             .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
             .compute_bound()
             .stateful();
-        // Q, K and V are read again by backward's products: each made contiguous once
-        // (FusedOps::contiguous), not at every product.
-        let (q, k, v) = (
-            B::contiguous(q.primitive),
-            B::contiguous(k.primitive),
-            B::contiguous(v.primitive),
+        let (output, state) = attention::forward::<B>(
+            [q.primitive, k.primitive, v.primitive],
+            mask_bias.primitive,
+            scale,
+            dropout,
         );
-        let scores = B::batched_matmul(q.clone(), B::float_swap_dims(k.clone(), 2, 3));
-        let softmax = B::masked_softmax_dropout(scores, mask_bias.primitive, scale, dropout);
-        let output = B::batched_matmul(softmax.dropped.clone(), v.clone());
         match prepared {
-            OpsKind::Tracked(prep) => {
-                let state = (q, k, v, softmax.probs, softmax.dropped, scale, dropout);
-                prep.finish(state, output)
+            OpsKind::Tracked(prep) => prep.finish(state, output),
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        }
+    }
+
+    fn concat_columns(xs: Vec<FloatTensor<Self>>) -> FloatTensor<Self> {
+        assert!(!xs.is_empty(), "concat_columns of no tensors");
+        let xs: [FloatTensor<Self>; 3] = match xs.try_into() {
+            Ok(three) => three,
+            // Other counts: Burn's autodiff `cat` (its backward slices the gradient).
+            Err(xs) => {
+                let last = xs[0].primitive.shape().num_dims() - 1;
+                return <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_cat(xs, last);
             }
+        };
+        let widths = xs.each_ref().map(|x| {
+            let shape = x.primitive.shape();
+            shape[shape.num_dims() - 1]
+        });
+        let prepared = ConcatColumnsBackward
+            .prepare::<C>(xs.each_ref().map(|x| x.node.clone()))
+            .compute_bound()
+            .stateful();
+        let output = B::concat_columns(xs.map(|x| x.primitive).into());
+        match prepared {
+            OpsKind::Tracked(prep) => prep.finish(widths, output),
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        }
+    }
+
+    fn attention_qkv_core(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+        mask_bias: FloatTensor<Self>,
+        scale: f64,
+        dropout: DropoutSpec,
+    ) -> FloatTensor<Self> {
+        let prepared = attention::AttentionQkvBackward
+            .prepare::<C>([qkv.node.clone()])
+            .compute_bound()
+            .stateful();
+        let (output, state) = attention::forward::<B>(
+            B::unpack_qkv_heads(qkv.primitive, heads),
+            mask_bias.primitive,
+            scale,
+            dropout,
+        );
+        match prepared {
+            OpsKind::Tracked(prep) => prep.finish(state, output),
             OpsKind::UnTracked(prep) => prep.finish(output),
         }
     }

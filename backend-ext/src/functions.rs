@@ -178,6 +178,46 @@ pub fn attention<B: FusedOps>(
     ))
 }
 
+/// Tensors side by side along their last dimension through [`FusedOps::concat_columns`]
+/// (one launch on CubeCL; under autodiff each part's gradient is its contiguous slice of the
+/// output's, [`FusedOps::split_columns`]): Burn's `Tensor::cat(xs, D - 1)`.
+///
+/// # Shapes
+/// `xs` `[.., w_t]` (the same leading dimensions) → `[.., Σ w_t]`
+///
+/// # Panics
+/// If `xs` is empty, mixes dtypes or the leading dimensions differ.
+pub fn concat_columns<B: FusedOps, const D: usize>(xs: Vec<Tensor<B, D>>) -> Tensor<B, D> {
+    float(B::concat_columns(xs.into_iter().map(prim).collect()))
+}
+
+/// The attention core of packed projections through [`FusedOps::attention_qkv_core`]: Q, K
+/// and V side by side in one tensor, the output of one dense layer whose weight is the three
+/// projections' weights side by side (Note [Packed QKV]; NVIDIA's and Samsung's MLPerf BERT's
+/// fused QKV).
+///
+/// # Shapes
+/// `qkv` `[B, S, 3·nh·hd]` (Q's columns, then K's, then V's), `heads` nh, `mask_bias`
+/// `[B, S]` → `[B, nh, S, hd]`
+///
+/// # Panics
+/// If the width of `qkv` is not a multiple of `3 · heads`.
+pub fn attention_qkv<B: FusedOps>(
+    qkv: Tensor<B, 3>,
+    heads: usize,
+    mask_bias: Tensor<B, 2>,
+    scale: f64,
+    dropout: DropoutSpec,
+) -> Tensor<B, 4> {
+    float(B::attention_qkv_core(
+        prim(qkv),
+        heads,
+        prim(mask_bias),
+        scale,
+        dropout,
+    ))
+}
+
 /// A whole LAMB step of many tensors through the multi-tensor ops: the moments and updates
 /// ([`AdamKind::LambUpdate`]), the squared norms of parameters and updates in one
 /// [`FusedOps::sum_squares_multi_tensor`], then [`FusedOps::lamb_apply_multi_tensor`]. Three

@@ -339,6 +339,34 @@ pub trait FusedOps: Backend {
         prim(Tensor::cat(flat, 0))
     }
 
+    /// Tensors side by side along their last dimension (`torch.cat(xs, dim=-1)`): the packed
+    /// QKV weight and bias (Note [Packed QKV] in `qkv.rs`). The default is Burn's `cat`; CubeCL
+    /// writes up to 32 parts in one launch (Burn's `cat` launches a slice assignment per
+    /// part); under autodiff the backward is [`FusedOps::split_columns`].
+    ///
+    /// # Shapes
+    /// `xs` `[.., w_t]` (the same leading dimensions) → `[.., Σ w_t]`
+    ///
+    /// # Panics
+    /// If `xs` is empty, mixes dtypes or the leading dimensions differ.
+    fn concat_columns(xs: Vec<FloatTensor<Self>>) -> FloatTensor<Self> {
+        columns::reference_concat_columns::<Self>(xs)
+    }
+
+    /// The parts of `x`'s last dimension, of widths `widths` (the gradient of
+    /// [`FusedOps::concat_columns`]). The default returns views (Burn's `slice`); CubeCL
+    /// writes contiguous parts, up to 32 in one launch, so that the bucket flattening and the
+    /// optimizer read them without a copy each.
+    ///
+    /// # Shapes
+    /// `x` `[.., Σ w_t]` → `[.., w_t]` for each of `widths`
+    ///
+    /// # Panics
+    /// If `widths` do not add up to `x`'s last dimension.
+    fn split_columns(x: FloatTensor<Self>, widths: &[usize]) -> Vec<FloatTensor<Self>> {
+        columns::reference_split_columns::<Self>(x, widths)
+    }
+
     /// `Σ x` of a flat tensor in a fixed order: the same bits on every run and in every
     /// process for the same input (Note [Ranks stay one model] in ember-trainer's
     /// `parallel/consistency.rs`: what ranks compute from the same averaged gradient must be
@@ -544,5 +572,52 @@ pub trait FusedOps: Backend {
         let scores = Self::batched_matmul(q, Self::float_swap_dims(k, 2, 3));
         let softmax = Self::masked_softmax_dropout(scores, mask_bias, scale, dropout);
         Self::batched_matmul(softmax.dropped, v)
+    }
+
+    /// [`FusedOps::attention_core`] of the packed projections of one dense layer, `[Q | K |
+    /// V]` side by side (Note [Packed QKV] in `qkv.rs`: NVIDIA's and Samsung's MLPerf BERT's
+    /// fused QKV). The default reads Q, K and V as head-strided views of `qkv` and calls
+    /// [`FusedOps::attention_core`]; under autodiff the gradient of `qkv` comes packed the
+    /// same way ([`FusedOps::merge_qkv_heads`]).
+    ///
+    /// # Shapes
+    /// `qkv` `[B, S, 3·nh·hd]` (Q's columns, then K's, then V's; head h of each at
+    /// `h·hd..(h+1)·hd`), `heads` nh, `mask_bias` `[B, S]` → `[B, nh, S, hd]`
+    ///
+    /// # Panics
+    /// If `qkv` is not of rank 3 or its width not a multiple of `3 · heads`.
+    fn attention_qkv_core(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+        mask_bias: FloatTensor<Self>,
+        scale: f64,
+        dropout: DropoutSpec,
+    ) -> FloatTensor<Self> {
+        let [q, k, v] = Self::unpack_qkv_heads(qkv, heads);
+        Self::attention_core(q, k, v, mask_bias, scale, dropout)
+    }
+
+    /// Q, K and V of packed projections (the input of [`FusedOps::attention_qkv_core`]). The
+    /// default returns head-strided views (no copy; NdArray's products read them as they are);
+    /// CubeCL writes the three contiguous tensors its matmul needs in one launch.
+    ///
+    /// # Shapes
+    /// `qkv` `[B, S, 3·nh·hd]`, `heads` nh → three `[B, nh, S, hd]`
+    ///
+    /// # Panics
+    /// If `qkv` is not of rank 3 or its width not a multiple of `3 · heads`.
+    fn unpack_qkv_heads(qkv: FloatTensor<Self>, heads: usize) -> [FloatTensor<Self>; 3] {
+        crate::qkv::split_heads::<Self>(qkv, heads)
+    }
+
+    /// Q, K and V (or their gradients) packed as [`FusedOps::attention_qkv_core`] reads them:
+    /// each part's heads merged and the three side by side. The default concatenates the
+    /// merged views (Burn's `cat`: a slice assignment per part); CubeCL writes all three in
+    /// one launch, NdArray in one pass on rayon's threads.
+    ///
+    /// # Shapes
+    /// `parts` three `[B, nh, S, hd]` (any strides) → `[B, S, 3·nh·hd]`
+    fn merge_qkv_heads(parts: [FloatTensor<Self>; 3]) -> FloatTensor<Self> {
+        crate::qkv::reference_merge_heads::<Self>(parts)
     }
 }

@@ -5,12 +5,13 @@
 //! update (`host_adam.rs`) and the optimizer's flattening reshape. Each is tested against the
 //! reference in its file; each falls back to the reference for dtypes other than f32.
 
+use burn::tensor::TensorMetadata;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 
 use crate::{
     AdamHyper, AdamKind, AdamOutput, AdamTensors, CrossEntropyForward, DropoutSpec, FusedOps,
     LayerNormBackward, LayerNormForward, SoftmaxForward, cross_entropy, float, host_adam,
-    host_embedding, host_layer, host_matmul, host_sum, linear, prim, reference,
+    host_embedding, host_layer, host_matmul, host_sum, linear, prim, qkv, reference,
 };
 
 impl<E, I, Q> FusedOps for burn_ndarray::NdArray<E, I, Q>
@@ -43,6 +44,32 @@ where
         match cross_entropy::ndarray_backward(&logits, &labels, &log_sum_exp, &grad) {
             Some(grad) => grad,
             None => cross_entropy::reference_backward::<Self>(logits, labels, log_sum_exp, grad),
+        }
+    }
+
+    fn concat_columns(xs: Vec<FloatTensor<Self>>) -> FloatTensor<Self> {
+        match qkv::ndarray_concat_columns(&xs) {
+            Some(packed) => packed,
+            None => crate::columns::reference_concat_columns::<Self>(xs),
+        }
+    }
+
+    fn split_columns(x: FloatTensor<Self>, widths: &[usize]) -> Vec<FloatTensor<Self>> {
+        // Contiguous parts (copied on rayon's threads): a strided view would be copied on
+        // one thread by each later reshape (the bucket flattening's).
+        crate::columns::reference_split_columns::<Self>(x, widths)
+            .into_iter()
+            .map(|part| {
+                let shape = part.shape();
+                Self::reshape_contiguous(part, shape)
+            })
+            .collect()
+    }
+
+    fn merge_qkv_heads(parts: [FloatTensor<Self>; 3]) -> FloatTensor<Self> {
+        match qkv::ndarray_merge_heads(&parts) {
+            Some(merged) => merged,
+            None => qkv::reference_merge_heads::<Self>(parts),
         }
     }
 

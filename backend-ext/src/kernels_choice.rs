@@ -52,3 +52,73 @@ impl std::str::FromStr for Kernels {
         }
     }
 }
+
+/// The `model.qkv_projections` setting: how the fused encoder runs each layer's query, key and
+/// value projections (Note [Packed QKV] in `qkv.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum QkvProjections {
+    /// [`QkvProjections::Packed`] where the backend has kernels ([`FusedOps::HAS_KERNELS`]:
+    /// cuda and wgpu, where the launches it saves count), else
+    /// [`QkvProjections::Separate`] (NdArray: packed took 1.04–1.08× the CPU time of a
+    /// BERT-base step, docs/performance.md).
+    #[default]
+    Auto,
+    /// One dense layer with the three weights side by side (NVIDIA's and Samsung's MLPerf
+    /// BERT's fused QKV), read by [`crate::attention_qkv`].
+    Packed,
+    /// Three dense layers, as Hugging Face's `BertSelfAttention`.
+    Separate,
+}
+
+impl QkvProjections {
+    /// Whether backend `B` runs the packed projections under this choice.
+    pub fn packed<B: FusedOps>(self) -> bool {
+        match self {
+            QkvProjections::Auto => B::HAS_KERNELS,
+            QkvProjections::Packed => true,
+            QkvProjections::Separate => false,
+        }
+    }
+}
+
+impl std::str::FromStr for QkvProjections {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(QkvProjections::Auto),
+            "packed" => Ok(QkvProjections::Packed),
+            "separate" => Ok(QkvProjections::Separate),
+            other => Err(format!(
+                "unknown qkv_projections `{other}` (expected auto, packed or separate)"
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::QkvProjections;
+
+    /// `auto` packs where the backend has kernels (the CubeCL backends) and not on NdArray;
+    /// `packed` and `separate` hold everywhere; the TOML names parse and a wrong one is named.
+    #[test]
+    fn qkv_projections_pack_where_the_backend_has_kernels() {
+        type Cpu = burn::backend::NdArray;
+        assert!(!QkvProjections::Auto.packed::<Cpu>());
+        assert!(QkvProjections::Packed.packed::<Cpu>());
+        assert!(!QkvProjections::Separate.packed::<Cpu>());
+        #[cfg(feature = "wgpu")]
+        {
+            type Gpu = burn::backend::Autodiff<crate::CountingWgpu>;
+            assert!(QkvProjections::Auto.packed::<Gpu>());
+            assert!(!QkvProjections::Separate.packed::<Gpu>());
+        }
+        assert_eq!("packed".parse(), Ok(QkvProjections::Packed));
+        assert_eq!("separate".parse(), Ok(QkvProjections::Separate));
+        assert_eq!(QkvProjections::default(), QkvProjections::Auto);
+        let error = "fused".parse::<QkvProjections>().unwrap_err();
+        assert!(error.contains("`fused`") && error.contains("auto, packed or separate"));
+    }
+}

@@ -8,6 +8,7 @@
 //! | [`bias_gelu`] | `GELU_erf(x + bias)` | `bias_gelu` in `modeling.py` (fused by nvFuser) |
 //! | [`bias_dropout_add_layer_norm`] | `LayerNorm(residual + dropout(x + bias))` | `FastLayerNorm` + `bias_dropout_add` |
 //! | [`attention`] | `dropout(softmax(Q·Kᵀ·scale + mask)) · V` | `FastUnpadBertSelfAttention`, fmha |
+//! | [`attention_qkv`] | the same of Q, K, V packed in one `[B, S, 3·H]` tensor (fused QKV) | fmha's packed `qkv` |
 //! | [`dropout()`] | `x · mask` | `torch.nn.functional.dropout` (Philox masks) |
 //!
 //! Every op has three implementations:
@@ -30,6 +31,7 @@
 
 mod adam;
 mod autodiff;
+mod columns;
 mod cross_entropy;
 #[cfg(feature = "cube")]
 mod cube;
@@ -50,6 +52,7 @@ pub mod host_norm;
 mod host_sum;
 mod kernels_choice;
 mod linear;
+mod qkv;
 pub mod reference;
 
 #[cfg(feature = "cube")]
@@ -74,11 +77,12 @@ pub use adam::{AdamHyper, AdamKind, AdamOutput, AdamTensors};
 pub use cross_entropy::CrossEntropyForward;
 pub use dropout::{DropoutScope, DropoutSpec, keep_mask, reseed_dropout};
 pub use functions::{
-    attention, bias_dropout_add_layer_norm, bias_gelu, cross_entropy, dense, dense_module, dropout,
-    embedding, lamb_multi_tensor, reshape, sum_ordered, sum_squares, tied_decoder_weight,
+    attention, attention_qkv, bias_dropout_add_layer_norm, bias_gelu, concat_columns,
+    cross_entropy, dense, dense_module, dropout, embedding, lamb_multi_tensor, reshape,
+    sum_ordered, sum_squares, tied_decoder_weight,
 };
 pub use fused_ops::{DenseGrads, FusedOps, LayerNormBackward, LayerNormForward, SoftmaxForward};
 use fused_ops::{float, prim};
 pub use gemm::{AUTOTUNE_BUILT, CUBLASLT_BUILT, Gemm, GemmPrecision, gpu_gemm, set_gpu_gemm};
 pub use host_gemm::{gemm_parts, set_gemm_parts};
-pub use kernels_choice::Kernels;
+pub use kernels_choice::{Kernels, QkvProjections};

@@ -8,6 +8,7 @@ pub mod kernel_cache;
 mod kernels;
 mod multi_tensor;
 mod multi_tensor_kernels;
+mod qkv;
 
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape, TensorMetadata};
@@ -501,6 +502,22 @@ where
 
     fn flatten_multi_tensor(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
         multi_tensor::flatten(xs)
+    }
+
+    fn unpack_qkv_heads(qkv: CubeTensor<R>, heads: usize) -> [CubeTensor<R>; 3] {
+        qkv::unpack(qkv, heads)
+    }
+
+    fn merge_qkv_heads(parts: [CubeTensor<R>; 3]) -> CubeTensor<R> {
+        qkv::pack(parts)
+    }
+
+    fn concat_columns(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
+        multi_tensor::concat_columns(xs)
+    }
+
+    fn split_columns(x: CubeTensor<R>, widths: &[usize]) -> Vec<CubeTensor<R>> {
+        multi_tensor::split_columns(x, widths)
     }
 
     fn sum_ordered(x: CubeTensor<R>) -> CubeTensor<R> {

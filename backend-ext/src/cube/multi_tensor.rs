@@ -155,6 +155,112 @@ pub(super) fn flatten<R: CubeRuntime>(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
     output
 }
 
+/// [`FusedOps::concat_columns`]: [`multi_tensor_kernels::multi_concat_columns_kernel`], one
+/// launch for up to 32 parts (fewer where the device binds fewer buffers).
+///
+/// # Panics
+/// If `xs` is empty, mixes dtypes or their element counts over the last dimension differ.
+pub(super) fn concat_columns<R: CubeRuntime>(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
+    let widths = column_widths(&xs);
+    let xs: Vec<_> = xs.into_iter().map(into_contiguous).collect();
+    let total: usize = widths.iter().sum();
+    let mut shape = xs[0].shape();
+    let last = shape.num_dims() - 1;
+    shape[last] = total;
+    let output = empty_like(&xs[0], shape);
+    let per_launch = tensors_per_launch(&output, 1, 1);
+    let mut first = 0;
+    for group in launches(xs, per_launch, |x| x.dtype) {
+        let largest = group.iter().map(numel).max().unwrap_or(0);
+        let (count, dim, _) = multi_launch(largest, group.len());
+        multi_tensor_kernels::multi_concat_columns_kernel::launch::<R>(
+            &output.client,
+            count,
+            dim,
+            group.iter().map(|x| x.clone().into_tensor_arg()).collect(),
+            output.clone().into_tensor_arg(),
+            total,
+            first,
+            storage(output.dtype),
+        );
+        first += group.iter().map(|x| x.shape()[last]).sum::<usize>();
+    }
+    output
+}
+
+/// [`FusedOps::split_columns`]: contiguous parts of `x`'s columns, one launch of
+/// [`multi_tensor_kernels::multi_split_columns_kernel`] for up to 32 parts.
+///
+/// # Panics
+/// If `widths` do not add up to `x`'s last dimension.
+pub(super) fn split_columns<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    widths: &[usize],
+) -> Vec<CubeTensor<R>> {
+    let x = into_contiguous(x);
+    let shape = x.shape();
+    let last = shape.num_dims() - 1;
+    let total = shape[last];
+    assert_eq!(
+        widths.iter().sum::<usize>(),
+        total,
+        "split_columns of {total} columns into {widths:?}"
+    );
+    let outputs: Vec<_> = widths
+        .iter()
+        .map(|&width| {
+            let mut part = shape.clone();
+            part[last] = width;
+            empty_like(&x, part)
+        })
+        .collect();
+    let per_launch = tensors_per_launch(&x, 1, 1);
+    let mut first = 0;
+    for group in outputs.chunks(per_launch) {
+        let largest = group.iter().map(numel).max().unwrap_or(0);
+        let (count, dim, _) = multi_launch(largest, group.len());
+        multi_tensor_kernels::multi_split_columns_kernel::launch::<R>(
+            &x.client,
+            count,
+            dim,
+            x.clone().into_tensor_arg(),
+            group.iter().map(|o| o.clone().into_tensor_arg()).collect(),
+            total,
+            first,
+            storage(x.dtype),
+        );
+        first += group.iter().map(|o| o.shape()[last]).sum::<usize>();
+    }
+    outputs
+}
+
+/// The last-dimension widths of the parts of a column concatenation, checked to share a row
+/// count and a dtype.
+fn column_widths<R: CubeRuntime>(xs: &[CubeTensor<R>]) -> Vec<usize> {
+    assert!(!xs.is_empty(), "concat_columns of no tensors");
+    let dtype = xs[0].dtype;
+    let widths: Vec<usize> = xs
+        .iter()
+        .map(|x| {
+            let shape = x.shape();
+            shape[shape.num_dims() - 1]
+        })
+        .collect();
+    let rows = numel(&xs[0]) / widths[0].max(1);
+    for (x, width) in xs.iter().zip(&widths) {
+        assert_eq!(
+            x.dtype, dtype,
+            "concat_columns of tensors of several dtypes"
+        );
+        assert_eq!(
+            numel(x),
+            rows * width,
+            "concat_columns of parts with different row counts"
+        );
+    }
+    widths
+}
+
 /// Columns per cube, row phases per column and rows per chunk of
 /// [`multi_tensor_kernels::multi_column_partial_sums_kernel`]: 256 units, each summing 32 rows
 /// of a chunk.

@@ -160,6 +160,68 @@ pub fn multi_flatten_kernel<F: Float>(
     }
 }
 
+/// Every tensor of `xs` (contiguous, `[R, w_t]`: one row count, widths `w_t`) written into
+/// the columns `c_t..c_t + w_t` of `output` (`[R, total]`, `c_t = first + Σ_{s<t} w_s`): `cat`
+/// along the last dimension (the packed QKV weight, Note [Packed QKV]). Cube `(g, t)` copies
+/// part of tensor t.
+#[cube(launch)]
+pub fn multi_concat_columns_kernel<F: Float>(
+    xs: &Sequence<Tensor<F>>,
+    output: &mut Tensor<F>,
+    total: usize,
+    first: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let count = xs.len().comptime();
+    let tensor = CUBE_POS_Y as usize;
+    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+    let mut column = first;
+    #[unroll]
+    for t in 0..count {
+        let x = &xs[t];
+        let width = x.shape(x.rank() - 1);
+        if tensor == t {
+            let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+            while i < x.len() {
+                output[(i / width) * total + column + i % width] = x[i];
+                i += stride;
+            }
+        }
+        column += width;
+    }
+}
+
+/// The inverse of [`multi_concat_columns_kernel`]: each of `outputs` (`[R, w_t]`) from the
+/// columns `c_t..c_t + w_t` (from column `first` on) of `input` (`[R, total]`, contiguous): the packed gradient split
+/// into contiguous gradients of its parts.
+#[cube(launch)]
+pub fn multi_split_columns_kernel<F: Float>(
+    input: &Tensor<F>,
+    outputs: &mut Sequence<Tensor<F>>,
+    total: usize,
+    first: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let count = outputs.len().comptime();
+    let tensor = CUBE_POS_Y as usize;
+    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+    let mut column = first;
+    #[unroll]
+    for t in 0..count {
+        let part = &outputs[t];
+        let width = part.shape(part.rank() - 1);
+        if tensor == t {
+            let out = outputs.index_mut(t);
+            let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+            while i < out.len() {
+                out[i] = input[(i / width) * total + column + i % width];
+                i += stride;
+            }
+        }
+        column += width;
+    }
+}
+
 /// LAMB's second half for every tensor: `w − lr · r · u`, `r = ‖w‖/‖u‖` from the squared norms
 /// `param_sq[first + t]`, `update_sq[first + t]` (1 if either is 0).
 #[cube(launch)]

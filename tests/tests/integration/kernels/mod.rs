@@ -27,6 +27,7 @@ mod cublaslt;
 mod dense;
 mod flatten;
 mod half_precision;
+mod packing;
 use common::{assert_close, mask_bias, random, values};
 
 const FWD: (f32, f32) = (2e-5, 2e-5);
@@ -593,6 +594,16 @@ macro_rules! kernel_tests {
         }
 
         #[test]
+        fn column_concatenation_and_split_equal_cat_and_slices() {
+            packing::check_columns::<B>(&$device);
+        }
+
+        #[test]
+        fn qkv_unpacking_and_merging_follow_the_packed_layout() {
+            packing::check_qkv_packing::<$backend>(&$device);
+        }
+
+        #[test]
         fn column_sums_of_several_matrices_match_the_host() {
             column_sums::check_column_sums::<$backend>(&$device);
         }
@@ -640,6 +651,11 @@ mod wgpu {
     #[test]
     fn layer_norm_column_sums_take_two_launches() {
         super::column_sums::check_column_sums_launch();
+    }
+
+    #[test]
+    fn packing_ops_take_a_launch_each() {
+        super::packing::check_packing_launches();
     }
 
     #[test]
