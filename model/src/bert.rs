@@ -8,13 +8,14 @@ use burn::nn::{
 };
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor};
-use ember_backend_ext::{DropoutSpec, FusedOps, Kernels};
+use ember_backend_ext::{DropoutSpec, FusedOps, Kernels, QkvProjections};
 
 use crate::hook::{ForwardHook, NoHook};
 use crate::precision::{Precision, cast_to, dense_as, layer_norm_f32, softmax_f32};
 use crate::weight_casts::{CastScope, cast_together, param_as};
 
 use crate::BertConfig;
+use crate::layer::BertLayer;
 
 /// Additive attention bias of a padded key: exp(-10000 - max) underflows to exactly 0 in f32,
 /// so padded keys get no weight, and a fully padded row stays finite (uniform) instead of NaN.
@@ -192,14 +193,14 @@ impl<B: FusedOps> BertEmbeddings<B> {
 }
 
 /// Whether dropout applies: autodiff is on, as for Burn's `Dropout`.
-fn training<B: Backend, const D: usize>(x: &Tensor<B, D>) -> bool {
+pub(crate) fn training<B: Backend, const D: usize>(x: &Tensor<B, D>) -> bool {
     B::ad_enabled(&x.device())
 }
 
 /// Dropout of the module-by-module path: Burn's `Dropout` with the keyed masks of
 /// `ember-backend-ext` ([`DropoutSpec::draw`]: per sample and position, keyed by the thread's
 /// `DropoutScope`), composed from Burn ops.
-fn reference_dropout<B: Backend, const D: usize>(
+pub(crate) fn reference_dropout<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     dropout: &Dropout,
 ) -> Tensor<B, D> {
@@ -233,6 +234,35 @@ impl<B: Backend> BertSelfAttention<B> {
             dropout: DropoutConfig::new(config.attention_probs_dropout_prob).init(),
             num_attention_heads: config.num_attention_heads,
         }
+    }
+}
+
+impl<B: FusedOps> BertSelfAttention<B> {
+    /// The query, key and value projections as one dense layer (Note [Packed QKV] in
+    /// `ember-backend-ext`'s `qkv.rs`: NVIDIA's and Samsung's MLPerf BERT's fused QKV): the
+    /// three weights side by side and the three biases likewise, in `dtype` (each weight's
+    /// copy from the cast-together scope under a half precision). Under autodiff each
+    /// parameter's gradient is its slice of the packed gradient (`ember_backend_ext::concat_columns`:
+    /// one launch each way on CubeCL).
+    ///
+    /// # Shapes
+    /// weight `[H, 3·H]` (columns: query's, key's, value's), bias `[3·H]` (zeros for a
+    /// projection without bias)
+    pub fn packed_qkv(&self, dtype: DType) -> (Tensor<B, 2>, Tensor<B, 1>) {
+        let projections = [&self.query, &self.key, &self.value];
+        let weight = ember_backend_ext::concat_columns(
+            projections
+                .iter()
+                .map(|linear| param_as(&linear.weight, dtype))
+                .collect(),
+        );
+        let bias = ember_backend_ext::concat_columns(
+            projections
+                .iter()
+                .map(|linear| bias_of(linear, dtype))
+                .collect(),
+        );
+        (weight, bias)
     }
 }
 
@@ -298,78 +328,6 @@ impl<B: FusedOps> BertSelfOutput<B> {
     }
 }
 
-/// Self-attention and its output block. Mirrors Hugging Face `BertAttention`.
-#[derive(Module, Debug)]
-pub struct BertAttention<B: Backend> {
-    /// Hugging Face key `self` (a Rust keyword): see [`crate::checkpoint`].
-    pub self_attention: BertSelfAttention<B>,
-    pub output: BertSelfOutput<B>,
-}
-
-/// First half of the feed-forward block: dense H → I and GELU.
-/// Mirrors Hugging Face `BertIntermediate`.
-#[derive(Module, Debug)]
-pub struct BertIntermediate<B: Backend> {
-    pub dense: Linear<B>,
-}
-
-/// Second half of the feed-forward block: dense I → H, dropout, residual add, LayerNorm.
-/// Mirrors Hugging Face `BertOutput`.
-#[derive(Module, Debug)]
-pub struct BertOutput<B: Backend> {
-    pub dense: Linear<B>,
-    /// Hugging Face key `LayerNorm`.
-    pub layer_norm: LayerNorm<B>,
-    pub dropout: Dropout,
-}
-
-/// One post-LN transformer layer. Mirrors Hugging Face `BertLayer`.
-#[derive(Module, Debug)]
-pub struct BertLayer<B: Backend> {
-    pub attention: BertAttention<B>,
-    pub intermediate: BertIntermediate<B>,
-    pub output: BertOutput<B>,
-    /// Which implementation [`BertLayer::forward`] runs (see [`BertEncoder::set_kernels`]).
-    #[module(skip)]
-    pub kernels: Kernels,
-    /// ε of the two LayerNorms (Burn's `LayerNorm` keeps its own private), for the fused ops.
-    #[module(skip)]
-    pub layer_norm_eps: f64,
-}
-
-impl<B: Backend> BertLayer<B> {
-    pub fn new(config: &BertConfig, device: &B::Device) -> Self {
-        let (h, i, std) = (
-            config.hidden_size,
-            config.intermediate_size,
-            config.initializer_range,
-        );
-        Self {
-            attention: BertAttention {
-                self_attention: BertSelfAttention::new(config, device),
-                output: BertSelfOutput::new(config, device),
-            },
-            intermediate: BertIntermediate {
-                dense: dense(h, i, std, device),
-            },
-            output: BertOutput {
-                dense: dense(i, h, std, device),
-                layer_norm: layer_norm(config, device),
-                dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
-            },
-            kernels: Kernels::default(),
-            layer_norm_eps: config.layer_norm_eps,
-        }
-    }
-}
-
-/// The input, without bias, of a dense layer whose bias goes into a fused op; the weight in
-/// `x`'s dtype (Note [Autocast]).
-fn dense_no_bias<B: FusedOps>(x: Tensor<B, 3>, linear: &Linear<B>) -> Tensor<B, 3> {
-    let dtype = x.dtype();
-    ember_backend_ext::dense(x, param_as(&linear.weight, dtype), None)
-}
-
 /// The bias of `linear` (zeros without one), in `dtype`.
 pub(crate) fn bias_of<B: Backend>(linear: &Linear<B>, dtype: DType) -> Tensor<B, 1> {
     match &linear.bias {
@@ -395,109 +353,6 @@ pub(crate) fn gamma_beta<B: Backend>(
     (gamma, beta)
 }
 
-impl<B: FusedOps> BertLayer<B> {
-    /// The layer through the fused ops of `ember-backend-ext` when [`Kernels::fused`] says so
-    /// for this backend, else through the module-by-module composition.
-    ///
-    /// # Shapes
-    /// - `hidden_states`: `[B, S, H]`
-    /// - `mask_bias`: `[B, S]`, 0 for real keys, −10000 for padded ones
-    /// - output: `[B, S, H]`
-    pub fn forward(&self, hidden_states: Tensor<B, 3>, mask_bias: Tensor<B, 2>) -> Tensor<B, 3> {
-        if self.kernels.fused::<B>() {
-            self.forward_fused(hidden_states, mask_bias)
-        } else {
-            self.forward_reference(hidden_states, mask_bias)
-        }
-    }
-
-    /// The fused path: attention core, dense bias + dropout + residual + LayerNorm (twice) and
-    /// dense bias + GELU each as one op; the GEMMs are Burn's. Dropout is applied when autodiff
-    /// is on, as Burn's `Dropout` does.
-    fn forward_fused(&self, hidden_states: Tensor<B, 3>, mask_bias: Tensor<B, 2>) -> Tensor<B, 3> {
-        let [batch, seq_len, hidden] = hidden_states.dims();
-        let dtype = hidden_states.dtype();
-        let training = training(&hidden_states);
-        let dropout = |p: f64| {
-            if training {
-                DropoutSpec::draw(p)
-            } else {
-                DropoutSpec::NONE
-            }
-        };
-        let self_attention = &self.attention.self_attention;
-        let heads = self_attention.num_attention_heads;
-        let head_dim = hidden / heads;
-        // Reshapes through `ember_backend_ext::reshape`: no copies of the contiguous dense
-        // outputs (nor of the merged context's gradient) on NdArray.
-        let split_heads = |x: Tensor<B, 3>| {
-            // [B, nh, S, hd]
-            ember_backend_ext::reshape(x, [batch, seq_len, heads, head_dim]).swap_dims(1, 2)
-        };
-        let q = split_heads(dense_as(&self_attention.query, hidden_states.clone()));
-        let k = split_heads(dense_as(&self_attention.key, hidden_states.clone()));
-        let v = split_heads(dense_as(&self_attention.value, hidden_states.clone()));
-        let context = ember_backend_ext::attention(
-            q,
-            k,
-            v,
-            mask_bias,
-            1.0 / (head_dim as f64).sqrt(),
-            dropout(self_attention.dropout.prob),
-        )
-        .swap_dims(1, 2);
-        let context = ember_backend_ext::reshape(context, [batch, seq_len, hidden]);
-
-        let output = &self.attention.output;
-        let (gamma, beta) = gamma_beta(&output.layer_norm, dtype);
-        let attention_output = ember_backend_ext::bias_dropout_add_layer_norm(
-            dense_no_bias(context, &output.dense),
-            bias_of(&output.dense, dtype),
-            hidden_states,
-            gamma,
-            beta,
-            dropout(output.dropout.prob),
-            self.layer_norm_eps,
-        );
-
-        let dense = &self.intermediate.dense;
-        let intermediate = ember_backend_ext::bias_gelu(
-            dense_no_bias(attention_output.clone(), dense),
-            bias_of(dense, dtype),
-        ); // [B, S, I]
-        let (gamma, beta) = gamma_beta(&self.output.layer_norm, dtype);
-        ember_backend_ext::bias_dropout_add_layer_norm(
-            dense_no_bias(intermediate, &self.output.dense),
-            bias_of(&self.output.dense, dtype),
-            attention_output,
-            gamma,
-            beta,
-            dropout(self.output.dropout.prob),
-            self.layer_norm_eps,
-        )
-    }
-
-    /// The module-by-module composition, Hugging Face's `BertLayer.forward`.
-    fn forward_reference(
-        &self,
-        hidden_states: Tensor<B, 3>,
-        mask_bias: Tensor<B, 2>,
-    ) -> Tensor<B, 3> {
-        let attention = &self.attention;
-        let context = attention
-            .self_attention
-            .forward(hidden_states.clone(), mask_bias);
-        let attention_output = attention.output.forward(context, hidden_states);
-
-        let intermediate = gelu(dense_as(&self.intermediate.dense, attention_output.clone())); // [B, S, I]
-        let x = reference_dropout(
-            dense_as(&self.output.dense, intermediate),
-            &self.output.dropout,
-        );
-        layer_norm_f32(&self.output.layer_norm, x + attention_output)
-    }
-}
-
 /// The stack of encoder layers. Mirrors Hugging Face `BertEncoder`.
 #[derive(Module, Debug)]
 pub struct BertEncoder<B: Backend> {
@@ -513,6 +368,18 @@ impl<B: Backend> BertEncoder<B> {
     pub fn set_kernels(&mut self, kernels: Kernels) {
         for layer in &mut self.layer {
             layer.kernels = kernels;
+        }
+    }
+
+    /// How the fused path runs each layer's query, key and value projections:
+    /// [`QkvProjections::Packed`] (one dense layer, the three weights side by side: Note
+    /// [Packed QKV] in `ember-backend-ext`'s `qkv.rs`), [`QkvProjections::Separate`] (three,
+    /// as Hugging Face) or [`QkvProjections::Auto`] (packed where the backend has kernels; the
+    /// default). The same parameters and, up to the GEMMs' rounding, the same values either
+    /// way; the reference path always runs three.
+    pub fn set_qkv_projections(&mut self, projections: QkvProjections) {
+        for layer in &mut self.layer {
+            layer.qkv_projections = projections;
         }
     }
 

@@ -37,21 +37,23 @@ mod embed;
 mod error;
 mod flops;
 mod hook;
+mod layer;
 mod precision;
 mod pretrained;
 mod pretraining;
 mod weight_casts;
 
 pub use bert::{
-    BertAttention, BertEmbeddings, BertEncoder, BertIntermediate, BertLayer, BertModel,
-    BertModelOutput, BertOutput, BertPooler, BertSelfAttention, BertSelfOutput, gelu, mean_pool,
+    BertEmbeddings, BertEncoder, BertModel, BertModelOutput, BertPooler, BertSelfAttention,
+    BertSelfOutput, gelu, mean_pool,
 };
 pub use config::{BertConfig, Preset};
 pub use embed::{Activation, Embedder, Hit, Pooling, cos_sim, normalize, semantic_search};
-pub use ember_backend_ext::Kernels;
+pub use ember_backend_ext::{Kernels, QkvProjections};
 pub use error::ModelError;
 pub use flops::StepGemm;
 pub use hook::{ForwardHook, NoHook};
+pub use layer::{BertAttention, BertIntermediate, BertLayer, BertOutput};
 pub use precision::{Precision, cast_to, dense_as, layer_norm_f32, softmax_f32};
 pub use pretrained::{LoadReport, WeightsFile};
 pub use pretraining::{

@@ -69,6 +69,10 @@ pub struct StepArgs {
     /// (NVIDIA's cuBLASLt, cuda only)
     #[arg(long, default_value = "auto")]
     gemm: ember_backend_ext::Gemm,
+    /// The query, key and value projections (`model.qkv_projections`): auto, packed (one
+    /// dense layer) or separate (three), to compare
+    #[arg(long, default_value = "auto")]
+    qkv_projections: ember_model::QkvProjections,
 }
 
 pub fn run(args: StepArgs) -> Result<()> {
@@ -162,6 +166,7 @@ fn config(
     // device (Note [Re-checking late gradients]).
     config.parallel.check_gradients_every = 0;
     config.model.gemm = args.gemm;
+    config.model.qkv_projections = args.qkv_projections;
     config
 }
 

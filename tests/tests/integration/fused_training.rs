@@ -14,7 +14,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 use ember_backend_ext::FusedOps;
-use ember_model::{BertConfig, BertForPreTraining, Kernels, Preset};
+use ember_model::{BertConfig, BertForPreTraining, Kernels, Preset, QkvProjections};
 use ember_trainer::OptimizerKind;
 use ember_trainer::config::OptimizerConfig;
 use ember_trainer::optim::PreTrainingOptimizer;
@@ -258,5 +258,93 @@ fn fp16_weights_cast_together_equal_casts_where_used() {
     assert!(
         launches_together + 25 <= launches_each,
         "{launches_together} launches with the weights cast together, {launches_each} without"
+    );
+}
+
+/// Note [Packed QKV] (backend-ext/src/qkv.rs): a training step whose layers run the query,
+/// key and value projections as one dense layer equals the step with three (Hugging Face's
+/// layout), with dropout on (the same masks: the same dropout seed, drawn in the same order),
+/// a padded batch and several masked positions: the loss within 1e-5 relative, every
+/// parameter's gradient within 1e-4 of its largest entry (the GEMMs' blocking differs). Returns
+/// the kernel launches of each step where `launches` counts them.
+fn packed_qkv_equals_three_projections<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
+    device: &B::Device,
+    launches: Option<fn() -> u64>,
+) -> Option<(u64, u64)> {
+    let mut config = BertConfig::preset(Preset::Tiny);
+    config.vocab_size = 211;
+    assert!(config.hidden_dropout_prob > 0.0 && config.attention_probs_dropout_prob > 0.0);
+    let model = seeded_model::<B>(&config, 13, device).with_kernels(Kernels::Fused);
+    let batch = batch::<B>(config.vocab_size, device);
+    let run = |packed: bool| {
+        let mut model = model.clone();
+        model.bert.encoder.set_qkv_projections(if packed {
+            QkvProjections::Packed
+        } else {
+            QkvProjections::Separate
+        });
+        ember_backend_ext::reseed_dropout(7);
+        let before = launches.map(|count| count());
+        let loss_value = loss(&model, &batch);
+        let value = scalar(loss_value.clone());
+        let grads = GradientsParams::from_grads(loss_value.backward(), &model);
+        let mut collect = Collect::<B> {
+            grads: &grads,
+            out: HashMap::new(),
+            _b: std::marker::PhantomData,
+        };
+        model.visit(&mut collect);
+        let launched = launches.zip(before).map(|(count, before)| count() - before);
+        (value, collect.out, launched)
+    };
+    let _ = run(true); // compile the kernels of both runs before counting
+    let _ = run(false);
+    let (loss_packed, grads_packed, launches_packed) = run(true);
+    let (loss_three, grads_three, launches_three) = run(false);
+    assert!(loss_packed.is_finite());
+    assert!(
+        (loss_packed - loss_three).abs() <= 1e-5 * loss_three.abs(),
+        "loss: packed {loss_packed} vs three projections {loss_three}"
+    );
+    assert_eq!(grads_packed.len(), grads_three.len());
+    for (id, expected) in &grads_three {
+        let actual = &grads_packed[id];
+        let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = actual
+            .iter()
+            .zip(expected)
+            .fold(0f32, |m, (a, e)| m.max((a - e).abs()));
+        assert!(
+            diff <= 1e-4 * scale.max(1e-6),
+            "gradient of {id}: max diff {diff:e} > 1e-4 × {scale:e}"
+        );
+    }
+    launches_packed.zip(launches_three)
+}
+
+#[test]
+fn packed_qkv_equals_three_projections_on_ndarray() {
+    packed_qkv_equals_three_projections::<burn::backend::Autodiff<burn::backend::NdArray>>(
+        &Default::default(),
+        None,
+    );
+}
+
+/// On the CubeCL kernels (lavapipe), where the launches are counted: per layer the packed
+/// projections save two forward GEMMs, two bias adds, four backward GEMMs, two bias-gradient
+/// sums and two gradient additions, and cost a concatenation each of the weights and biases
+/// and a split each of their gradients.
+#[test]
+fn packed_qkv_equals_three_projections_on_wgpu_kernels() {
+    let (packed, three) =
+        packed_qkv_equals_three_projections::<burn::backend::Autodiff<crate::Wgpu>>(
+            &burn::backend::wgpu::WgpuDevice::DefaultDevice,
+            Some(|| ember_backend_ext::HostSyncs::now().launches),
+        )
+        .expect("the counting runtime counts launches");
+    let layers = BertConfig::preset(Preset::Tiny).num_hidden_layers as u64;
+    assert!(
+        packed + 8 * layers <= three,
+        "{packed} launches with the projections packed, {three} with three"
     );
 }

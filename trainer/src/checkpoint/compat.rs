@@ -7,7 +7,8 @@
 //! Everything else may change: more steps (the schedule's decay then stretches to the new
 //! end, as Hugging Face's Trainer does on `resume_from_checkpoint` with more epochs), the
 //! evaluation and logging cadence, the evaluation set (`data.eval_shards`), the checkpoint
-//! cadence, the output folder, the kernels, the GEMMs (`model.gemm_threads`, `model.gemm`), the
+//! cadence, the output folder, the kernels, the GEMMs (`model.gemm_threads`, `model.gemm`,
+//! `model.qkv_projections`), the
 //! bucket sizes, the reader's prefetch, the handling of bad input (`skip_bad_shards`,
 //! `strict`), the collectives' timeout, and the
 //! precision (`train.precision`, `loss_scale`, `parallel.allreduce_dtype`: the checkpoint

@@ -38,6 +38,16 @@ pub struct ModelSection {
     /// built, else cmma). The CPU ignores it. Default: auto.
     #[arg(long)]
     pub gemm: ember_backend_ext::Gemm,
+    /// How the fused encoder runs each layer's query, key and value projections (Note
+    /// [Packed QKV] in backend-ext/src/qkv.rs): `packed` (one dense layer, the three weights
+    /// side by side: NVIDIA's and Samsung's MLPerf BERT's fused QKV; one GEMM forward instead
+    /// of three, two backward instead of six, one bias add and one bias-gradient sum instead
+    /// of three each), `separate` (three dense layers, as Hugging Face) or `auto` (packed on
+    /// cuda and wgpu, separate on the CPU, where packing did not pay). The parameters and
+    /// checkpoints are Hugging Face's either way; `kernels = "reference"` always runs three.
+    /// Default: auto.
+    #[arg(long)]
+    pub qkv_projections: ember_model::QkvProjections,
 }
 
 impl Default for ModelSection {
@@ -49,6 +59,7 @@ impl Default for ModelSection {
             kernels: Kernels::Auto,
             gemm_threads: crate::blas::GemmThreads::Rayon,
             gemm: ember_backend_ext::Gemm::Auto,
+            qkv_projections: ember_model::QkvProjections::Auto,
         }
     }
 }

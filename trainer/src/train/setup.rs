@@ -224,9 +224,13 @@ fn init_model<B: GradHookBackend>(
     let _guard = INIT_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     B::seed(device, config.train.seed);
     ember_backend_ext::reseed_dropout(config.train.seed);
-    let model = bert_config
+    let mut model = bert_config
         .init_for_pretraining(device)
         .with_kernels(config.model.kernels);
+    model
+        .bert
+        .encoder
+        .set_qkv_projections(config.model.qkv_projections);
     // Burn initialises parameters lazily, at their first use: draw them all now, in module
     // order, while this rank holds the generator.
     struct Materialize;

@@ -1,0 +1,201 @@
+//! One encoder layer (Hugging Face's `BertLayer`, `BertAttention`, `BertIntermediate`,
+//! `BertOutput`) and its two forward paths: the fused ops of `ember-backend-ext`, with the
+//! query, key and value projections as one dense layer (Note [Packed QKV] in
+//! `ember-backend-ext`'s `qkv.rs`), and the module-by-module composition.
+
+use burn::module::Module;
+use burn::nn::{Dropout, DropoutConfig, LayerNorm, Linear};
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+use ember_backend_ext::{DropoutSpec, FusedOps, Kernels, QkvProjections};
+
+use crate::BertConfig;
+use crate::bert::{
+    BertSelfAttention, BertSelfOutput, bias_of, dense, gamma_beta, gelu, layer_norm,
+    reference_dropout, training,
+};
+use crate::precision::{dense_as, layer_norm_f32};
+use crate::weight_casts::param_as;
+
+/// Self-attention and its output block. Mirrors Hugging Face `BertAttention`.
+#[derive(Module, Debug)]
+pub struct BertAttention<B: Backend> {
+    /// Hugging Face key `self` (a Rust keyword): see [`crate::checkpoint`].
+    pub self_attention: BertSelfAttention<B>,
+    pub output: BertSelfOutput<B>,
+}
+
+/// First half of the feed-forward block: dense H → I and GELU.
+/// Mirrors Hugging Face `BertIntermediate`.
+#[derive(Module, Debug)]
+pub struct BertIntermediate<B: Backend> {
+    pub dense: Linear<B>,
+}
+
+/// Second half of the feed-forward block: dense I → H, dropout, residual add, LayerNorm.
+/// Mirrors Hugging Face `BertOutput`.
+#[derive(Module, Debug)]
+pub struct BertOutput<B: Backend> {
+    pub dense: Linear<B>,
+    /// Hugging Face key `LayerNorm`.
+    pub layer_norm: LayerNorm<B>,
+    pub dropout: Dropout,
+}
+
+/// One post-LN transformer layer. Mirrors Hugging Face `BertLayer`.
+#[derive(Module, Debug)]
+pub struct BertLayer<B: Backend> {
+    pub attention: BertAttention<B>,
+    pub intermediate: BertIntermediate<B>,
+    pub output: BertOutput<B>,
+    /// Which implementation [`BertLayer::forward`] runs (see
+    /// [`BertEncoder::set_kernels`](crate::BertEncoder::set_kernels)).
+    #[module(skip)]
+    pub kernels: Kernels,
+    /// ε of the two LayerNorms (Burn's `LayerNorm` keeps its own private), for the fused ops.
+    #[module(skip)]
+    pub layer_norm_eps: f64,
+    /// How the fused path runs the query, key and value projections (Note [Packed QKV]; see
+    /// [`BertEncoder::set_qkv_projections`](crate::BertEncoder::set_qkv_projections)).
+    #[module(skip)]
+    pub qkv_projections: QkvProjections,
+}
+
+impl<B: Backend> BertLayer<B> {
+    pub fn new(config: &BertConfig, device: &B::Device) -> Self {
+        let (h, i, std) = (
+            config.hidden_size,
+            config.intermediate_size,
+            config.initializer_range,
+        );
+        Self {
+            attention: BertAttention {
+                self_attention: BertSelfAttention::new(config, device),
+                output: BertSelfOutput::new(config, device),
+            },
+            intermediate: BertIntermediate {
+                dense: dense(h, i, std, device),
+            },
+            output: BertOutput {
+                dense: dense(i, h, std, device),
+                layer_norm: layer_norm(config, device),
+                dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
+            },
+            kernels: Kernels::default(),
+            layer_norm_eps: config.layer_norm_eps,
+            qkv_projections: QkvProjections::default(),
+        }
+    }
+}
+
+/// The input, without bias, of a dense layer whose bias goes into a fused op; the weight in
+/// `x`'s dtype (Note [Autocast]).
+fn dense_no_bias<B: FusedOps>(x: Tensor<B, 3>, linear: &Linear<B>) -> Tensor<B, 3> {
+    let dtype = x.dtype();
+    ember_backend_ext::dense(x, param_as(&linear.weight, dtype), None)
+}
+
+impl<B: FusedOps> BertLayer<B> {
+    /// The layer through the fused ops of `ember-backend-ext` when [`Kernels::fused`] says so
+    /// for this backend, else through the module-by-module composition.
+    ///
+    /// # Shapes
+    /// - `hidden_states`: `[B, S, H]`
+    /// - `mask_bias`: `[B, S]`, 0 for real keys, −10000 for padded ones
+    /// - output: `[B, S, H]`
+    pub fn forward(&self, hidden_states: Tensor<B, 3>, mask_bias: Tensor<B, 2>) -> Tensor<B, 3> {
+        if self.kernels.fused::<B>() {
+            self.forward_fused(hidden_states, mask_bias)
+        } else {
+            self.forward_reference(hidden_states, mask_bias)
+        }
+    }
+
+    /// The fused path: attention core, dense bias + dropout + residual + LayerNorm (twice) and
+    /// dense bias + GELU each as one op; the GEMMs are Burn's. Dropout is applied when autodiff
+    /// is on, as Burn's `Dropout` does.
+    fn forward_fused(&self, hidden_states: Tensor<B, 3>, mask_bias: Tensor<B, 2>) -> Tensor<B, 3> {
+        let [batch, seq_len, hidden] = hidden_states.dims();
+        let dtype = hidden_states.dtype();
+        let training = training(&hidden_states);
+        let dropout = |p: f64| {
+            if training {
+                DropoutSpec::draw(p)
+            } else {
+                DropoutSpec::NONE
+            }
+        };
+        let self_attention = &self.attention.self_attention;
+        let heads = self_attention.num_attention_heads;
+        let head_dim = hidden / heads;
+        // Reshapes through `ember_backend_ext::reshape`: no copies of the contiguous dense
+        // outputs (nor of the merged context's gradient) on NdArray.
+        let split_heads = |x: Tensor<B, 3>| {
+            // [B, nh, S, hd]
+            ember_backend_ext::reshape(x, [batch, seq_len, heads, head_dim]).swap_dims(1, 2)
+        };
+        let scale = 1.0 / (head_dim as f64).sqrt();
+        let attention_dropout = dropout(self_attention.dropout.prob);
+        let context = if self.qkv_projections.packed::<B>() {
+            // One dense layer, [B, S, 3·H], read by the attention op as Q, K and V.
+            let (weight, bias) = self_attention.packed_qkv(dtype);
+            let qkv = ember_backend_ext::dense(hidden_states.clone(), weight, Some(bias));
+            ember_backend_ext::attention_qkv(qkv, heads, mask_bias, scale, attention_dropout)
+        } else {
+            let q = split_heads(dense_as(&self_attention.query, hidden_states.clone()));
+            let k = split_heads(dense_as(&self_attention.key, hidden_states.clone()));
+            let v = split_heads(dense_as(&self_attention.value, hidden_states.clone()));
+            ember_backend_ext::attention(q, k, v, mask_bias, scale, attention_dropout)
+        }
+        .swap_dims(1, 2);
+        let context = ember_backend_ext::reshape(context, [batch, seq_len, hidden]);
+
+        let output = &self.attention.output;
+        let (gamma, beta) = gamma_beta(&output.layer_norm, dtype);
+        let attention_output = ember_backend_ext::bias_dropout_add_layer_norm(
+            dense_no_bias(context, &output.dense),
+            bias_of(&output.dense, dtype),
+            hidden_states,
+            gamma,
+            beta,
+            dropout(output.dropout.prob),
+            self.layer_norm_eps,
+        );
+
+        let dense = &self.intermediate.dense;
+        let intermediate = ember_backend_ext::bias_gelu(
+            dense_no_bias(attention_output.clone(), dense),
+            bias_of(dense, dtype),
+        ); // [B, S, I]
+        let (gamma, beta) = gamma_beta(&self.output.layer_norm, dtype);
+        ember_backend_ext::bias_dropout_add_layer_norm(
+            dense_no_bias(intermediate, &self.output.dense),
+            bias_of(&self.output.dense, dtype),
+            attention_output,
+            gamma,
+            beta,
+            dropout(self.output.dropout.prob),
+            self.layer_norm_eps,
+        )
+    }
+
+    /// The module-by-module composition, Hugging Face's `BertLayer.forward`.
+    fn forward_reference(
+        &self,
+        hidden_states: Tensor<B, 3>,
+        mask_bias: Tensor<B, 2>,
+    ) -> Tensor<B, 3> {
+        let attention = &self.attention;
+        let context = attention
+            .self_attention
+            .forward(hidden_states.clone(), mask_bias);
+        let attention_output = attention.output.forward(context, hidden_states);
+
+        let intermediate = gelu(dense_as(&self.intermediate.dense, attention_output.clone())); // [B, S, I]
+        let x = reference_dropout(
+            dense_as(&self.output.dense, intermediate),
+            &self.output.dropout,
+        );
+        layer_norm_f32(&self.output.layer_norm, x + attention_output)
+    }
+}
