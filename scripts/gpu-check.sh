@@ -25,7 +25,9 @@
 #                  BERT-base and BERT-large training steps at sequence length 128: step time,
 #                  backward time, host synchronisations and kernel launches per step (the
 #                  GPU-speed issue's target: at most 1,500 launches per BERT-large step),
-#                  device vs host buckets, and the 15 kernels launched most per step.
+#                  device vs host buckets, and the 15 kernels launched most per step; then
+#                  BERT-large again with `--qkv-projections separate` (three Q, K, V dense
+#                  layers) to set beside the packed default's row (Note [Packed QKV]).
 #   gemm           the GEMM kernels (`model.gemm`, Note [GPU GEMMs] in backend-ext/src/gemm.rs):
 #                  `bench gemm` (every product of a BERT-large step at seq 128 and 512 alone,
 #                  TFLOP/s of autotune, cmma and cuBLASLt in f32 and bf16 against torch.matmul on
@@ -161,6 +163,10 @@ run)
             timeout 360 "$dir/xtask" bench step --device cuda --check --presets base,large \
                 --batch-size 64,32 --seq-len 128 --steps 4 --top-kernels 15 2>&1 \
                 | tee "$out/step.md" || status=$?
+            echo "   BERT-large with the Q, K and V projections separate (the rows above: packed)"
+            timeout 200 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
+                --seq-len 128 --steps 4 --buckets device --qkv-projections separate 2>&1 \
+                | grep -E "^\| (model|large)|rror" | tee -a "$out/step.md" || status=$?
             ;;
         gemm)
             echo "== GEMM kernels (model.gemm): a BERT-large step (seq 128, batch 32, device buckets)"
