@@ -41,18 +41,7 @@ use crate::FusedOps;
 /// # Panics
 /// If `qkv` is not of rank 3 or its last dimension is not a multiple of `3 · heads`.
 pub(crate) fn split_heads<B: FusedOps>(qkv: FloatTensor<B>, heads: usize) -> [FloatTensor<B>; 3] {
-    let shape = qkv.shape();
-    assert_eq!(
-        shape.num_dims(),
-        3,
-        "packed QKV of shape {shape:?}: not [B, S, 3·H]"
-    );
-    let [batch, seq_len, width] = [shape[0], shape[1], shape[2]];
-    assert!(
-        heads > 0 && width.is_multiple_of(3 * heads),
-        "packed QKV of width {width}: not a multiple of 3 × {heads} heads"
-    );
-    let head_dim = width / (3 * heads);
+    let [batch, seq_len, head_dim] = packed_dims(&qkv.shape(), heads);
     // [B, S, 3·nh, hd] → [B, 3·nh, S, hd]: Q's heads first, then K's, then V's.
     let heads_first = B::float_swap_dims(
         B::reshape_contiguous(qkv, Shape::new([batch, seq_len, 3 * heads, head_dim])),
@@ -69,6 +58,24 @@ pub(crate) fn split_heads<B: FusedOps>(qkv: FloatTensor<B>, heads: usize) -> [Fl
         ];
         B::float_slice(heads_first.clone(), &slices)
     })
+}
+
+/// `[B, S, hd]` of a packed `[B, S, 3·nh·hd]` shape with `heads` nh.
+///
+/// # Panics
+/// If `shape` is not of rank 3 or its width not a multiple of `3 · heads`.
+pub(crate) fn packed_dims(shape: &Shape, heads: usize) -> [usize; 3] {
+    assert_eq!(
+        shape.num_dims(),
+        3,
+        "packed QKV of shape {shape:?}: not [B, S, 3·H]"
+    );
+    let [batch, seq_len, width] = [shape[0], shape[1], shape[2]];
+    assert!(
+        heads > 0 && width.is_multiple_of(3 * heads),
+        "packed QKV of width {width}: not a multiple of 3 × {heads} heads"
+    );
+    [batch, seq_len, width / (3 * heads)]
 }
 
 /// The default body of [`FusedOps::merge_qkv_heads`]: each part's heads merged

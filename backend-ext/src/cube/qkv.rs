@@ -73,18 +73,7 @@ fn pack_qkv_kernel<F: Float>(
 /// # Panics
 /// If `qkv` is not `[B, S, 3·nh·hd]` with a width that `3 · heads` divides.
 pub(super) fn unpack<R: CubeRuntime>(qkv: CubeTensor<R>, heads: usize) -> [CubeTensor<R>; 3] {
-    let shape = qkv.shape();
-    assert_eq!(
-        shape.num_dims(),
-        3,
-        "packed QKV of shape {shape:?}: not [B, S, 3·H]"
-    );
-    let [batch, seq_len, width] = [shape[0], shape[1], shape[2]];
-    assert!(
-        heads > 0 && width.is_multiple_of(3 * heads),
-        "packed QKV of width {width}: not a multiple of 3 × {heads} heads"
-    );
-    let head_dim = width / (3 * heads);
+    let [batch, seq_len, head_dim] = crate::qkv::packed_dims(&qkv.shape(), heads);
     let qkv = into_contiguous(qkv);
     let part = Shape::new([batch, heads, seq_len, head_dim]);
     let parts = [0, 1, 2].map(|_| empty_like(&qkv, part.clone()));

@@ -119,6 +119,27 @@ fn seeded_model<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     model
 }
 
+/// Every parameter's gradient in `actual` within 1e-4 of the largest entry of its `expected`
+/// gradient (the module's tolerance).
+fn assert_gradients_close(
+    actual: &HashMap<ParamId, Vec<f32>>,
+    expected: &HashMap<ParamId, Vec<f32>>,
+) {
+    assert_eq!(actual.len(), expected.len());
+    for (id, expected) in expected {
+        let actual = &actual[id];
+        let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = actual
+            .iter()
+            .zip(expected)
+            .fold(0f32, |m, (a, e)| m.max((a - e).abs()));
+        assert!(
+            diff <= 1e-4 * scale.max(1e-6),
+            "gradient of {id}: max diff {diff:e} > 1e-4 × {scale:e}"
+        );
+    }
+}
+
 fn one_step<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(device: &B::Device) {
     let mut config = BertConfig::preset(Preset::Tiny);
     config.vocab_size = 211;
@@ -166,19 +187,7 @@ fn compare_step<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
         (loss_fused - loss_ref).abs() <= 1e-5 * loss_ref.abs(),
         "loss: fused {loss_fused} vs reference {loss_ref}"
     );
-    assert_eq!(grads_ref.len(), grads_fused.len());
-    for (id, expected) in &grads_ref {
-        let actual = &grads_fused[id];
-        let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let diff = actual
-            .iter()
-            .zip(expected)
-            .fold(0f32, |m, (a, e)| m.max((a - e).abs()));
-        assert!(
-            diff <= 1e-4 * scale.max(1e-6),
-            "gradient of {id}: max diff {diff:e} > 1e-4 × {scale:e}"
-        );
-    }
+    assert_gradients_close(&grads_fused, &grads_ref);
     assert!(
         (after_fused - after_ref).abs() <= 1e-5 * after_ref.abs(),
         "loss after one {:?} step: fused {after_fused} vs reference {after_ref}",
@@ -306,19 +315,7 @@ fn packed_qkv_equals_three_projections<B: AutodiffBackend<InnerBackend: FusedOps
         (loss_packed - loss_three).abs() <= 1e-5 * loss_three.abs(),
         "loss: packed {loss_packed} vs three projections {loss_three}"
     );
-    assert_eq!(grads_packed.len(), grads_three.len());
-    for (id, expected) in &grads_three {
-        let actual = &grads_packed[id];
-        let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let diff = actual
-            .iter()
-            .zip(expected)
-            .fold(0f32, |m, (a, e)| m.max((a - e).abs()));
-        assert!(
-            diff <= 1e-4 * scale.max(1e-6),
-            "gradient of {id}: max diff {diff:e} > 1e-4 × {scale:e}"
-        );
-    }
+    assert_gradients_close(&grads_packed, &grads_three);
     launches_packed.zip(launches_three)
 }
 
