@@ -119,6 +119,23 @@ fn seeded_model<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     model
 }
 
+/// The loss of one forward pass and every parameter's gradient, by parameter.
+fn loss_and_gradients<B: AutodiffBackend + FusedOps>(
+    model: &BertForPreTraining<B>,
+    batch: &Batch<B>,
+) -> (f64, HashMap<ParamId, Vec<f32>>) {
+    let loss_value = loss(model, batch);
+    let value = scalar(loss_value.clone());
+    let grads = GradientsParams::from_grads(loss_value.backward(), model);
+    let mut collect = Collect::<B> {
+        grads: &grads,
+        out: HashMap::new(),
+        _b: std::marker::PhantomData,
+    };
+    model.visit(&mut collect);
+    (value, collect.out)
+}
+
 /// Every parameter's gradient in `actual` within 1e-4 of the largest entry of its `expected`
 /// gradient (the module's tolerance).
 fn assert_gradients_close(
@@ -234,17 +251,9 @@ fn fp16_weights_cast_together_equal_casts_where_used() {
         model.bert.set_cast_weights_together(together);
         ember_backend_ext::reseed_dropout(3);
         let before = HostSyncs::now();
-        let loss_value = loss(&model, &batch);
-        let value = scalar(loss_value.clone());
-        let grads = GradientsParams::from_grads(loss_value.backward(), &model);
-        let mut collect = Collect::<B> {
-            grads: &grads,
-            out: HashMap::new(),
-            _b: std::marker::PhantomData,
-        };
-        model.visit(&mut collect);
+        let (value, gradients) = loss_and_gradients(&model, &batch);
         let launches = HostSyncs::now().since(before).launches;
-        (value, collect.out, launches)
+        (value, gradients, launches)
     };
     let _ = run(true); // compile the kernels of both runs before counting
     let _ = run(false);
@@ -294,17 +303,9 @@ fn packed_qkv_equals_three_projections<B: AutodiffBackend<InnerBackend: FusedOps
         });
         ember_backend_ext::reseed_dropout(7);
         let before = launches.map(|count| count());
-        let loss_value = loss(&model, &batch);
-        let value = scalar(loss_value.clone());
-        let grads = GradientsParams::from_grads(loss_value.backward(), &model);
-        let mut collect = Collect::<B> {
-            grads: &grads,
-            out: HashMap::new(),
-            _b: std::marker::PhantomData,
-        };
-        model.visit(&mut collect);
+        let (value, gradients) = loss_and_gradients(&model, &batch);
         let launched = launches.zip(before).map(|(count, before)| count() - before);
-        (value, collect.out, launched)
+        (value, gradients, launched)
     };
     let _ = run(true); // compile the kernels of both runs before counting
     let _ = run(false);
