@@ -34,17 +34,21 @@
 #                  the GPU), then `bench step` on BERT-large (seq 128, batch 32, device buckets)
 #                  with `cmma` (one tensor-core kernel family, what ran before), with `autotune`
 #                  (cubek times its kernels per shape) twice, in separate processes sharing
-#                  EMBER_KERNEL_CACHE, and with `cublaslt` (NVIDIA's GEMMs, two host waits each):
-#                  step time, launches, and the time to the first step (the second autotune
-#                  process reads compiled kernels and autotune results from the cache; target
-#                  <= 10 s).
+#                  EMBER_KERNEL_CACHE, and with `cublaslt` (NVIDIA's GEMMs) twice: two host
+#                  waits per window of products, then `--cublaslt-sync device` (flags in GPU
+#                  memory, no host wait; Note [Device-side GEMM windows]): step time, launches,
+#                  host syncs, and the time to the first step (the second autotune process
+#                  reads compiled kernels and autotune results from the cache; target <= 10 s).
+#                  `bench gemm` times cuBLASLt with both syncs too.
 #   kernels        the kernel tests on CUDA (tests/tests/integration/kernels/, module
 #                  `kernels::cuda` of the integration test binary built with `--features cuda`):
 #                  every fused op against the reference, the dropout masks keyed by sample and
 #                  position (kernels = host masks, with a sample offset) and the dropout op; the
 #                  kernels with bf16 storage against the f32 reference (`half_precision.rs`);
 #                  cuBLASLt's products (`model.gemm = "cublaslt"`) against the host in f32 and
-#                  bf16, each of which must have run on cuBLASLt (`cublaslt.rs`).
+#                  bf16, each of which must have run on cuBLASLt (`cublaslt.rs`), with host
+#                  waits and with device-side windows (launches and host syncs counted); the
+#                  window kernel alone (`gemm_window.rs`: released, expired).
 #   bench-kernels  `xtask bench kernels`, f32 then bf16.
 #   resume         checkpoints on CUDA (fused optimizer, device tensors): the tiny model with
 #                  dropout on, 12 steps straight against `--resume` from that run's step-6
@@ -63,8 +67,8 @@
 #                  machine's Python has torch (/opt/torch/.venv), else ember alone: samples/s,
 #                  ratio, MFU against each precision's GEMM peak, ember's kernel launches per
 #                  step (target <= 1,500), each side's reserved GPU memory; then ember alone
-#                  with `--gemm cublaslt` at seq 128 batch 32 (the same columns, to set beside
-#                  the first table's autotune rows).
+#                  with `--gemm cublaslt --cublaslt-sync device` at seq 128 batch 32 (the same
+#                  columns, to set beside the first table's autotune rows).
 
 #   streaming      shards streamed per rank on a GPU's step time: `prepare-data` (seq 512, 76
 #                  predictions, uncompressed and gzip), then BERT-large batch 16 for 12 steps on
@@ -183,6 +187,10 @@ run)
                     --seq-len 128 --steps 4 --buckets device --gemm "$gemm" 2>&1 \
                     | grep -E "^GEMMs|^\| (model|large)|rror" | tee -a "$out/gemm.md" || status=$?
             done
+            # cuBLASLt ordered on the device (a stuck window would expire in minutes: bounded).
+            timeout 150 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
+                --seq-len 128 --steps 4 --buckets device --gemm cublaslt --cublaslt-sync device 2>&1 \
+                | grep -E "^GEMMs|^\| (model|large)|rror|cublaslt_sync" | tee -a "$out/gemm.md" || status=$?
             du -sh "$out/kernel-cache"/* 2>/dev/null || echo "no kernel cache written"
             ;;
         kernels)
@@ -247,10 +255,10 @@ run)
             timeout 240 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 16 \
                 --seq-len 512 --precision f32,bf16 --steps 3 --rounds 2 "${reference[@]}" \
                 --out "$out/train-step" 2>&1 | tail -14 || status=$?
-            echo "   the same step with cuBLASLt's GEMMs (model.gemm = cublaslt), ember alone"
+            echo "   the same step with cuBLASLt's GEMMs ordered on the device (model.gemm = cublaslt, cublaslt_sync = device), ember alone"
             timeout 180 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
                 --seq-len 128 --precision f32,bf16 --steps 3 --rounds 2 --reference none \
-                --gemm cublaslt --out "$out/train-step-cublaslt" 2>&1 | tail -10 || status=$?
+                --gemm cublaslt --cublaslt-sync device --out "$out/train-step-cublaslt" 2>&1 | tail -10 || status=$?
             ;;
         streaming)
             echo "== streamed shards: data wait against the step (BERT-large, batch 16, seq 512)"

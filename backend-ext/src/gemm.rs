@@ -18,7 +18,9 @@
 //! the host for CubeCL's stream before it starts and for its own stream after it ends (Note
 //! [cuBLASLt beside CubeCL] in `cube/cublaslt.rs`): two host synchronisations per GEMM (or
 //! per pair of independent GEMMs), about 400 windows in a BERT-large step, which `bench gemm`
-//! and `bench train-step` count in their times.
+//! and `bench train-step` count in their times; or, with [`CublasltSync::Device`], flags in
+//! GPU memory that keep the same order without a host wait (Note [Device-side GEMM windows]
+//! in `cube/gemm_window.rs`).
 //!
 //! Precision: cubek's tensor-core kernels read f32 operands as TF32 (10 mantissa bits, unit
 //! roundoff 2⁻¹¹; `adjust_dtypes` in cubek-matmul's blueprint.rs) wherever the device has
@@ -152,6 +154,65 @@ pub fn gpu_gemm() -> Gemm {
     }
 }
 
+/// How a cuBLASLt product is ordered with CubeCL's kernels (`model.cublaslt_sync`; Note
+/// [cuBLASLt beside CubeCL] in `cube/cublaslt.rs`). Only [`Gemm::Cublaslt`] reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CublasltSync {
+    /// Two host waits per window of products: CubeCL's stream before it, cuBLASLt's after it
+    /// (the GPU idles while the host catches up after each).
+    #[default]
+    Host,
+    /// Flags in GPU memory, no host wait: a one-unit CubeCL kernel writes the window's number
+    /// and holds CubeCL's stream until cuBLASLt's stream, which waited for that number
+    /// (`cuStreamWaitValue32`), writes it back after the products (`cuStreamWriteValue32`):
+    /// one more kernel launch per window (Note [Device-side GEMM windows] in
+    /// `cube/gemm_window.rs`). Falls back to `host` where the device refuses stream memory
+    /// operations.
+    Device,
+}
+
+/// The process's [`CublasltSync`] (0: host, 1: device).
+static SYNC: AtomicU8 = AtomicU8::new(0);
+
+impl CublasltSync {
+    /// The setting's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            CublasltSync::Host => "host",
+            CublasltSync::Device => "device",
+        }
+    }
+}
+
+impl std::str::FromStr for CublasltSync {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "host" => Ok(CublasltSync::Host),
+            "device" => Ok(CublasltSync::Device),
+            other => Err(format!(
+                "unknown cublaslt_sync `{other}` (expected host or device)"
+            )),
+        }
+    }
+}
+
+/// Sets how cuBLASLt's products are ordered with CubeCL's kernels from now on, process-wide
+/// (as [`set_gpu_gemm`]). A window already enqueued keeps its order.
+pub fn set_cublaslt_sync(sync: CublasltSync) {
+    SYNC.store(sync as u8, Ordering::Relaxed);
+}
+
+/// How cuBLASLt's products are ordered ([`set_cublaslt_sync`]; by default
+/// [`CublasltSync::Host`]).
+pub fn cublaslt_sync() -> CublasltSync {
+    match SYNC.load(Ordering::Relaxed) {
+        1 => CublasltSync::Device,
+        _ => CublasltSync::Host,
+    }
+}
+
 /// The precision a backend's GEMMs give f32 operands ([`crate::FusedOps::f32_gemm_precision`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemmPrecision {
@@ -214,6 +275,23 @@ mod tests {
         assert_eq!(Gemm::Cublaslt.for_device("cuda").is_ok(), CUBLASLT_BUILT);
         // The CHOICE discriminants round-trip through gpu_gemm.
         assert_eq!(Gemm::Cublaslt as u8, 3);
+    }
+
+    #[test]
+    fn cublaslt_sync_names_parse_and_the_setting_round_trips() {
+        for sync in [CublasltSync::Host, CublasltSync::Device] {
+            assert_eq!(sync.name().parse::<CublasltSync>(), Ok(sync));
+        }
+        let err = "devices".parse::<CublasltSync>().unwrap_err();
+        assert!(
+            err.contains("`devices`") && err.contains("host or device"),
+            "{err}"
+        );
+        assert_eq!(cublaslt_sync(), CublasltSync::Host);
+        set_cublaslt_sync(CublasltSync::Device);
+        assert_eq!(cublaslt_sync(), CublasltSync::Device);
+        set_cublaslt_sync(CublasltSync::Host);
+        assert_eq!(cublaslt_sync(), CublasltSync::Host);
     }
 
     #[test]

@@ -60,7 +60,15 @@ pub use cube::counting::{CountingRuntime, HostSyncs, KernelLaunches};
 #[cfg(feature = "cuda")]
 pub use cube::cublaslt;
 #[cfg(feature = "cube")]
+pub use cube::gemm_window;
+#[cfg(feature = "cube")]
 pub use cube::kernel_cache::{KERNEL_CACHE_VAR, KernelCache, set_kernel_cache};
+/// CubeCL's CUDA runtime (the `R` of [`gemm_window::WindowFlags`] on Burn's CUDA backend).
+#[cfg(feature = "cuda")]
+pub use cubecl::cuda::CudaRuntime;
+/// CubeCL's wgpu runtime (the `R` of [`gemm_window::WindowFlags`] on Burn's wgpu backend).
+#[cfg(feature = "wgpu")]
+pub use cubecl::wgpu::WgpuRuntime;
 
 /// Burn's CUDA backend (`burn::backend::Cuda`) with its host synchronisations counted
 /// ([`CountingRuntime`], [`HostSyncs`]).
@@ -83,6 +91,9 @@ pub use functions::{
 };
 pub use fused_ops::{DenseGrads, FusedOps, LayerNormBackward, LayerNormForward, SoftmaxForward};
 use fused_ops::{float, prim};
-pub use gemm::{AUTOTUNE_BUILT, CUBLASLT_BUILT, Gemm, GemmPrecision, gpu_gemm, set_gpu_gemm};
+pub use gemm::{
+    AUTOTUNE_BUILT, CUBLASLT_BUILT, CublasltSync, Gemm, GemmPrecision, cublaslt_sync, gpu_gemm,
+    set_cublaslt_sync, set_gpu_gemm,
+};
 pub use host_gemm::{gemm_parts, set_gemm_parts};
 pub use kernels_choice::{Kernels, QkvProjections};

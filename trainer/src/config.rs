@@ -243,6 +243,19 @@ impl TrainConfig {
         if let Err(reason) = self.model.gemm.resolve() {
             return invalid("model.gemm", reason);
         }
+        if self.model.cublaslt_sync != ember_backend_ext::CublasltSync::Host
+            && self.model.gemm != ember_backend_ext::Gemm::Cublaslt
+        {
+            return invalid(
+                "model.cublaslt_sync",
+                format!(
+                    "\"{}\" has no effect beside model.gemm = \"{}\": it orders cuBLASLt's \
+                     products; set model.gemm = \"cublaslt\" or leave it out",
+                    self.model.cublaslt_sync.name(),
+                    self.model.gemm.name()
+                ),
+            );
+        }
         let o = &self.optimizer;
         if !(o.lr.is_finite() && o.lr > 0.0) {
             return invalid(
@@ -436,6 +449,24 @@ mod tests {
         assert!(
             check(&|c| c.train.eval_interval_samples = Some(EvalInterval::Samples(640))).is_ok()
         );
+        let e = check(&|c| c.model.cublaslt_sync = ember_backend_ext::CublasltSync::Device)
+            .unwrap_err();
+        assert!(
+            e.contains("model.cublaslt_sync") && e.contains("model.gemm = \"auto\""),
+            "{e}"
+        );
+        let with_cublaslt = check(&|c| {
+            c.model.gemm = ember_backend_ext::Gemm::Cublaslt;
+            c.model.cublaslt_sync = ember_backend_ext::CublasltSync::Device;
+        });
+        // Accepted where the build has cuBLASLt; elsewhere refused for the GEMM, not the sync.
+        match with_cublaslt {
+            Ok(()) => assert!(ember_backend_ext::CUBLASLT_BUILT),
+            Err(e) => assert!(
+                e.contains("model.gemm") && !e.contains("cublaslt_sync"),
+                "{e}"
+            ),
+        }
         let e = check(&|c| c.optimizer.nvlamb = true).unwrap_err();
         assert!(e.contains("optimizer.nvlamb") && e.contains("AdamW"), "{e}");
         assert!(

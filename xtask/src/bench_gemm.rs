@@ -241,6 +241,7 @@ fn wgpu_paths(_: &GemmArgs, _: &[Gemm], _: &[StepGemm]) -> Result<Vec<Path>> {
 
 #[cfg(feature = "cuda")]
 fn cuda_paths(args: &GemmArgs, gemms: &[Gemm], list: &[StepGemm]) -> Result<Vec<Path>> {
+    use ember_backend_ext::CublasltSync;
     type CudaF32 = burn::backend::Cuda<f32, i32>;
     type CudaBf16 = burn::backend::Cuda<burn::tensor::bf16, i32>;
     let device = burn::backend::cuda::CudaDevice::new(crate::cuda::start(
@@ -249,8 +250,23 @@ fn cuda_paths(args: &GemmArgs, gemms: &[Gemm], list: &[StepGemm]) -> Result<Vec<
     )?);
     let precision = <CudaF32 as FusedOps>::f32_gemm_precision(&device).name();
     let mut paths = Vec::new();
-    for &gemm in gemms {
+    // cuBLASLt twice: with host waits around each product, and with device-side windows.
+    let runs = gemms.iter().flat_map(|&gemm| {
+        let syncs: &[CublasltSync] = if gemm == Gemm::Cublaslt {
+            &[CublasltSync::Host, CublasltSync::Device]
+        } else {
+            &[CublasltSync::Host]
+        };
+        syncs.iter().map(move |&sync| (gemm, sync))
+    });
+    for (gemm, sync) in runs {
         ember_backend_ext::set_gpu_gemm(gemm).map_err(anyhow::Error::msg)?;
+        ember_backend_ext::set_cublaslt_sync(sync);
+        let gemm_name = if gemm == Gemm::Cublaslt {
+            format!("cublaslt ({} sync)", sync.name())
+        } else {
+            gemm.name().to_string()
+        };
         for dtype in &args.dtypes {
             let refused = ember_backend_ext::cublaslt::refusals();
             let seconds = match dtype.as_str() {
@@ -268,11 +284,12 @@ fn cuda_paths(args: &GemmArgs, gemms: &[Gemm], list: &[StepGemm]) -> Result<Vec<
                 what.push_str(&format!(", {refused} products refused by cuBLASLt"));
             }
             paths.push(Path {
-                name: format!("ember {} {what}", gemm.name()),
+                name: format!("ember {gemm_name} {what}"),
                 seconds,
             });
         }
     }
+    ember_backend_ext::set_cublaslt_sync(CublasltSync::Host);
     Ok(paths)
 }
 

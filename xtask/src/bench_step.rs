@@ -69,6 +69,11 @@ pub struct StepArgs {
     /// (NVIDIA's cuBLASLt, cuda only)
     #[arg(long, default_value = "auto")]
     gemm: ember_backend_ext::Gemm,
+    /// How `--gemm cublaslt` orders its products with CubeCL's kernels
+    /// (`model.cublaslt_sync`): host (two host waits per window) or device (flags in GPU
+    /// memory, no host wait)
+    #[arg(long, default_value = "host")]
+    cublaslt_sync: ember_backend_ext::CublasltSync,
     /// The query, key and value projections (`model.qkv_projections`): auto, packed (one
     /// dense layer) or separate (three), to compare
     #[arg(long, default_value = "auto")]
@@ -166,6 +171,7 @@ fn config(
     // device (Note [Re-checking late gradients]).
     config.parallel.check_gradients_every = 0;
     config.model.gemm = args.gemm;
+    config.model.cublaslt_sync = args.cublaslt_sync;
     config.model.qkv_projections = args.qkv_projections;
     config
 }
@@ -217,7 +223,11 @@ fn bench<B: GradHookBackend>(
         "GEMMs: {} (f32 operands multiplied as {}). First step: from the run's start to the end \
          of its first step (the process's first run compiles and autotunes; later runs reuse \
          its kernels).",
-        args.gemm.resolve().map_err(anyhow::Error::msg)?.name(),
+        match args.gemm.resolve().map_err(anyhow::Error::msg)? {
+            ember_backend_ext::Gemm::Cublaslt =>
+                format!("cublaslt ({} sync)", args.cublaslt_sync.name()),
+            other => other.name().to_string(),
+        },
         B::f32_gemm_precision(device).name()
     );
     println!(

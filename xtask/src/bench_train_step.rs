@@ -111,6 +111,11 @@ pub struct TrainStepArgs {
     /// (NVIDIA's cuBLASLt, cuda only)
     #[arg(long, default_value = "auto")]
     gemm: ember_backend_ext::Gemm,
+    /// How `--gemm cublaslt` orders its products with CubeCL's kernels
+    /// (`model.cublaslt_sync`): host (two host waits per window) or device (flags in GPU
+    /// memory, no host wait)
+    #[arg(long, default_value = "host")]
+    cublaslt_sync: ember_backend_ext::CublasltSync,
     /// Size n of the [n, n] × [n, n] GEMM that measures the peak (in each precision of the run)
     #[arg(long, default_value_t = 2048)]
     pub(crate) gemm_size: usize,
@@ -138,6 +143,15 @@ pub fn run(args: TrainStepArgs) -> Result<()> {
     args.gemm
         .for_device(&args.device)
         .map_err(anyhow::Error::msg)?;
+    if args.cublaslt_sync != ember_backend_ext::CublasltSync::Host
+        && args.gemm != ember_backend_ext::Gemm::Cublaslt
+    {
+        bail!(
+            "--cublaslt-sync {} has no effect beside --gemm {}: it orders cuBLASLt's products",
+            args.cublaslt_sync.name(),
+            args.gemm.name()
+        );
+    }
     let threads = match args.threads {
         Some(0) => bail!("--threads must be at least 1"),
         Some(n) => n,
@@ -359,6 +373,7 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     if args.device != "cpu" {
         // After CUDA's start, which links cuBLASLt where it is found under another name.
         ember_backend_ext::set_gpu_gemm(args.gemm).map_err(anyhow::Error::msg)?;
+        ember_backend_ext::set_cublaslt_sync(args.cublaslt_sync);
     }
     let mut references: Vec<(&str, bool)> = Vec::new();
     if python.is_some() {
@@ -424,7 +439,13 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
             let gflops = ember_gemm_gflops::<B::InnerBackend>(args.gemm_size, precision, device);
             let name = match mode {
                 Some(mode) => format!("{mode}: {}", ember_trainer::blas::describe()),
-                None => format!("{} GEMMs", ember_backend_ext::gpu_gemm().name()),
+                None => match ember_backend_ext::gpu_gemm() {
+                    ember_backend_ext::Gemm::Cublaslt => format!(
+                        "cublaslt GEMMs ({} sync)",
+                        ember_backend_ext::cublaslt_sync().name()
+                    ),
+                    other => format!("{} GEMMs", other.name()),
+                },
             };
             ember_gemms.push((precision, gflops, name));
         }

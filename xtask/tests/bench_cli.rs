@@ -133,13 +133,22 @@ fn train_step_bench_on_the_cpu_writes_its_results() {
 
 /// A half precision where the backend has none is refused before any step, naming the flag.
 #[test]
-fn train_step_bench_refuses_a_precision_the_device_lacks() {
+fn train_step_bench_refuses_a_precision_the_device_lacks_and_a_sync_without_cublaslt() {
     let out = tempfile::tempdir().unwrap();
     let output = bench("cpu", out.path(), &["--precision", "f32,bf16"]);
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
         stderr.contains("--precision bf16: --device cpu does not compute in bf16"),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read_dir(out.path()).unwrap().count(), 0);
+    // A setting without effect beside the GEMM chosen is refused, naming both.
+    let output = bench("cpu", out.path(), &["--cublaslt-sync", "device"]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--cublaslt-sync device has no effect beside --gemm auto"),
         "{stderr}"
     );
     assert_eq!(std::fs::read_dir(out.path()).unwrap().count(), 0);

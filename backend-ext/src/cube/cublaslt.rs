@@ -15,12 +15,14 @@
 //! the operands' memory to another tensor). The cost is the GPU idling while the host catches
 //! up after each wait: 16 windows per encoder layer for its 24 products (the dense layer's
 //! `dx` and `dW`, and attention's `dV`/`dP` and `dQ`/`dK`, share one: [`matmuls`]), about 400
-//! in a BERT-large step, which the GEMM and step benchmarks include in their times. A CubeCL that exposes its streams (or takes an event to
-//! wait on) would let the product be enqueued in order instead, with no wait at all. Without
-//! one, the waits could move to the device: a one-thread CubeCL kernel writing a flag that
-//! ember's stream waits for (`cuStreamWaitValue32`), and after the product a CubeCL kernel
-//! spinning until ember's stream writes another (`cuStreamWriteValue32`): no host wait, two
-//! more launches per GEMM, and a spinning kernel to prove on a GPU first.
+//! in a BERT-large step, which the GEMM and step benchmarks include in their times. A CubeCL
+//! that exposes its streams (or takes an event to wait on) would let the product be enqueued
+//! in order instead, with no wait at all. Without one, `model.cublaslt_sync = "device"` moves
+//! the waits to the device: a one-unit CubeCL kernel signals the window through a flag that
+//! ember's stream waits for (`cuStreamWaitValue32`) and then polls a second flag that ember's
+//! stream writes after the products (`cuStreamWriteValue32`): no host wait, one more launch
+//! per window (Note [Device-side GEMM windows] in `gemm_window.rs`; `cublaslt_window.rs`
+//! keeps either order).
 //!
 //! The layout (which operand is which for a column-major library, transposes, leading
 //! dimensions, batch strides) is `gemm_layout.rs`'s, tested on the host against a
@@ -45,6 +47,7 @@ use cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 
+use super::cublaslt_window::{self, Windows};
 use crate::gemm_layout::{ColumnMajorGemm, column_major_gemm};
 
 /// One GPU's cuBLASLt handle (with its workspace: 32 MiB on Hopper, cudarc's choice after
@@ -52,6 +55,8 @@ use crate::gemm_layout::{ColumnMajorGemm, column_major_gemm};
 struct Handle {
     blas: CudaBlasLT,
     stream: Arc<CudaStream>,
+    /// The device-side windows' flags (`model.cublaslt_sync = "device"`).
+    windows: Windows,
 }
 
 /// The handles, by CUDA ordinal: created at a GPU's first product, kept for the process. A
@@ -109,13 +114,18 @@ fn handle(ordinal: usize) -> Result<Arc<Mutex<Handle>>, String> {
         .map_err(|e| format!("a stream on CUDA device {ordinal}: {e:?}"))?;
     let blas = CudaBlasLT::new(stream.clone())
         .map_err(|e| format!("a cuBLASLt handle on CUDA device {ordinal}: {e:?}"))?;
-    let handle = Arc::new(Mutex::new(Handle { blas, stream }));
+    let handle = Arc::new(Mutex::new(Handle {
+        blas,
+        stream,
+        windows: Windows::default(),
+    }));
     map.insert(ordinal, handle.clone());
     Ok(handle)
 }
 
 /// A device pointer that CubeCL owns, as cudarc's operand traits take it: no event tracking
-/// (the host waits of Note [cuBLASLt beside CubeCL] order the accesses).
+/// (the window of Note [cuBLASLt beside CubeCL], on the host or the device, orders the
+/// accesses).
 struct Borrowed<'s> {
     ptr: CUdeviceptr,
     len: usize,
@@ -187,8 +197,8 @@ pub(crate) fn matmul<R: CubeRuntime>(
     matmuls(&[(a, b, bias)]).pop().flatten()
 }
 
-/// Products that do not read each other's outputs, as [`matmul`] each, all between the same
-/// two host waits (the dense layer's `dx` and `dW`; attention's `dV` and `dP`, `dQ` and `dK`):
+/// Products that do not read each other's outputs, as [`matmul`] each, all in the same
+/// window (the dense layer's `dx` and `dW`; attention's `dV` and `dP`, `dQ` and `dK`):
 /// one window of Note [cuBLASLt beside CubeCL] instead of one per product. `None` where a
 /// product has no plan or cuBLASLt refused it, for the caller's CubeCL matmul.
 pub(crate) fn matmuls<R: CubeRuntime>(products: &[Operands<'_, R>]) -> Vec<Option<CubeTensor<R>>> {
@@ -227,7 +237,7 @@ pub(crate) fn matmuls<R: CubeRuntime>(products: &[Operands<'_, R>]) -> Vec<Optio
 type CudaStorage = <<CudaRuntime as CubeRuntime>::CubeServer as ComputeServer>::Storage;
 
 /// A runtime on CUDA's devices and storage: `CudaRuntime` and `CountingRuntime<CudaRuntime>`.
-trait CudaLike:
+pub(super) trait CudaLike:
     CubeRuntime<CubeDevice = CudaDevice, CubeServer: ComputeServer<Storage = CudaStorage>>
 {
 }
@@ -374,20 +384,21 @@ where
     unsafe { Matmul::<T>::matmul(blas, cfg, lhs, rhs, dst, bias, None) }
 }
 
-/// The planned products (`None`: skipped), between the two host waits of Note [cuBLASLt
-/// beside CubeCL]: `Ok` where the product was written into its output, else why cuBLASLt did
+/// The planned products (`None`: skipped), in one window of Note [cuBLASLt beside CubeCL]
+/// (two host waits, or Note [Device-side GEMM windows]: `cublaslt_window.rs`): `Ok` where the product was written into its output, else why cuBLASLt did
 /// not (no handle: the library, the device; an unaligned pointer; no algorithm for the layout;
 /// a refused launch), for the caller's CubeCL matmul.
 ///
 /// # Panics
 /// When a wait reports an error: a fault of an earlier kernel (CubeCL's stream) or of a
-/// product (ember's), after which no result on this device can be trusted.
+/// product (ember's), after which no result on this device can be trusted; when a device
+/// window's wait expired (`cublaslt_window::end`).
 fn run<C: CudaLike>(ordinal: usize, planned: &[Option<Planned<'_, C>>]) -> Vec<Result<(), String>> {
     let handle = match handle(ordinal) {
         Ok(handle) => handle,
         Err(e) => return planned.iter().map(|_| Err(e.clone())).collect(),
     };
-    let handle = handle.lock().unwrap_or_else(|e| e.into_inner());
+    let mut handle = handle.lock().unwrap_or_else(|e| e.into_inner());
     let Some(client) = planned.iter().flatten().next().map(|p| p.a.client.clone()) else {
         return Vec::new();
     };
@@ -435,9 +446,14 @@ fn run<C: CudaLike>(ordinal: usize, planned: &[Option<Planned<'_, C>>]) -> Vec<R
     if results.iter().all(Result::is_err) {
         return results.into_iter().map(|r| r.map(|_| ())).collect();
     }
-    if let Err(e) = cubecl::future::block_on(client.sync()) {
-        panic!("CUDA device {ordinal}: CubeCL's stream failed before a cuBLASLt product: {e:?}");
-    }
+    let device = planned
+        .iter()
+        .flatten()
+        .next()
+        .map(|p| p.a.device.clone())
+        .expect("a window has a planned product");
+    let handle = &mut *handle;
+    let window = cublaslt_window::begin(&mut handle.windows, &client, &device, &handle.stream);
     let launched: Vec<Result<(), String>> = planned
         .iter()
         .zip(results)
@@ -456,8 +472,9 @@ fn run<C: CudaLike>(ordinal: usize, planned: &[Option<Planned<'_, C>>]) -> Vec<R
             let (lhs, rhs, mut dst) = (borrowed(pb), borrowed(pa), borrowed(pc));
             let bias = p.bias.map(|_| borrowed(pbias));
             let cfg = config(&p.plan);
-            // SAFETY: the pointers are CubeCL's live buffers (held in `held`), written before
-            // CubeCL's stream was waited for; the plan's extents stay within each tensor's
+            // SAFETY: the pointers are CubeCL's live buffers (held in `held`; CubeCL's stream
+            // runs nothing after the window's start until its end), written before the
+            // window began (`cublaslt_window::begin`); the plan's extents stay within each tensor's
             // elements (gemm_layout.rs, tested against the column-major definition), and the
             // bias has C''s `m` elements (checked by `plan`).
             let operands = (&handle.blas, cfg, &lhs, &rhs, &mut dst, bias.as_ref());
@@ -471,9 +488,7 @@ fn run<C: CudaLike>(ordinal: usize, planned: &[Option<Planned<'_, C>>]) -> Vec<R
             .map_err(|e| format!("{e:?}"))
         })
         .collect();
-    if let Err(e) = handle.stream.synchronize() {
-        panic!("CUDA device {ordinal}: a cuBLASLt product failed on the device: {e:?}");
-    }
+    cublaslt_window::end::<C>(window, &handle.windows, &device, &handle.stream);
     drop(held);
     launched
 }

@@ -3,7 +3,10 @@
 pub mod counting;
 #[cfg(feature = "cuda")]
 pub mod cublaslt;
+#[cfg(feature = "cuda")]
+mod cublaslt_window;
 mod gemm;
+pub mod gemm_window;
 pub mod kernel_cache;
 mod kernels;
 mod multi_tensor;

@@ -38,6 +38,14 @@ pub struct ModelSection {
     /// built, else cmma). The CPU ignores it. Default: auto.
     #[arg(long)]
     pub gemm: ember_backend_ext::Gemm,
+    /// How `gemm = "cublaslt"` orders its products with CubeCL's kernels (Note [Device-side
+    /// GEMM windows] in backend-ext/src/cube/gemm_window.rs): `host` (two host waits per
+    /// window of products) or `device` (flags in GPU memory: a one-unit kernel holds CubeCL's
+    /// stream until cuBLASLt's stream releases it; no host wait, one more launch per window;
+    /// host waits where the device refuses stream memory operations). Other GEMM choices
+    /// ignore it. Default: host.
+    #[arg(long)]
+    pub cublaslt_sync: ember_backend_ext::CublasltSync,
     /// How the fused encoder runs each layer's query, key and value projections (Note
     /// [Packed QKV] in backend-ext/src/qkv.rs): `packed` (one dense layer, the three weights
     /// side by side: NVIDIA's and Samsung's MLPerf BERT's fused QKV; one GEMM forward instead
@@ -59,6 +67,7 @@ impl Default for ModelSection {
             kernels: Kernels::Auto,
             gemm_threads: crate::blas::GemmThreads::Rayon,
             gemm: ember_backend_ext::Gemm::Auto,
+            cublaslt_sync: ember_backend_ext::CublasltSync::Host,
             qkv_projections: ember_model::QkvProjections::Auto,
         }
     }

@@ -161,6 +161,7 @@ pub fn train_rank<B: GradHookBackend>(
             reason,
         }
     })?;
+    ember_backend_ext::set_cublaslt_sync(config.model.cublaslt_sync);
     let comm = Arc::new(CommThread::spawn(comm));
     let (rank, world_size) = (comm.rank(), comm.world_size());
     let out = &config.train.out;

@@ -6,7 +6,7 @@
 //! matmul.
 
 use burn::tensor::{DType, Tensor, TensorPrimitive};
-use ember_backend_ext::{FusedOps, Gemm, GemmPrecision};
+use ember_backend_ext::{CublasltSync, FusedOps, Gemm, GemmPrecision};
 
 use super::common::{random, values};
 
@@ -94,37 +94,82 @@ impl Drop for GemmChoice {
     }
 }
 
+/// Restores the process's `model.cublaslt_sync` when a test ends.
+pub(super) struct SyncChoice(pub(super) CublasltSync);
+
+impl Drop for SyncChoice {
+    fn drop(&mut self) {
+        ember_backend_ext::set_cublaslt_sync(self.0);
+    }
+}
+
+/// What the counting runtime counts for a window of cuBLASLt products besides the products:
+/// `(launches, host waits)`. With host waits: no launch, the wait for CubeCL's stream (a
+/// `sync`; ember's own stream is not CubeCL's and is not counted). With device windows (Note
+/// [Device-side GEMM windows]): the window kernel's launch, no wait. Under Burn's plain CUDA
+/// backend nothing is counted but the products.
+fn window_counts(counting: bool) -> (u64, u64) {
+    match (counting, ember_backend_ext::cublaslt_sync()) {
+        (false, _) => (0, 0),
+        (true, CublasltSync::Host) => (0, 1),
+        (true, CublasltSync::Device) => (1, 0),
+    }
+}
+
 /// `a` `[B, nh, m, k]` · `b` `[B, nh, k, n]` through `FusedOps::batched_matmul`, which must be
-/// one cuBLASLt product and one launch; the product's values.
+/// one cuBLASLt product, one launch and the window's counts ([`window_counts`]); the
+/// product's values.
 fn one_product<B: FusedOps>(
     a: Tensor<B, 4>,
     b: Tensor<B, 4>,
     what: &str,
+    counting: bool,
 ) -> (Vec<usize>, Vec<f32>) {
+    let device = a.device();
+    // A sync completes the counts of the launches before it (`HostSyncs`).
+    B::sync(&device).expect("the device's queue");
     let products = ember_backend_ext::cublaslt::products();
-    let launches = ember_backend_ext::HostSyncs::now().launches;
+    let before = ember_backend_ext::HostSyncs::now();
     let product = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(B::batched_matmul(
         a.into_primitive().tensor(),
         b.into_primitive().tensor(),
     )));
+    B::sync(&device).expect("the device's queue");
+    let after = ember_backend_ext::HostSyncs::now();
     assert_eq!(
         ember_backend_ext::cublaslt::products(),
         products + 1,
         "{what}: the product did not run on cuBLASLt (refused so far: {})",
         ember_backend_ext::cublaslt::refusals()
     );
+    let (window_launches, window_syncs) = window_counts(counting);
     assert_eq!(
-        ember_backend_ext::HostSyncs::now().launches - launches,
-        1,
-        "{what}: a cuBLASLt product counts as one launch"
+        (after.launches - before.launches, after.syncs - before.syncs),
+        (1 + window_launches, u64::from(counting) + window_syncs),
+        "{what}: (launches, host syncs) of one cuBLASLt product (one launch) and its window \
+         ({:?}), then one sync of the test's",
+        ember_backend_ext::cublaslt_sync()
     );
     (product.dims().to_vec(), values(product))
 }
 
-pub(super) fn check_cublaslt<B: FusedOps>(device: &B::Device) {
+/// The products of a BERT step on cuBLASLt against the host; `counting`: whether `B` counts
+/// its launches and host waits (`CountingCuda`), so that each window's are checked.
+pub(super) fn check_cublaslt<B: FusedOps>(device: &B::Device, counting: bool) {
     let _restore = GemmChoice(ember_backend_ext::gpu_gemm());
     ember_backend_ext::set_gpu_gemm(Gemm::Cublaslt).expect("cuBLASLt opens on the GPU machine");
     let f32_gemm = B::f32_gemm_precision(device);
+    // The first window on a runtime sets up (device windows: the flags' upload and a check of
+    // the stream memory operations, one sync); the counted windows come after it.
+    let warm_up = B::batched_matmul(
+        random::<B, 4>([1, 1, 8, 8], device)
+            .into_primitive()
+            .tensor(),
+        random::<B, 4>([1, 1, 8, 8], device)
+            .into_primitive()
+            .tensor(),
+    );
+    drop(warm_up);
     // (what, [samples, heads, m, k, n], a stored transposed, b stored transposed, b broadcast
     // over samples and heads): the dense layers' products (rows flattened: one sample, one
     // head) and attention's per sample and head, on operands laid out as the attention op
@@ -174,7 +219,7 @@ pub(super) fn check_cublaslt<B: FusedOps>(device: &B::Device) {
             .cast(dtype);
             let (a_host, b_host) = (values(a.clone()), values(b.clone()));
             let what = format!("{what} ({dtype:?})");
-            let (dims, got) = one_product(a, b, &what);
+            let (dims, got) = one_product(a, b, &what, counting);
             assert_eq!(dims, [s, h, m, n], "{what}");
             let host = host_product(&a_host, &b_host, [s * h, m, k, n], b_one);
             assert_within(&what, &got, &host, k, dtype, f32_gemm);
@@ -198,6 +243,7 @@ pub(super) fn check_cublaslt<B: FusedOps>(device: &B::Device) {
                 false,
             )
         });
+        B::sync(device).expect("the device's queue");
         let (products, launches) = (
             ember_backend_ext::cublaslt::products(),
             ember_backend_ext::HostSyncs::now().launches,
@@ -208,13 +254,15 @@ pub(super) fn check_cublaslt<B: FusedOps>(device: &B::Device) {
             a2.into_primitive().tensor(),
             b2.into_primitive().tensor(),
         );
+        B::sync(device).expect("the device's queue");
         assert_eq!(
             (
                 ember_backend_ext::cublaslt::products() - products,
                 ember_backend_ext::HostSyncs::now().launches - launches
             ),
-            (2, 2),
-            "a pair ({dtype:?}): two cuBLASLt products, two launches"
+            (2, 2 + window_counts(counting).0),
+            "a pair ({dtype:?}): two cuBLASLt products in one window, a launch each (and the \
+             window kernel's with device windows)"
         );
         for (i, (c, host)) in [c1, c2].into_iter().zip(&hosts).enumerate() {
             let got = values(Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(c)));

@@ -26,6 +26,7 @@ mod common;
 mod cublaslt;
 mod dense;
 mod flatten;
+mod gemm_window;
 mod half_precision;
 mod packing;
 use common::{assert_close, mask_bias, random, values};
@@ -659,6 +660,13 @@ mod wgpu {
     }
 
     #[test]
+    fn gemm_window_kernel_waits_for_its_release_or_expires() {
+        super::gemm_window::check_window_kernel::<
+            ember_backend_ext::CountingRuntime<ember_backend_ext::WgpuRuntime>,
+        >(&device());
+    }
+
+    #[test]
     fn flattening_launches_a_kernel_per_32_tensors() {
         super::flatten::check_flatten_launches();
     }
@@ -681,14 +689,26 @@ mod cuda {
 
     #[test]
     fn cublaslt_products_match_the_host_in_f32_and_bf16() {
-        super::cublaslt::check_cublaslt::<Backend>(&device());
+        super::cublaslt::check_cublaslt::<Backend>(&device(), false);
     }
 
     /// The trainer's backend (Burn's CUDA with its launches and waits counted) takes cuBLASLt
     /// too, each product one launch.
     #[test]
     fn cublaslt_runs_under_the_counting_runtime() {
-        super::cublaslt::check_cublaslt::<ember_backend_ext::CountingCuda>(&device());
+        super::cublaslt::check_cublaslt::<ember_backend_ext::CountingCuda>(&device(), true);
+    }
+
+    #[test]
+    fn cublaslt_products_match_the_host_with_device_windows() {
+        let _restore = super::cublaslt::SyncChoice(ember_backend_ext::cublaslt_sync());
+        ember_backend_ext::set_cublaslt_sync(ember_backend_ext::CublasltSync::Device);
+        super::cublaslt::check_cublaslt::<ember_backend_ext::CountingCuda>(&device(), true);
+    }
+
+    #[test]
+    fn gemm_window_kernel_waits_for_its_release_or_expires() {
+        super::gemm_window::check_window_kernel::<ember_backend_ext::CudaRuntime>(&device());
     }
 
     pub fn device() -> burn::backend::cuda::CudaDevice {

@@ -1,0 +1,138 @@
+//! The CubeCL side of a device-side GEMM window (`model.cublaslt_sync = "device"`): a flags
+//! buffer in GPU memory and the one-unit kernel that signals a window and holds CubeCL's stream
+//! until the window is released.
+//!
+//! Note [Device-side GEMM windows]: CubeCL 0.10 runs a thread's kernels on a CUDA stream it does
+//! not expose (Note [cuBLASLt beside CubeCL] in `cublaslt.rs`), so cuBLASLt's products run on a
+//! stream of ember's own, and the two must be ordered: the products after the kernels that wrote
+//! their operands, CubeCL's next kernels after the products. With host waits each window costs
+//! two synchronisations and leaves the GPU idle while the host catches up. Here the order is
+//! kept on the device, with three `u32` flags (`[signal, release, expired]`):
+//!
+//! 1. CubeCL's stream runs [`signal_and_wait_kernel`] with the window's number `n`: it writes
+//!    `signal = n` (after every earlier kernel of the stream, which wrote the operands), then
+//!    polls `release` until it reaches `n`;
+//! 2. cuBLASLt's stream waits for `signal ≥ n` (`cuStreamWaitValue32`, `GEQ`), runs the
+//!    window's products, then writes `release = n` (`cuStreamWriteValue32`, whose default
+//!    flags put a memory barrier before the write);
+//! 3. the kernel returns, and CubeCL's next kernels read the products.
+//!
+//! The host enqueues all of it and waits for nothing. The cost is one launch of a one-unit
+//! kernel per window, which occupies one unit of one SM while the products run. This is the
+//! pattern of NCCL's proxy flags and of NVSHMEM's `signal_wait_until`: a kernel spinning on a
+//! flag in GPU memory written by another stream. Window numbers grow by one per window and
+//! wrap (skipping 0, the "none" of `expired`); both sides compare cyclically, as `cuStreamWaitValue32`'s `GEQ` does (`(int32)(flag −
+//! n) ≥ 0`), so a release of window `n` also releases every earlier one. The kernel gives up
+//! after `max_polls` polls and writes `expired = n`, so a stream that never releases (a fault on
+//! cuBLASLt's side) stops the wait instead of hanging the process; the host reads `expired`
+//! now and then ([`WindowFlags::values`]) and treats a non-zero value as a device fault.
+//!
+//! The kernel is plain CubeCL (atomics on `u32`), so the kernel tests run it on lavapipe too,
+//! with the release written beforehand or never (`max_polls` then ends it). The CUDA stream
+//! operations are in `cublaslt_window.rs`.
+
+pub use burn_cubecl::CubeRuntime;
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+
+/// Index of the flag CubeCL's kernel writes when a window's operands are ready.
+pub const SIGNAL: usize = 0;
+/// Index of the flag cuBLASLt's stream writes when a window's products are done.
+pub const RELEASE: usize = 1;
+/// Index of the flag the kernel writes when it stopped waiting for a release.
+pub const EXPIRED: usize = 2;
+
+/// `signal = window`, then polls until `release` has reached `window` (cyclically, as
+/// `cuStreamWaitValue32`'s `GEQ`), or writes `expired = window` after `max_polls` polls. Launch
+/// with one cube of one unit (Note [Device-side GEMM windows]).
+#[cube(launch)]
+pub fn signal_and_wait_kernel(flags: &mut Array<Atomic<u32>>, window: u32, max_polls: u32) {
+    if UNIT_POS == 0 {
+        flags[SIGNAL].store(window);
+        let mut polls = 0u32;
+        let mut waiting = true;
+        while waiting {
+            let released = flags[RELEASE].load();
+            // (int32)(released − window) ≥ 0, in unsigned arithmetic (wrapping).
+            if released - window < 2147483648u32 {
+                waiting = false;
+            } else {
+                polls += 1;
+                if polls >= max_polls {
+                    flags[EXPIRED].store(window);
+                    waiting = false;
+                }
+            }
+        }
+    }
+}
+
+/// Whether `released` has reached `window` in the cyclic order of the window numbers (the
+/// kernel's and `cuStreamWaitValue32`'s `GEQ` test, on the host).
+pub fn released(released: u32, window: u32) -> bool {
+    released.wrapping_sub(window) < 1 << 31
+}
+
+/// The three flags of Note [Device-side GEMM windows] in a device's memory, on one runtime's
+/// client.
+pub struct WindowFlags<R: CubeRuntime> {
+    client: ComputeClient<R>,
+    handle: Handle,
+}
+
+impl<R: CubeRuntime> WindowFlags<R> {
+    /// The flags on `device`, set to `[signal, release, expired]` (a new window sequence starts
+    /// from zeros). The upload is enqueued on this thread's CubeCL stream.
+    pub fn new(device: &R::Device, values: [u32; 3]) -> Self {
+        let client = R::client(device);
+        let handle = client.create_from_slice(u32::as_bytes(&values));
+        Self { client, handle }
+    }
+
+    /// Enqueues [`signal_and_wait_kernel`] for `window` on this thread's CubeCL stream: the
+    /// kernels enqueued after it start once the window is released (or the wait expired).
+    pub fn signal_and_wait(&self, window: u32, max_polls: u32) {
+        // SAFETY: the buffer holds the three `u32` flags the kernel indexes.
+        let flags = unsafe { ArrayArg::from_raw_parts(self.handle.clone(), 3) };
+        signal_and_wait_kernel::launch::<R>(
+            &self.client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(1),
+            flags,
+            window,
+            max_polls,
+        );
+    }
+
+    /// `[signal, release, expired]`, read after the kernels enqueued before (a host wait).
+    pub fn values(&self) -> [u32; 3] {
+        let bytes = self.client.read_one_unchecked(self.handle.clone());
+        let values = u32::from_bytes(&bytes);
+        [values[SIGNAL], values[RELEASE], values[EXPIRED]]
+    }
+
+    /// The buffer's handle (for its device address) and the client it lives on.
+    pub fn handle(&self) -> (&ComputeClient<R>, &Handle) {
+        (&self.client, &self.handle)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::released;
+
+    #[test]
+    fn window_numbers_compare_cyclically_as_cu_stream_wait_value_geq() {
+        assert!(released(5, 5));
+        assert!(released(6, 5));
+        assert!(!released(4, 5));
+        assert!(!released(0, 1), "a fresh buffer holds no window");
+        // Across the wrap: window 0 follows u32::MAX.
+        assert!(released(0, u32::MAX));
+        assert!(released(3, u32::MAX - 2));
+        assert!(!released(u32::MAX, 0));
+        // Half the cycle apart is the boundary of int32's sign.
+        assert!(released((1 << 31) - 1, 0));
+        assert!(!released(1 << 31, 0));
+    }
+}
