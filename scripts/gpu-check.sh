@@ -49,7 +49,9 @@
 #                  bf16, each of which must have run on cuBLASLt (`cublaslt.rs`), with host
 #                  waits and with device-side windows (launches and host syncs counted); the
 #                  window kernel alone (`gemm_window.rs`: released, expired).
-#   bench-kernels  `xtask bench kernels`, f32 then bf16.
+#   bench-kernels  `xtask bench kernels`, f32 then bf16, then the LayerNorm and softmax rows again
+#                  in bf16 with `--row-reductions tree` (the shared-memory tree the row kernels
+#                  used before; the default reduces within warps first: Note [Row reductions]).
 #   resume         checkpoints on CUDA (fused optimizer, device tensors): the tiny model with
 #                  dropout on, 12 steps straight against `--resume` from that run's step-6
 #                  checkpoint copied to another folder; prints
@@ -206,6 +208,9 @@ run)
             timeout 120 "$dir/xtask" bench kernels --device cuda --dtype f32 --iters 10 2>&1 | tee "$out/bench-f32.md" || status=$?
             echo "== kernel benchmark, bf16"
             timeout 90 "$dir/xtask" bench kernels --device cuda --dtype bf16 --iters 10 2>&1 | tee "$out/bench-bf16.md" || status=$?
+            echo "== kernel benchmark, bf16, the row kernels reducing by a tree (before: the rows above reduce by warps)"
+            timeout 90 "$dir/xtask" bench kernels --device cuda --dtype bf16 --iters 10 --row-reductions tree 2>&1 \
+                | grep -E "^\| (op|bias_dropout|masked_softmax|attention)|rror" | tee "$out/bench-bf16-tree.md" || status=$?
             ;;
         resume)
             echo "== resume on CUDA: 12 steps straight against --resume from step 6 (tiny, dropout on)"

@@ -1,4 +1,7 @@
-//! The `model.kernels` setting: which implementation of the fused ops a model uses.
+//! The `model.kernels` setting: which implementation of the fused ops a model uses; the
+//! `model.qkv_projections` setting; how the CubeCL row kernels reduce a row.
+
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use crate::FusedOps;
 
@@ -97,9 +100,68 @@ impl std::str::FromStr for QkvProjections {
     }
 }
 
+/// How the CubeCL row kernels (LayerNorm, masked softmax; forward and backward) reduce a row
+/// across a cube (Note [Row reductions] in `cube/reductions.rs`): process-wide, set by
+/// [`set_row_reductions`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RowReductions {
+    /// Planes where the device reports plane operations (CUDA), else the tree.
+    #[default]
+    Auto,
+    /// Plane operations first, then the planes' results in shared memory (two barriers). On a
+    /// device without plane operations the kernels fail to compile.
+    Planes,
+    /// A tree in shared memory (log₂(units) + 1 barriers), what the kernels did before.
+    Tree,
+}
+
+/// The process's [`RowReductions`] (0: auto, 1: planes, 2: tree).
+static CHOICE: AtomicU8 = AtomicU8::new(0);
+
+impl RowReductions {
+    /// The choice's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            RowReductions::Auto => "auto",
+            RowReductions::Planes => "planes",
+            RowReductions::Tree => "tree",
+        }
+    }
+}
+
+impl std::str::FromStr for RowReductions {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(RowReductions::Auto),
+            "planes" => Ok(RowReductions::Planes),
+            "tree" => Ok(RowReductions::Tree),
+            other => Err(format!(
+                "unknown row reductions `{other}` (expected auto, planes or tree)"
+            )),
+        }
+    }
+}
+
+/// Sets how the row kernels reduce from now on, process-wide (kernels already enqueued keep
+/// theirs): `bench kernels --row-reductions` compares the two forms, and the kernel tests force
+/// planes on lavapipe.
+pub fn set_row_reductions(choice: RowReductions) {
+    CHOICE.store(choice as u8, Ordering::Relaxed);
+}
+
+/// The process's choice ([`set_row_reductions`]; by default [`RowReductions::Auto`]).
+pub fn row_reductions() -> RowReductions {
+    match CHOICE.load(Ordering::Relaxed) {
+        1 => RowReductions::Planes,
+        2 => RowReductions::Tree,
+        _ => RowReductions::Auto,
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::QkvProjections;
+    use super::{QkvProjections, RowReductions, row_reductions, set_row_reductions};
 
     /// `auto` packs where the backend has kernels (the CubeCL backends) and not on NdArray;
     /// `packed` and `separate` hold everywhere; the TOML names parse and a wrong one is named.
@@ -120,5 +182,25 @@ mod tests {
         assert_eq!(QkvProjections::default(), QkvProjections::Auto);
         let error = "fused".parse::<QkvProjections>().unwrap_err();
         assert!(error.contains("`fused`") && error.contains("auto, packed or separate"));
+    }
+
+    #[test]
+    fn row_reductions_names_parse_and_the_choice_round_trips() {
+        for choice in [
+            RowReductions::Auto,
+            RowReductions::Planes,
+            RowReductions::Tree,
+        ] {
+            assert_eq!(choice.name().parse::<RowReductions>(), Ok(choice));
+        }
+        let err = "warps".parse::<RowReductions>().unwrap_err();
+        assert!(
+            err.contains("`warps`") && err.contains("planes or tree"),
+            "{err}"
+        );
+        assert_eq!(row_reductions(), RowReductions::Auto);
+        set_row_reductions(RowReductions::Tree);
+        assert_eq!(row_reductions(), RowReductions::Tree);
+        set_row_reductions(RowReductions::Auto);
     }
 }

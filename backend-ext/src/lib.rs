@@ -96,4 +96,6 @@ pub use gemm::{
     set_cublaslt_sync, set_gpu_gemm,
 };
 pub use host_gemm::{gemm_parts, set_gemm_parts};
-pub use kernels_choice::{Kernels, QkvProjections};
+pub use kernels_choice::{
+    Kernels, QkvProjections, RowReductions, row_reductions, set_row_reductions,
+};

@@ -44,6 +44,11 @@ pub struct KernelArgs {
     /// 128 MiB in one buffer)
     #[arg(long, default_value_t = 256)]
     copy_mib: usize,
+    /// How the LayerNorm and softmax kernels reduce a row across a cube: auto (planes where
+    /// the device reports plane operations: CUDA), planes (warps first, then shared memory)
+    /// or tree (shared memory only), to compare (Note [Row reductions])
+    #[arg(long, default_value = "auto")]
+    row_reductions: ember_backend_ext::RowReductions,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -81,6 +86,7 @@ fn parse_shapes(spec: &str) -> Result<Vec<Shape>> {
 
 pub fn run(args: KernelArgs) -> Result<()> {
     let shapes = parse_shapes(&args.shapes)?;
+    ember_backend_ext::set_row_reductions(args.row_reductions);
     match (args.device.as_str(), args.dtype.as_str()) {
         ("cpu", _) => bench::<burn::backend::NdArray>(&Default::default(), &args, &shapes),
         ("wgpu", _) => bench_wgpu(&args, &shapes),
@@ -541,6 +547,10 @@ where
     }
 
     println!();
+    println!(
+        "Row kernels' reductions: {} (Note [Row reductions]).",
+        args.row_reductions.name()
+    );
     println!(
         "| op | shape | fwd fused ms | fwd reference ms | speed-up | fwd+bwd fused ms | fwd+bwd reference ms | speed-up | fused fwd GB/s | of copy bw |"
     );

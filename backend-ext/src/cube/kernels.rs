@@ -2,10 +2,13 @@
 //! arithmetic and reductions run in f32.
 //!
 //! Row kernels (LayerNorm, softmax) give one cube to a row: its units stride over the row and
-//! reduce through shared memory (a tree over `CUBE_DIM_X`, a power of two). Rows are numbered
+//! reduce across the cube by planes or by a tree in shared memory (`CUBE_DIM_X` a power of
+//! two; Note [Row reductions] in `reductions.rs`, the `planes` argument). Rows are numbered
 //! `CUBE_POS_X + CUBE_POS_Y · CUBE_COUNT_X`, so more rows than one grid dimension holds still fit.
 
 use cubecl::prelude::*;
+
+use super::reductions::{row_max, row_sum};
 
 /// PCG's RXS-M-XS output permutation; the host's `dropout::pcg_hash`.
 #[cube]
@@ -49,47 +52,6 @@ fn dropout_scale(column: usize, rk: u32, threshold: u32, keep_scale: f32) -> f32
 #[cube]
 pub(super) fn row_index() -> usize {
     (CUBE_POS_X + CUBE_POS_Y * CUBE_COUNT_X) as usize
-}
-
-/// Sum of `value` over the units of the cube; every unit gets the total.
-#[cube]
-pub(super) fn cube_sum(shared: &mut SharedMemory<f32>, value: f32) -> f32 {
-    let unit = UNIT_POS_X as usize;
-    shared[unit] = value;
-    sync_cube();
-    let mut stride = CUBE_DIM_X as usize / 2;
-    while stride > 0 {
-        if unit < stride {
-            shared[unit] = shared[unit] + shared[unit + stride];
-        }
-        sync_cube();
-        stride /= 2;
-    }
-    let total = shared[0];
-    sync_cube();
-    total
-}
-
-/// Maximum of `value` over the units of the cube; every unit gets it.
-#[cube]
-fn cube_max(shared: &mut SharedMemory<f32>, value: f32) -> f32 {
-    let unit = UNIT_POS_X as usize;
-    shared[unit] = value;
-    sync_cube();
-    let mut stride = CUBE_DIM_X as usize / 2;
-    while stride > 0 {
-        if unit < stride {
-            let other = shared[unit + stride];
-            if other > shared[unit] {
-                shared[unit] = other;
-            }
-        }
-        sync_cube();
-        stride /= 2;
-    }
-    let total = shared[0];
-    sync_cube();
-    total
 }
 
 /// `Φ(z) = ½ (1 + erf(z/√2))`.
@@ -156,6 +118,7 @@ pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
     eps: f32,
     #[comptime] block: u32,
     #[comptime] dropout: bool,
+    #[comptime] planes: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let row = row_index();
@@ -188,7 +151,7 @@ pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
         sum += y;
         j += block as usize;
     }
-    let mean = cube_sum(&mut shared, sum) / f32::cast_from(n as u32);
+    let mean = row_sum(&mut shared, sum, planes) / f32::cast_from(n as u32);
 
     let mut squares = f32::new(0.0);
     let mut j = unit;
@@ -197,7 +160,7 @@ pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
         squares += centered * centered;
         j += block as usize;
     }
-    let var = cube_sum(&mut shared, squares) / f32::cast_from(n as u32);
+    let var = row_sum(&mut shared, squares, planes) / f32::cast_from(n as u32);
     let rstd = f32::new(1.0) / (var + eps).sqrt();
 
     let mut j = unit;
@@ -247,6 +210,7 @@ pub fn layer_norm_backward_kernel<F: Float>(
     keep_scale: f32,
     #[comptime] block: u32,
     #[comptime] dropout: bool,
+    #[comptime] planes: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let row = row_index();
@@ -283,8 +247,8 @@ pub fn layer_norm_backward_kernel<F: Float>(
     }
     // Note [LayerNorm backward order].
     let n_f = f32::cast_from(n as u32);
-    let sum_g = cube_sum(&mut shared, sum_g);
-    let sum_gx = cube_sum(&mut shared, sum_gx);
+    let sum_g = row_sum(&mut shared, sum_g, planes);
+    let sum_gx = row_sum(&mut shared, sum_gx, planes);
     let scale = rs / n_f;
 
     let mut j = unit;
@@ -324,6 +288,7 @@ pub fn masked_softmax_dropout_kernel<F: Float>(
     keep_scale: f32,
     #[comptime] block: u32,
     #[comptime] dropout: bool,
+    #[comptime] planes: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let row = row_index();
@@ -353,18 +318,18 @@ pub fn masked_softmax_dropout_kernel<F: Float>(
         }
         j += block as usize;
     }
-    let row_max = cube_max(&mut shared, local_max);
+    let max = row_max(&mut shared, local_max, planes);
 
     let mut sum = f32::new(0.0);
     let mut j = unit;
     while j < n {
         let s = f32::cast_from(scores[base + j]) * scale + f32::cast_from(mask_bias[mask_base + j]);
-        let e = (s - row_max).exp();
+        let e = (s - max).exp();
         probs[base + j] = F::cast_from(e);
         sum += e;
         j += block as usize;
     }
-    let inv_sum = f32::new(1.0) / cube_sum(&mut shared, sum);
+    let inv_sum = f32::new(1.0) / row_sum(&mut shared, sum, planes);
 
     let mut j = unit;
     while j < n {
@@ -398,6 +363,7 @@ pub fn masked_softmax_dropout_backward_kernel<F: Float>(
     keep_scale: f32,
     #[comptime] block: u32,
     #[comptime] dropout: bool,
+    #[comptime] planes: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let row = row_index();
@@ -428,7 +394,7 @@ pub fn masked_softmax_dropout_backward_kernel<F: Float>(
         dot += dp * f32::cast_from(probs[idx]);
         j += block as usize;
     }
-    let dot = cube_sum(&mut shared, dot);
+    let dot = row_sum(&mut shared, dot, planes);
 
     let mut j = unit;
     while j < n {

@@ -12,6 +12,7 @@ mod kernels;
 mod multi_tensor;
 mod multi_tensor_kernels;
 mod qkv;
+pub mod reductions;
 
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape, TensorMetadata};
@@ -291,6 +292,7 @@ where
             eps as f32,
             block as u32,
             mask.enabled,
+            reductions::planes(&x.client),
             dtype,
         );
         LayerNormForward {
@@ -340,6 +342,7 @@ where
             mask.keep_scale,
             block as u32,
             mask.enabled,
+            reductions::planes(&grad.client),
             dtype,
         );
         LayerNormBackward {
@@ -384,6 +387,7 @@ where
             mask.keep_scale,
             block as u32,
             mask.enabled,
+            reductions::planes(&scores.client),
             dtype,
         );
         SoftmaxForward { probs, dropped }
@@ -421,6 +425,7 @@ where
             mask.keep_scale,
             block as u32,
             mask.enabled,
+            reductions::planes(&grad_dropped.client),
             dtype,
         );
         grad_scores

@@ -4,7 +4,8 @@
 
 use cubecl::prelude::*;
 
-use super::kernels::{cube_sum, row_index};
+use super::kernels::row_index;
+use super::reductions::cube_sum;
 
 /// Element `i` of an Adam-family step: the new moments, and the new parameter (`lamb`: the
 /// update direction `m̂/(sqrt(v̂)+ε) + λ·w`).

@@ -540,6 +540,28 @@ fn attention_cases() -> Vec<([usize; 4], Vec<Vec<f32>>)> {
     ]
 }
 
+/// LayerNorm and attention (softmax), forward and backward, on every shape of their tests with
+/// the row kernels' reductions forced to `choice`.
+fn with_row_reductions<A: AutodiffBackend + FusedOps>(
+    choice: ember_backend_ext::RowReductions,
+    device: &A::Device,
+) where
+    A::InnerBackend: FusedOps,
+{
+    ember_backend_ext::set_row_reductions(choice);
+    for shape in LN_SHAPES {
+        for prob in [0.0, 0.1] {
+            check_layer_norm::<A>(shape, prob, device);
+        }
+    }
+    for (shape, mask) in attention_cases() {
+        for prob in [0.0, 0.1] {
+            check_attention::<A>(shape, &mask, prob, device);
+        }
+    }
+    ember_backend_ext::set_row_reductions(ember_backend_ext::RowReductions::Auto);
+}
+
 macro_rules! kernel_tests {
     ($backend:ty, $device:expr) => {
         use super::*;
@@ -666,6 +688,17 @@ mod wgpu {
         >(&device());
     }
 
+    /// The row kernels with plane reductions (Note [Row reductions] in backend-ext's
+    /// `cube/reductions.rs`): lavapipe runs subgroup operations, in planes of 8 units, though
+    /// CubeCL reports none for a CPU device (so `auto` takes the tree here, planes on CUDA).
+    #[test]
+    fn row_kernels_with_plane_reductions_match_reference() {
+        super::with_row_reductions::<Autodiff<crate::Wgpu>>(
+            ember_backend_ext::RowReductions::Planes,
+            &device(),
+        );
+    }
+
     #[test]
     fn flattening_launches_a_kernel_per_32_tensors() {
         super::flatten::check_flatten_launches();
@@ -709,6 +742,16 @@ mod cuda {
     #[test]
     fn gemm_window_kernel_waits_for_its_release_or_expires() {
         super::gemm_window::check_window_kernel::<ember_backend_ext::CudaRuntime>(&device());
+    }
+
+    /// CUDA's `auto` reduces through planes (warps): the tree, which ran before, must match
+    /// too.
+    #[test]
+    fn row_kernels_with_tree_reductions_match_reference() {
+        super::with_row_reductions::<burn::backend::Autodiff<Backend>>(
+            ember_backend_ext::RowReductions::Tree,
+            &device(),
+        );
     }
 
     pub fn device() -> burn::backend::cuda::CudaDevice {

@@ -1,0 +1,150 @@
+//! How the row kernels (LayerNorm forward and backward, masked softmax forward and backward)
+//! reduce a row across the units of their cube: a tree in shared memory, or planes (warps on
+//! CUDA) first.
+//!
+//! Note [Row reductions]: a row kernel gives one cube to a row (up to 256 units); each unit
+//! folds its strided share of the row, and the cube then combines the units' values. The tree
+//! (`cube_sum`, `cube_max`) halves the active units through shared memory with a barrier per
+//! level: log₂(units) + 1 barriers per reduction, 9 at 256 units. At BERT's shapes each unit
+//! folds only 1–4 elements (softmax rows of 128 at seq 128 give one element per unit), so the
+//! barriers, not the memory traffic, set the kernel's time; on an H200 the fused softmax took
+//! 0.71× the time of Burn's composition at BERT-large seq 128, LayerNorm's backward 0.66–0.76×
+//! at seq 512 (docs/gpu.md). apex's LayerNorm (`cuWelfordMuSigma2`, `cuComputeGradInput`) and
+//! Megatron's fused softmax (`scaled_masked_softmax_warp_forward`) reduce within a warp first,
+//! by shuffles in registers, and meet across warps in shared memory once. The plane form here
+//! does the same: `plane_sum`/`plane_max` within each plane, the planes' results in shared
+//! memory, each unit folding them in plane order: two barriers per reduction at any width.
+//! Both forms give every unit the same total, in an order fixed for a given device and cube
+//! size (a kernel's output repeats bit for bit from run to run).
+//!
+//! `RowReductions::Auto` (`kernels_choice.rs`) takes planes where CubeCL reports plane operations (CUDA) and the
+//! tree elsewhere. CubeCL does not report them for CPU devices, so lavapipe runs the tree
+//! by default; lavapipe does run subgroup operations (planes of 8 units), which is how CI
+//! tests the plane form (`RowReductions::Planes` forces it; `bench kernels --row-reductions` compares the two).
+
+use burn_cubecl::CubeRuntime;
+use cubecl::ir::features::Plane;
+use cubecl::prelude::*;
+
+use crate::{RowReductions, row_reductions};
+
+/// Whether the row kernels launched on `client` reduce through planes.
+pub(super) fn planes<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
+    match row_reductions() {
+        RowReductions::Planes => true,
+        RowReductions::Tree => false,
+        RowReductions::Auto => client.properties().features.plane.contains(Plane::Ops),
+    }
+}
+
+/// Sum of `value` over the units of the cube, by a tree in `shared` (one slot per unit;
+/// `CUBE_DIM_X` a power of two); every unit gets the total.
+#[cube]
+pub(super) fn cube_sum(shared: &mut SharedMemory<f32>, value: f32) -> f32 {
+    let unit = UNIT_POS_X as usize;
+    shared[unit] = value;
+    sync_cube();
+    let mut stride = CUBE_DIM_X as usize / 2;
+    while stride > 0 {
+        if unit < stride {
+            shared[unit] = shared[unit] + shared[unit + stride];
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    let total = shared[0];
+    sync_cube();
+    total
+}
+
+/// Maximum of `value` over the units of the cube, by a tree in `shared`; every unit gets it.
+#[cube]
+fn cube_max(shared: &mut SharedMemory<f32>, value: f32) -> f32 {
+    let unit = UNIT_POS_X as usize;
+    shared[unit] = value;
+    sync_cube();
+    let mut stride = CUBE_DIM_X as usize / 2;
+    while stride > 0 {
+        if unit < stride {
+            let other = shared[unit + stride];
+            if other > shared[unit] {
+                shared[unit] = other;
+            }
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    let total = shared[0];
+    sync_cube();
+    total
+}
+
+/// The index of the unit's plane in the cube (planes are consecutive units of a 1-D cube).
+#[cube]
+fn plane_index() -> usize {
+    (UNIT_POS_X / PLANE_DIM) as usize
+}
+
+/// How many planes the cube has.
+#[cube]
+fn plane_count() -> usize {
+    ((CUBE_DIM_X + PLANE_DIM - 1) / PLANE_DIM) as usize
+}
+
+/// Sum of `value` over the units of the cube: `plane_sum` in each plane, the planes' sums in
+/// `shared`, folded by every unit in plane order (two barriers).
+#[cube]
+fn plane_cube_sum(shared: &mut SharedMemory<f32>, value: f32) -> f32 {
+    let partial = plane_sum(value);
+    if UNIT_POS_PLANE == 0 {
+        shared[plane_index()] = partial;
+    }
+    sync_cube();
+    let mut total = shared[0];
+    for p in 1..plane_count() {
+        total += shared[p];
+    }
+    // Every unit has read the slots before the next reduction writes them.
+    sync_cube();
+    total
+}
+
+/// Maximum of `value` over the units of the cube, as [`plane_cube_sum`].
+#[cube]
+fn plane_cube_max(shared: &mut SharedMemory<f32>, value: f32) -> f32 {
+    let partial = plane_max(value);
+    if UNIT_POS_PLANE == 0 {
+        shared[plane_index()] = partial;
+    }
+    sync_cube();
+    let mut total = shared[0];
+    for p in 1..plane_count() {
+        let other = shared[p];
+        if other > total {
+            total = other;
+        }
+    }
+    sync_cube();
+    total
+}
+
+/// Sum of `value` over the units of the cube, by planes or by the tree (Note [Row
+/// reductions]); every unit gets the total.
+#[cube]
+pub(super) fn row_sum(shared: &mut SharedMemory<f32>, value: f32, #[comptime] planes: bool) -> f32 {
+    if planes {
+        plane_cube_sum(shared, value)
+    } else {
+        cube_sum(shared, value)
+    }
+}
+
+/// Maximum of `value` over the units of the cube, by planes or by the tree; every unit gets it.
+#[cube]
+pub(super) fn row_max(shared: &mut SharedMemory<f32>, value: f32, #[comptime] planes: bool) -> f32 {
+    if planes {
+        plane_cube_max(shared, value)
+    } else {
+        cube_max(shared, value)
+    }
+}
