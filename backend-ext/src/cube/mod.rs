@@ -39,9 +39,12 @@ fn empty_like<R: CubeRuntime>(t: &CubeTensor<R>, shape: Shape) -> CubeTensor<R> 
     empty_device_contiguous_dtype(t.client.clone(), t.device.clone(), shape, t.dtype)
 }
 
-/// Cube count, cube dim and block size for `rows` rows of `n` elements, one cube per row.
-fn row_launch(rows: usize, n: usize) -> (CubeCount, CubeDim, usize) {
-    let block = n.next_power_of_two().clamp(1, ROW_BLOCK);
+/// Cube count, cube dim and block size for `rows` rows of `n` elements, one cube per row of at
+/// least `min_units` units (`reductions::row_form`).
+fn row_launch(rows: usize, n: usize, min_units: usize) -> (CubeCount, CubeDim, usize) {
+    let block = n
+        .next_power_of_two()
+        .clamp(min_units.clamp(1, ROW_BLOCK), ROW_BLOCK);
     let x = rows.clamp(1, MAX_GRID);
     let y = rows.div_ceil(x).max(1);
     (
@@ -104,7 +107,7 @@ fn sum_chunks_ordered<R: CubeRuntime>(x: CubeTensor<R>, chunk: usize) -> CubeTen
     let n = numel(&x);
     let rows = n.div_ceil(chunk).max(1);
     let out = empty_like(&x, Shape::new([rows]));
-    let (count, dim, block) = row_launch(rows, chunk);
+    let (count, dim, block) = row_launch(rows, chunk, 1);
     multi_tensor_kernels::sum_rows_ordered_kernel::launch::<R>(
         &out.client,
         count,
@@ -265,7 +268,8 @@ where
         let output = empty_like(&x, x.shape());
         let mean = empty_like(&x, Shape::new([rows]));
         let rstd = empty_like(&x, Shape::new([rows]));
-        let (count, dim, block) = row_launch(rows, n);
+        let (planes, min_units) = reductions::row_form(&x.client);
+        let (count, dim, block) = row_launch(rows, n, min_units);
         let mask = dropout_args(dropout, &[rows, n]);
         let dtype = storage(x.dtype);
         kernels::bias_dropout_add_layer_norm_kernel::launch::<R>(
@@ -292,7 +296,7 @@ where
             eps as f32,
             block as u32,
             mask.enabled,
-            reductions::planes(&x.client),
+            planes,
             dtype,
         );
         LayerNormForward {
@@ -317,7 +321,8 @@ where
         let grad_pre_norm = empty_like(&grad, grad.shape());
         let grad_x = empty_like(&grad, grad.shape());
         let grad_x_hat = empty_like(&grad, grad.shape());
-        let (count, dim, block) = row_launch(rows, n);
+        let (planes, min_units) = reductions::row_form(&grad.client);
+        let (count, dim, block) = row_launch(rows, n, min_units);
         let mask = dropout_args(dropout, &[rows, n]);
         let dtype = storage(grad.dtype);
         kernels::layer_norm_backward_kernel::launch::<R>(
@@ -342,7 +347,7 @@ where
             mask.keep_scale,
             block as u32,
             mask.enabled,
-            reductions::planes(&grad.client),
+            planes,
             dtype,
         );
         LayerNormBackward {
@@ -364,7 +369,8 @@ where
         check_rows(rows * seq_k);
         let probs = empty_like(&scores, scores.shape());
         let dropped = empty_like(&scores, scores.shape());
-        let (count, dim, block) = row_launch(rows, seq_k);
+        let (planes, min_units) = reductions::row_form(&scores.client);
+        let (count, dim, block) = row_launch(rows, seq_k, min_units);
         let mask = dropout_args(dropout, &[batch, heads, seq_q, seq_k]);
         let dtype = storage(scores.dtype);
         kernels::masked_softmax_dropout_kernel::launch::<R>(
@@ -387,7 +393,7 @@ where
             mask.keep_scale,
             block as u32,
             mask.enabled,
-            reductions::planes(&scores.client),
+            planes,
             dtype,
         );
         SoftmaxForward { probs, dropped }
@@ -404,7 +410,8 @@ where
         let rows = batch * heads * seq_q;
         check_rows(rows * seq_k);
         let grad_scores = empty_like(&grad_dropped, grad_dropped.shape());
-        let (count, dim, block) = row_launch(rows, seq_k);
+        let (planes, min_units) = reductions::row_form(&grad_dropped.client);
+        let (count, dim, block) = row_launch(rows, seq_k, min_units);
         let mask = dropout_args(dropout, &[batch, heads, seq_q, seq_k]);
         let dtype = storage(grad_dropped.dtype);
         kernels::masked_softmax_dropout_backward_kernel::launch::<R>(
@@ -425,7 +432,7 @@ where
             mask.keep_scale,
             block as u32,
             mask.enabled,
-            reductions::planes(&grad_dropped.client),
+            planes,
             dtype,
         );
         grad_scores
@@ -441,7 +448,7 @@ where
         let rows = x.shape().num_elements() / n;
         check_rows(rows * n);
         let output = empty_like(&x, x.shape());
-        let (count, dim, block) = row_launch(rows, n);
+        let (count, dim, block) = row_launch(rows, n, 1);
         let mask = dropout_args(dropout, &dims);
         let dtype = storage(x.dtype);
         kernels::dropout_kernel::launch::<R>(

@@ -13,7 +13,9 @@
 //! Megatron's fused softmax (`scaled_masked_softmax_warp_forward`) reduce within a warp first,
 //! by shuffles in registers, and meet across warps in shared memory once. The plane form here
 //! does the same: `plane_sum`/`plane_max` within each plane, the planes' results in shared
-//! memory, each unit folding them in plane order: two barriers per reduction at any width.
+//! memory, each unit folding them in plane order: two barriers per reduction at any width. A
+//! cube then has at least one whole plane ([`row_form`]): CUDA's shuffles read every lane of a
+//! warp, so a row shorter than 32 still gets 32 units, the idle ones folding nothing.
 //! Both forms give every unit the same total, in an order fixed for a given device and cube
 //! size (a kernel's output repeats bit for bit from run to run).
 //!
@@ -29,12 +31,26 @@ use cubecl::prelude::*;
 use crate::{RowReductions, row_reductions};
 
 /// Whether the row kernels launched on `client` reduce through planes.
-pub(super) fn planes<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
+fn planes<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
     match row_reductions() {
         RowReductions::Planes => true,
         RowReductions::Tree => false,
         RowReductions::Auto => client.properties().features.plane.contains(Plane::Ops),
     }
+}
+
+/// The row kernels' reduction on `client` and the fewest units their cube may have: with
+/// planes, one whole plane (CUDA's shuffles read every lane of a warp, and in a cube narrower
+/// than a warp some lanes do not exist: a row shorter than 32, such as attention at a short
+/// sequence, still gets a cube of 32 units, the idle ones folding nothing); with the tree, one.
+pub(super) fn row_form<R: CubeRuntime>(client: &ComputeClient<R>) -> (bool, usize) {
+    let planes = planes(client);
+    let min_units = if planes {
+        client.properties().hardware.plane_size_max as usize
+    } else {
+        1
+    };
+    (planes, min_units)
 }
 
 /// Sum of `value` over the units of the cube, by a tree in `shared` (one slot per unit;
