@@ -24,6 +24,7 @@ use cubecl::prelude::*;
 use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
 
 use multi_tensor::{adam_launch, launches, multi_launch, tensors_per_launch};
+use reductions::row_launch;
 
 use crate::{
     AdamHyper, AdamKind, AdamOutput, AdamTensors, DropoutSpec, FusedOps, LayerNormBackward,
@@ -37,21 +38,6 @@ const MAX_GRID: usize = 65_535;
 
 fn empty_like<R: CubeRuntime>(t: &CubeTensor<R>, shape: Shape) -> CubeTensor<R> {
     empty_device_contiguous_dtype(t.client.clone(), t.device.clone(), shape, t.dtype)
-}
-
-/// Cube count, cube dim and block size for `rows` rows of `n` elements, one cube per row of at
-/// least `min_units` units (`reductions::row_form`).
-fn row_launch(rows: usize, n: usize, min_units: usize) -> (CubeCount, CubeDim, usize) {
-    let block = n
-        .next_power_of_two()
-        .clamp(min_units.clamp(1, ROW_BLOCK), ROW_BLOCK);
-    let x = rows.clamp(1, MAX_GRID);
-    let y = rows.div_ceil(x).max(1);
-    (
-        CubeCount::Static(x as u32, y as u32, 1),
-        CubeDim::new_1d(block as u32),
-        block,
-    )
 }
 
 fn elemwise_launch<R: CubeRuntime>(t: &CubeTensor<R>, n: usize) -> (CubeCount, CubeDim) {

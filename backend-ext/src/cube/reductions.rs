@@ -27,7 +27,9 @@
 use burn_cubecl::CubeRuntime;
 use cubecl::ir::features::Plane;
 use cubecl::prelude::*;
+use cubecl::{CubeCount, CubeDim};
 
+use super::{MAX_GRID, ROW_BLOCK};
 use crate::{RowReductions, row_reductions};
 
 /// Whether the row kernels launched on `client` reduce through planes.
@@ -51,6 +53,21 @@ pub(super) fn row_form<R: CubeRuntime>(client: &ComputeClient<R>) -> (bool, usiz
         1
     };
     (planes, min_units)
+}
+
+/// Cube count, cube dim and block size for `rows` rows of `n` elements, one cube per row of at
+/// least `min_units` units ([`row_form`]).
+pub(super) fn row_launch(rows: usize, n: usize, min_units: usize) -> (CubeCount, CubeDim, usize) {
+    let block = n
+        .next_power_of_two()
+        .clamp(min_units.clamp(1, ROW_BLOCK), ROW_BLOCK);
+    let x = rows.clamp(1, MAX_GRID);
+    let y = rows.div_ceil(x).max(1);
+    (
+        CubeCount::Static(x as u32, y as u32, 1),
+        CubeDim::new_1d(block as u32),
+        block,
+    )
 }
 
 /// Sum of `value` over the units of the cube, by a tree in `shared` (one slot per unit;

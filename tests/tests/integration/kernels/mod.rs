@@ -18,18 +18,22 @@
 use burn::backend::Autodiff;
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use ember_backend_ext::{DropoutSpec, FusedOps, GemmPrecision, keep_mask, reference};
+use ember_backend_ext::{DropoutSpec, FusedOps, GemmPrecision, reference};
 
 mod column_sums;
 mod common;
 #[cfg(feature = "cuda")]
 mod cublaslt;
 mod dense;
+mod dropout;
 mod flatten;
 mod gemm_window;
 mod half_precision;
+mod optimizer;
 mod packing;
-use common::{assert_close, mask_bias, random, values};
+use common::{assert_close, mask_bias, random};
+use dropout::{check_dropout_backward_mask, check_dropout_mask, check_dropout_op};
+use optimizer::check_optimizer_ops;
 
 const FWD: (f32, f32) = (2e-5, 2e-5);
 const BWD: (f32, f32) = (1e-4, 1e-4);
@@ -213,260 +217,6 @@ fn gemm_tolerances(precision: GemmPrecision) -> ((f32, f32), (f32, f32)) {
     let u = precision.unit_roundoff() as f32;
     let widen = |(atol, rtol): (f32, f32), k: f32| (atol.max(k * u), rtol.max(k * u));
     (widen(FWD, 8.0), widen(BWD, 16.0))
-}
-
-/// The kernel's dropout mask is the host's [`keep_mask`], the same seed gives the same mask,
-/// another seed another one, and the keep rate is within 6σ of 1 − p.
-pub fn check_dropout_mask<B: FusedOps>(device: &B::Device) {
-    let (batch, heads, seq) = (4, 4, 256); // 1,048,576 elements
-    let shape = [batch, heads, seq, seq];
-    let scores = random::<B, 4>(shape, device);
-    let bias = Tensor::<B, 2>::zeros([batch, seq], device);
-    let run = |seed: u64| {
-        // Samples 5.. of the step: the offset enters the kernel's row keys.
-        let spec = DropoutSpec {
-            sample_offset: 5,
-            ..DropoutSpec::new(0.1, seed)
-        };
-        let out = B::masked_softmax_dropout(
-            scores.clone().into_primitive().tensor(),
-            bias.clone().into_primitive().tensor(),
-            1.0,
-            spec,
-        );
-        let probs = Tensor::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(out.probs));
-        let dropped =
-            Tensor::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(out.dropped));
-        (probs, dropped)
-    };
-    let (probs, dropped) = run(1234);
-    let host = keep_mask::<B, 4>(
-        DropoutSpec {
-            sample_offset: 5,
-            ..DropoutSpec::new(0.1, 1234)
-        },
-        shape,
-        device,
-    );
-    assert_close(
-        "dropout mask = host mask",
-        dropped.clone(),
-        probs.clone() * host,
-        FWD,
-    );
-
-    let (_, again) = run(1234);
-    assert_eq!(
-        values(again),
-        values(dropped.clone()),
-        "same seed, different mask"
-    );
-    let (_, other) = run(1235);
-    let kept = |t: Tensor<B, 4>| values(t).iter().filter(|v| **v != 0.0).count();
-    let (k1, k2) = (kept(dropped.clone()), kept(other.clone()));
-    let n = (batch * heads * seq * seq) as f64;
-    let sigma = (n * 0.1 * 0.9).sqrt();
-    for k in [k1, k2] {
-        assert!(
-            (k as f64 - 0.9 * n).abs() < 6.0 * sigma,
-            "kept {k} of {n}: keep rate {} is not within 6σ of 0.9",
-            k as f64 / n
-        );
-    }
-    let same = values(dropped)
-        .iter()
-        .zip(values(other))
-        .filter(|(a, b)| (**a == 0.0) == (*b == 0.0))
-        .count() as f64;
-    // Independent masks agree on 0.9² + 0.1² = 82% of elements.
-    assert!(
-        (same / n - 0.82).abs() < 0.01,
-        "masks of two seeds agree on {}",
-        same / n
-    );
-}
-
-/// The backward pass uses the forward's mask: the gradient of x is exactly 0 where x was
-/// dropped, and nowhere else.
-pub fn check_dropout_backward_mask<B: AutodiffBackend + FusedOps>(device: &B::Device)
-where
-    B::InnerBackend: FusedOps,
-{
-    let (rows, n) = (64, 96);
-    let spec = DropoutSpec::new(0.25, 99);
-    let x = random::<B, 2>([rows, n], device).require_grad();
-    let out = ember_backend_ext::bias_dropout_add_layer_norm(
-        x.clone(),
-        Tensor::zeros([n], device),
-        random::<B, 2>([rows, n], device),
-        Tensor::ones([n], device),
-        Tensor::zeros([n], device),
-        spec,
-        1e-12,
-    );
-    let weight = random::<B, 2>([rows, n], device);
-    let mut grads = weighted_sum(out, &weight).backward();
-    let grad = values(x.grad_remove(&mut grads).unwrap());
-    let mask = values(keep_mask::<B, 2>(spec, [rows, n], device));
-    for (i, (g, m)) in grad.iter().zip(&mask).enumerate() {
-        assert_eq!(*g == 0.0, *m == 0.0, "element {i}: grad {g}, mask {m}");
-    }
-}
-
-/// The dropout op on `[B, S, N]` (the embeddings' dropout), forward and backward, against the
-/// host mask, for a micro-batch whose samples start at 3 of the step; and its LayerNorm
-/// counterpart on the same rows keeps the same mask (both key by sample and position).
-pub fn check_dropout_op<B: AutodiffBackend + FusedOps>(device: &B::Device)
-where
-    B::InnerBackend: FusedOps,
-{
-    let shape = [3, 37, 40];
-    let spec = DropoutSpec {
-        sample_offset: 3,
-        ..DropoutSpec::new(0.2, 0xfeed_beef_0123)
-    };
-    let x = random::<B, 3>(shape, device).require_grad();
-    let out = ember_backend_ext::dropout(x.clone(), spec);
-    let mask = keep_mask::<B, 3>(spec, shape, device);
-    assert_close(
-        "dropout = x · host mask",
-        out.clone(),
-        x.clone().detach() * mask.clone(),
-        FWD,
-    );
-    let weight = random::<B, 3>(shape, device);
-    let mut grads = weighted_sum(out, &weight).backward();
-    assert_close(
-        "dropout backward = grad · host mask",
-        x.grad_remove(&mut grads).unwrap(),
-        (weight * mask).inner(),
-        FWD,
-    );
-}
-
-/// Sizes of the optimizer tests' tensor list: one element, odd sizes, more elements than the
-/// 1024 cubes × 256 units of one tensor's grid (strided), and 40 tensors in all, more than
-/// one launch takes (32), so the list is split into launches.
-fn optimizer_sizes() -> Vec<usize> {
-    let mut sizes = vec![1, 1000, 300_001, 768, 3];
-    sizes.extend((0..35).map(|i| 1 + i * 37 % 301));
-    sizes
-}
-
-/// Multi-tensor Adam-family steps, squared norms and LAMB's apply against the reference
-/// bodies applied tensor by tensor.
-pub fn check_optimizer_ops<B: FusedOps>(device: &B::Device) {
-    use ember_backend_ext::{AdamHyper, AdamKind, AdamTensors, lamb_multi_tensor};
-    let prim = |t: &Tensor<B, 1>| t.clone().into_primitive().tensor();
-    let tensor = |p| Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(p));
-    let sizes = optimizer_sizes();
-    let inputs: Vec<[Tensor<B, 1>; 4]> = sizes
-        .iter()
-        .map(|&n| {
-            [
-                random::<B, 1>([n], device),
-                random::<B, 1>([n], device) * 0.1,
-                random::<B, 1>([n], device) * 0.01,
-                random::<B, 1>([n], device).abs() * 0.001,
-            ]
-        })
-        .collect();
-    let list = || -> Vec<AdamTensors<B>> {
-        inputs
-            .iter()
-            .map(|[param, grad, moment_1, moment_2]| AdamTensors {
-                param: prim(param),
-                grad: prim(grad),
-                moment_1: prim(moment_1),
-                moment_2: prim(moment_2),
-            })
-            .collect()
-    };
-    let hyper = AdamHyper {
-        lr: 1e-3,
-        beta_1: 0.9,
-        beta_2: 0.999,
-        epsilon: 1e-6,
-        weight_decay: 0.01,
-        step: 3,
-    };
-    for (kind, tolerance) in [(AdamKind::AdamW, FWD), (AdamKind::LambUpdate, BWD)] {
-        let fused = B::adam_multi_tensor(list(), hyper, kind);
-        assert_eq!(fused.len(), sizes.len());
-        for ((out, [param, grad, moment_1, moment_2]), n) in
-            fused.into_iter().zip(&inputs).zip(&sizes)
-        {
-            let expected = reference::adam_step(
-                param.clone(),
-                grad.clone(),
-                moment_1.clone(),
-                moment_2.clone(),
-                hyper,
-                kind,
-            );
-            for (name, f, e) in [
-                ("param", out.param, expected.param),
-                ("moment_1", out.moment_1, expected.moment_1),
-                ("moment_2", out.moment_2, expected.moment_2),
-            ] {
-                assert_close(
-                    &format!("{kind:?} {name} n={n}"),
-                    tensor(f),
-                    tensor(e),
-                    tolerance,
-                );
-            }
-        }
-    }
-
-    // Squared norms: f32 sums of n terms in another order.
-    let params: Vec<_> = inputs.iter().map(|[p, ..]| p.clone()).collect();
-    let sums = tensor(B::sum_squares_multi_tensor(
-        params.iter().map(prim).collect(),
-    ));
-    let expected = Tensor::cat(params.iter().map(|p| p.clone().square().sum()).collect(), 0);
-    assert_close("sum_squares_multi_tensor", sums, expected, (1e-5, 1e-5));
-
-    // A whole LAMB step: update, both norms and the trust-ratio step.
-    let fused = lamb_multi_tensor::<B>(list(), hyper);
-    for ((out, [param, grad, moment_1, moment_2]), n) in fused.into_iter().zip(&inputs).zip(&sizes)
-    {
-        let update = reference::adam_step(
-            param.clone(),
-            grad.clone(),
-            moment_1.clone(),
-            moment_2.clone(),
-            hyper,
-            AdamKind::LambUpdate,
-        );
-        let update = tensor(update.param);
-        let expected = reference::lamb_apply(
-            param.clone(),
-            update.clone(),
-            param.clone().square().sum(),
-            update.square().sum(),
-            hyper.lr,
-        );
-        assert_close(
-            &format!("LAMB step n={n}"),
-            tensor(out.param),
-            expected,
-            FWD,
-        );
-    }
-
-    // A zero update keeps the trust ratio at 1 (and the parameter where it is).
-    let param = random::<B, 1>([5], device);
-    let zero = Tensor::<B, 1>::zeros([5], device);
-    let applied = B::lamb_apply_multi_tensor(
-        vec![prim(&param)],
-        vec![prim(&zero)],
-        B::sum_squares_multi_tensor(vec![prim(&param)]),
-        B::sum_squares_multi_tensor(vec![prim(&zero)]),
-        1.0,
-    );
-    let applied = tensor(applied.into_iter().next().unwrap());
-    assert_close("lamb_apply with a zero update", applied, param, (0.0, 0.0));
 }
 
 /// The fixed-order sums (Note [Ranks stay one model]): within f32 rounding of an f64 sum on

@@ -1,0 +1,139 @@
+//! Dropout on the kernels: the mask is the host's counter-based mask (keyed by sample and
+//! position, so a micro-batch offset into the step keeps its samples' masks), the backward
+//! pass reuses the forward's mask, and the dropout op equals the host mask.
+
+use burn::tensor::Tensor;
+use burn::tensor::backend::AutodiffBackend;
+use ember_backend_ext::{DropoutSpec, FusedOps, keep_mask};
+
+use super::common::{assert_close, random, values};
+use super::{FWD, weighted_sum};
+
+/// The kernel's dropout mask is the host's [`keep_mask`], the same seed gives the same mask,
+/// another seed another one, and the keep rate is within 6σ of 1 − p.
+pub fn check_dropout_mask<B: FusedOps>(device: &B::Device) {
+    let (batch, heads, seq) = (4, 4, 256); // 1,048,576 elements
+    let shape = [batch, heads, seq, seq];
+    let scores = random::<B, 4>(shape, device);
+    let bias = Tensor::<B, 2>::zeros([batch, seq], device);
+    let run = |seed: u64| {
+        // Samples 5.. of the step: the offset enters the kernel's row keys.
+        let spec = DropoutSpec {
+            sample_offset: 5,
+            ..DropoutSpec::new(0.1, seed)
+        };
+        let out = B::masked_softmax_dropout(
+            scores.clone().into_primitive().tensor(),
+            bias.clone().into_primitive().tensor(),
+            1.0,
+            spec,
+        );
+        let probs = Tensor::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(out.probs));
+        let dropped =
+            Tensor::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(out.dropped));
+        (probs, dropped)
+    };
+    let (probs, dropped) = run(1234);
+    let host = keep_mask::<B, 4>(
+        DropoutSpec {
+            sample_offset: 5,
+            ..DropoutSpec::new(0.1, 1234)
+        },
+        shape,
+        device,
+    );
+    assert_close(
+        "dropout mask = host mask",
+        dropped.clone(),
+        probs.clone() * host,
+        FWD,
+    );
+
+    let (_, again) = run(1234);
+    assert_eq!(
+        values(again),
+        values(dropped.clone()),
+        "same seed, different mask"
+    );
+    let (_, other) = run(1235);
+    let kept = |t: Tensor<B, 4>| values(t).iter().filter(|v| **v != 0.0).count();
+    let (k1, k2) = (kept(dropped.clone()), kept(other.clone()));
+    let n = (batch * heads * seq * seq) as f64;
+    let sigma = (n * 0.1 * 0.9).sqrt();
+    for k in [k1, k2] {
+        assert!(
+            (k as f64 - 0.9 * n).abs() < 6.0 * sigma,
+            "kept {k} of {n}: keep rate {} is not within 6σ of 0.9",
+            k as f64 / n
+        );
+    }
+    let same = values(dropped)
+        .iter()
+        .zip(values(other))
+        .filter(|(a, b)| (**a == 0.0) == (*b == 0.0))
+        .count() as f64;
+    // Independent masks agree on 0.9² + 0.1² = 82% of elements.
+    assert!(
+        (same / n - 0.82).abs() < 0.01,
+        "masks of two seeds agree on {}",
+        same / n
+    );
+}
+
+/// The backward pass uses the forward's mask: the gradient of x is exactly 0 where x was
+/// dropped, and nowhere else.
+pub fn check_dropout_backward_mask<B: AutodiffBackend + FusedOps>(device: &B::Device)
+where
+    B::InnerBackend: FusedOps,
+{
+    let (rows, n) = (64, 96);
+    let spec = DropoutSpec::new(0.25, 99);
+    let x = random::<B, 2>([rows, n], device).require_grad();
+    let out = ember_backend_ext::bias_dropout_add_layer_norm(
+        x.clone(),
+        Tensor::zeros([n], device),
+        random::<B, 2>([rows, n], device),
+        Tensor::ones([n], device),
+        Tensor::zeros([n], device),
+        spec,
+        1e-12,
+    );
+    let weight = random::<B, 2>([rows, n], device);
+    let mut grads = weighted_sum(out, &weight).backward();
+    let grad = values(x.grad_remove(&mut grads).unwrap());
+    let mask = values(keep_mask::<B, 2>(spec, [rows, n], device));
+    for (i, (g, m)) in grad.iter().zip(&mask).enumerate() {
+        assert_eq!(*g == 0.0, *m == 0.0, "element {i}: grad {g}, mask {m}");
+    }
+}
+
+/// The dropout op on `[B, S, N]` (the embeddings' dropout), forward and backward, against the
+/// host mask, for a micro-batch whose samples start at 3 of the step; and its LayerNorm
+/// counterpart on the same rows keeps the same mask (both key by sample and position).
+pub fn check_dropout_op<B: AutodiffBackend + FusedOps>(device: &B::Device)
+where
+    B::InnerBackend: FusedOps,
+{
+    let shape = [3, 37, 40];
+    let spec = DropoutSpec {
+        sample_offset: 3,
+        ..DropoutSpec::new(0.2, 0xfeed_beef_0123)
+    };
+    let x = random::<B, 3>(shape, device).require_grad();
+    let out = ember_backend_ext::dropout(x.clone(), spec);
+    let mask = keep_mask::<B, 3>(spec, shape, device);
+    assert_close(
+        "dropout = x · host mask",
+        out.clone(),
+        x.clone().detach() * mask.clone(),
+        FWD,
+    );
+    let weight = random::<B, 3>(shape, device);
+    let mut grads = weighted_sum(out, &weight).backward();
+    assert_close(
+        "dropout backward = grad · host mask",
+        x.grad_remove(&mut grads).unwrap(),
+        (weight * mask).inner(),
+        FWD,
+    );
+}
