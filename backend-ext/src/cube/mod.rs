@@ -12,7 +12,7 @@ mod kernels;
 mod multi_tensor;
 mod multi_tensor_kernels;
 mod qkv;
-pub mod reductions;
+mod reductions;
 
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape, TensorMetadata};
