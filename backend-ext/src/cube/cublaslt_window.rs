@@ -65,6 +65,11 @@ pub(super) fn begin<C: CudaLike>(
     stream: &CudaStream,
 ) -> Window {
     if cublaslt_sync() == CublasltSync::Device && windows.refused.is_none() {
+        // The stream memory operations take the thread's current context (CubeCL makes it
+        // current on its runner thread only).
+        if let Err(e) = stream.context().bind_to_thread() {
+            panic!("CUDA device {}: ember's context: {e:?}", device.index);
+        }
         match device_windows::<C>(windows, client, device, stream) {
             Ok(w) => {
                 // 0 is the `expired` flag's "none".
@@ -89,7 +94,15 @@ pub(super) fn begin<C: CudaLike>(
                         };
                     }
                     Err(e) => {
-                        // The kernel is enqueued: release it from the host, then wait as usual.
+                        // The kernel is on CubeCL's stream: release it from the host once the
+                        // earlier windows' products are done (a release of `number` releases
+                        // every earlier window too), then wait as usual.
+                        if let Err(e) = stream.synchronize() {
+                            panic!(
+                                "CUDA device {}: a cuBLASLt product failed on the device: {e:?}",
+                                device.index
+                            );
+                        }
                         release_from_host(w.release, number, device, stream);
                         refuse(windows, format!("cuStreamWaitValue32: {e:?}"));
                     }
@@ -127,6 +140,9 @@ pub(super) fn end<C: CudaLike>(
         }
         return;
     };
+    if let Err(e) = stream.context().bind_to_thread() {
+        panic!("CUDA device {ordinal}: ember's context: {e:?}");
+    }
     // SAFETY: `release` is the flags buffer's second word, kept alive by `windows`.
     let written = unsafe {
         sys::cuStreamWriteValue32_v2(
@@ -192,7 +208,7 @@ fn device_windows<'w, C: CudaLike>(
                 .bind_to_thread()
                 .map_err(|e| format!("{e:?}"))?;
             // SAFETY: `release` is a live word of the flags buffer, 0 since the upload.
-            unsafe {
+            let probe = unsafe {
                 sys::cuStreamWriteValue32_v2(
                     stream.cu_stream(),
                     release,
@@ -200,19 +216,29 @@ fn device_windows<'w, C: CudaLike>(
                     CUstreamWriteValue_flags_enum::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
                 )
                 .result()
-                .map_err(|e| format!("cuStreamWriteValue32: {e:?}"))?;
-                sys::cuStreamWaitValue32_v2(
-                    stream.cu_stream(),
-                    release,
-                    0,
-                    CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_GEQ as u32,
-                )
-                .result()
-                .map_err(|e| format!("cuStreamWaitValue32: {e:?}"))?;
+                .map_err(|e| format!("cuStreamWriteValue32: {e:?}"))
+                .and_then(|()| {
+                    sys::cuStreamWaitValue32_v2(
+                        stream.cu_stream(),
+                        release,
+                        0,
+                        CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                    )
+                    .result()
+                    .map_err(|e| format!("cuStreamWaitValue32: {e:?}"))
+                })
             }
-            stream
-                .synchronize()
-                .map_err(|e| format!("ember's stream after the stream memory operations: {e:?}"))?;
+            .and_then(|()| {
+                stream.synchronize().map_err(|e| {
+                    format!("ember's stream after the stream memory operations: {e:?}")
+                })
+            });
+            if let Err(reason) = probe {
+                // An operation may still be queued on ember's stream against the buffer: keep
+                // the buffer (12 bytes) rather than hand it back to CubeCL's pool.
+                std::mem::forget(flags);
+                return Err(reason);
+            }
             let w = DeviceWindows {
                 flags,
                 signal,
@@ -227,8 +253,10 @@ fn device_windows<'w, C: CudaLike>(
         .ok_or_else(|| "the window sequence of another runtime".to_string())
 }
 
-/// Writes `release = number` from the host (a synchronous memset, which the kernel polling it
-/// sees), for a window whose stream operation failed.
+/// Writes `release = number` from the host (a memset on the legacy stream, which waits for
+/// neither CubeCL's nor ember's non-blocking stream; the kernel polling the flag sees it), for
+/// a window whose stream operation failed. The caller has waited for ember's stream, so no
+/// earlier window is released before its products are done.
 ///
 /// # Panics
 /// When the memset fails: the kernel would then poll until it expires.

@@ -11,7 +11,9 @@
 //!
 //! 1. CubeCL's stream runs [`signal_and_wait_kernel`] with the window's number `n`: it writes
 //!    `signal = n` (after every earlier kernel of the stream, which wrote the operands), then
-//!    polls `release` until it reaches `n`;
+//!    polls `release` until it reaches `n`. CubeCL's queue is flushed after the launch (a
+//!    blocking call to its runner thread, not a device wait): CubeCL hands launches to CUDA in
+//!    batches, and the kernel must reach CUDA before anything waits for its signal;
 //! 2. cuBLASLt's stream waits for `signal ≥ n` (`cuStreamWaitValue32`, `GEQ`), runs the
 //!    window's products, then writes `release = n` (`cuStreamWriteValue32`, whose default
 //!    flags put a memory barrier before the write);
@@ -26,6 +28,11 @@
 //! after `max_polls` polls and writes `expired = n`, so a stream that never releases (a fault on
 //! cuBLASLt's side) stops the wait instead of hanging the process; the host reads `expired`
 //! now and then ([`WindowFlags::values`]) and treats a non-zero value as a device fault.
+//!
+//! The operands' memory goes back to CubeCL at the window's end without a wait. That is safe
+//! because CubeCL 0.10 keeps a memory pool per stream and ember's operands come from the
+//! calling thread's stream, whose next kernels wait behind the window kernel; an operand
+//! allocated on another thread's stream would need host waits.
 //!
 //! The kernel is plain CubeCL (atomics on `u32`), so the kernel tests run it on lavapipe too,
 //! with the release written beforehand or never (`max_polls` then ends it). The CUDA stream
@@ -89,8 +96,14 @@ impl<R: CubeRuntime> WindowFlags<R> {
         Self { client, handle }
     }
 
-    /// Enqueues [`signal_and_wait_kernel`] for `window` on this thread's CubeCL stream: the
-    /// kernels enqueued after it start once the window is released (or the wait expired).
+    /// Enqueues [`signal_and_wait_kernel`] for `window` on this thread's CubeCL stream and
+    /// flushes CubeCL's queue, so that the kernel has reached the device's stream when this
+    /// returns: the kernels enqueued after it start once the window is released (or the wait
+    /// expired).
+    ///
+    /// CubeCL hands its launches to a runner thread in batches (32 tasks, or a blocking call):
+    /// without the flush the kernel could reach CUDA after the stream operations that wait for
+    /// its signal, and a host wait on that stream would never return.
     pub fn signal_and_wait(&self, window: u32, max_polls: u32) {
         // SAFETY: the buffer holds the three `u32` flags the kernel indexes.
         let flags = unsafe { ArrayArg::from_raw_parts(self.handle.clone(), 3) };
@@ -102,6 +115,10 @@ impl<R: CubeRuntime> WindowFlags<R> {
             window,
             max_polls,
         );
+        // A blocking call to the runner (the queued launches reach CUDA), not a device wait.
+        if let Err(e) = self.client.flush() {
+            panic!("CubeCL's queue did not flush after a GEMM window's kernel: {e:?}");
+        }
     }
 
     /// `[signal, release, expired]`, read after the kernels enqueued before (a host wait).
