@@ -97,12 +97,7 @@ pub(super) fn begin<C: CudaLike>(
                         // The kernel is on CubeCL's stream: release it from the host once the
                         // earlier windows' products are done (a release of `number` releases
                         // every earlier window too), then wait as usual.
-                        if let Err(e) = stream.synchronize() {
-                            panic!(
-                                "CUDA device {}: a cuBLASLt product failed on the device: {e:?}",
-                                device.index
-                            );
-                        }
+                        wait_for_products(stream, device);
                         release_from_host(w.release, number, device, stream);
                         refuse(windows, format!("cuStreamWaitValue32: {e:?}"));
                     }
@@ -135,9 +130,7 @@ pub(super) fn end<C: CudaLike>(
 ) {
     let ordinal = device.index;
     let Window::Device { number, release } = window else {
-        if let Err(e) = stream.synchronize() {
-            panic!("CUDA device {ordinal}: a cuBLASLt product failed on the device: {e:?}");
-        }
+        wait_for_products(stream, device);
         return;
     };
     if let Err(e) = stream.context().bind_to_thread() {
@@ -158,9 +151,7 @@ pub(super) fn end<C: CudaLike>(
         tracing::warn!(
             "cuStreamWriteValue32 on CUDA device {ordinal}: {e:?}; released by the host"
         );
-        if let Err(e) = stream.synchronize() {
-            panic!("CUDA device {ordinal}: a cuBLASLt product failed on the device: {e:?}");
-        }
+        wait_for_products(stream, device);
         release_from_host(release, number, device, stream);
     }
     if number % CHECK_EVERY == 0
@@ -268,6 +259,19 @@ fn release_from_host(release: CUdeviceptr, number: u32, device: &CudaDevice, str
     if let Err(e) = set {
         panic!(
             "CUDA device {}: releasing a GEMM window from the host failed: {e:?}",
+            device.index
+        );
+    }
+}
+
+/// Waits on the host for the products enqueued on ember's `stream`.
+///
+/// # Panics
+/// When the stream reports an error: a product failed on the device.
+fn wait_for_products(stream: &CudaStream, device: &CudaDevice) {
+    if let Err(e) = stream.synchronize() {
+        panic!(
+            "CUDA device {}: a cuBLASLt product failed on the device: {e:?}",
             device.index
         );
     }
