@@ -7,8 +7,9 @@
 #                                       # that file (the binaries are ~86 MB unpacked, over the
 #                                       # device machine's 64 MiB carry)
 #   scripts/gpu-check.sh run [PART...]  # on the GPU machine; PART: launch, step, gemm, kernels,
-#                                       # bench-kernels, resume, onebit, train-step, streaming,
-#                                       # precision (default: all, in that order); logs in $OUT (or
+#                                       # bench-kernels, resume, onebit, train-step, largest-batch,
+#                                       # streaming, precision, embed (default: all, in that order);
+#                                       # logs in $OUT (or
 #                                       # gpu-check/out), one table per part
 #
 # Parts:
@@ -72,6 +73,11 @@
 #                  with `--gemm cublaslt --cublaslt-sync device` at seq 128 batch 32 (the same
 #                  columns, to set beside the first table's autotune rows).
 
+#   largest-batch  `xtask bench train-step --largest-batch`: the largest batch whose BERT-large
+#                  training step (bf16, seq 512) fits in the GPU's memory, ember's (a process per
+#                  try) against PyTorch's (one process catching torch.cuda.OutOfMemoryError), by
+#                  doubling from 16 and bisecting in multiples of 8 (Note [Largest batch] in
+#                  xtask/src/bench_largest_batch.rs): the "largest batch that fits".
 #   streaming      shards streamed per rank on a GPU's step time: `prepare-data` (seq 512, 76
 #                  predictions, uncompressed and gzip), then BERT-large batch 16 for 12 steps on
 #                  each; prints the mean data wait per step against the step time (on the CPU it
@@ -119,7 +125,7 @@ build)
 run)
     shift
     parts=("$@")
-    [ ${#parts[@]} -gt 0 ] || parts=(launch step gemm kernels bench-kernels resume onebit train-step streaming precision embed)
+    [ ${#parts[@]} -gt 0 ] || parts=(launch step gemm kernels bench-kernels resume onebit train-step largest-batch streaming precision embed)
     out="${OUT:-$dir/out}"
     mkdir -p "$out"
     if [ ! -x "$dir/xtask" ] || [ ! -x "$dir/kernels" ]; then
@@ -265,6 +271,16 @@ run)
                 --seq-len 128 --precision f32,bf16 --steps 3 --rounds 2 --reference none \
                 --gemm cublaslt --cublaslt-sync device --out "$out/train-step-cublaslt" 2>&1 | tail -10 || status=$?
             ;;
+        largest-batch)
+            echo "== the largest batch that fits: BERT-large, bf16, seq 512 (ember against PyTorch)"
+            reference=(--reference none)
+            if [ -n "$torch_python" ] && "$torch_python" -c "import transformers, safetensors" 2>/dev/null; then
+                reference=(--reference pytorch --python "$torch_python")
+            fi
+            timeout 360 "$dir/xtask" bench train-step --device cuda --presets large --seq-len 512 \
+                --batch-size 16 --precision bf16 --largest-batch "${reference[@]}" \
+                --out "$out/largest-batch" 2>&1 | grep -vE "INFO" | tail -16 || status=$?
+            ;;
         streaming)
             echo "== streamed shards: data wait against the step (BERT-large, batch 16, seq 512)"
             d="$out/streaming"
@@ -341,7 +357,7 @@ for seq, batch in ((128, 32), (512, 8)):
 PY
             ;;
         *)
-            echo "unknown part $part (launch, step, kernels, bench-kernels, resume, onebit, train-step, streaming, precision, embed)" >&2
+            echo "unknown part $part (launch, step, gemm, kernels, bench-kernels, resume, onebit, train-step, largest-batch, streaming, precision, embed)" >&2
             status=2
             ;;
         esac
@@ -350,7 +366,7 @@ PY
     exit $status
     ;;
 *)
-    echo "usage: $0 build | run [launch|step|kernels|bench-kernels|resume|onebit|train-step|streaming|precision|embed ...]" >&2
+    echo "usage: $0 build | run [launch|step|gemm|kernels|bench-kernels|resume|onebit|train-step|largest-batch|streaming|precision|embed ...]" >&2
     exit 2
     ;;
 esac

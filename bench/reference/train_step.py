@@ -25,6 +25,10 @@ Run by the harness as a server, one JSON object per line each way (stdin -> stdo
                                      the CPU)
   {"cmd": "gemm", "n": S, "reps": R, "dtype": "f32"|"bf16"|"fp16"} -> {"gflops"}
                                      ([S,S] x [S,S] in that dtype, best of R)
+  {"cmd": "fits", "batch": N}     -> {"fits", "reserved_bytes"}
+                                     (two eager steps at N sequences, the batch's tiled;
+                                     false when CUDA ran out of memory: `bench train-step
+                                     --largest-batch`)
   {"cmd": "quit"}
 On start it prints {"ready": true, ...} with the versions, thread count and parameter count.
 
@@ -36,6 +40,7 @@ next_sentence_labels [B]). Needs: torch, transformers, safetensors (`cargo xtask
 """
 import argparse
 import contextlib
+import gc
 import json
 import sys
 import time
@@ -76,15 +81,27 @@ def main():
     model = BertForPreTraining.from_pretrained(args.model).to(device)
     model.train()  # dropout probabilities are 0 in the exported config: train mode changes nothing
     batch = {k: v.to(device) for k, v in load_file(args.batch).items()}
-    input_ids = batch["input_ids"].long()
-    token_type_ids = batch["token_type_ids"].long()
-    attention_mask = batch["attention_mask"].long()
-    b, s = input_ids.shape
-    real = batch["masked_lm_weights"] > 0
-    offsets = torch.arange(b, device=device).unsqueeze(1) * s
-    flat = (batch["masked_lm_positions"].long() + offsets)[real]
-    labels = batch["masked_lm_ids"].long()[real]
-    nsp_labels = batch["next_sentence_labels"].long()
+
+    def inputs(rows):
+        """The batch's tensors as the step reads them, its sequences tiled to `rows`."""
+        def tiled(t):
+            t = t.long()
+            return t.repeat((-(-rows // t.shape[0]),) + (1,) * (t.dim() - 1))[:rows]
+
+        input_ids = tiled(batch["input_ids"])
+        b, s = input_ids.shape
+        real = tiled(batch["masked_lm_weights"]) > 0
+        offsets = torch.arange(b, device=device).unsqueeze(1) * s
+        return {
+            "input_ids": input_ids,
+            "token_type_ids": tiled(batch["token_type_ids"]),
+            "attention_mask": tiled(batch["attention_mask"]),
+            "flat": (tiled(batch["masked_lm_positions"]) + offsets)[real],
+            "labels": tiled(batch["masked_lm_ids"])[real],
+            "nsp_labels": tiled(batch["next_sentence_labels"]),
+        }
+
+    given = inputs(batch["input_ids"].shape[0])
 
     decay, no_decay = [], []
     for name, param in model.named_parameters():
@@ -112,18 +129,45 @@ def main():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    def losses():
+    def losses(x):
         with autocast():
             out = model.bert(
-                input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
+                input_ids=x["input_ids"],
+                attention_mask=x["attention_mask"],
+                token_type_ids=x["token_type_ids"],
             )
             sequence_output, pooled = out[0], out[1]
-            masked = sequence_output.reshape(-1, hidden).index_select(0, flat)
-            mlm = F.cross_entropy(model.cls.predictions(masked).float(), labels)
-            nsp = F.cross_entropy(model.cls.seq_relationship(pooled).float(), nsp_labels)
+            masked = sequence_output.reshape(-1, hidden).index_select(0, x["flat"])
+            mlm = F.cross_entropy(model.cls.predictions(masked).float(), x["labels"])
+            nsp = F.cross_entropy(model.cls.seq_relationship(pooled).float(), x["nsp_labels"])
         return mlm, nsp
 
     step_losses = torch.compile(losses) if args.compile else losses
+
+    def fits(rows):
+        """Two eager training steps at `rows` sequences without running out of GPU memory
+        (the second with AdamW's state allocated); the caching allocator emptied after."""
+        peak = None
+        try:
+            x = inputs(rows)
+            for _ in range(2):
+                optimizer.zero_grad(set_to_none=True)
+                mlm, nsp = losses(x)
+                (mlm + nsp).backward()
+                optimizer.step()
+            sync()
+            ok = True
+            if device.type == "cuda":
+                peak = torch.cuda.max_memory_reserved(device)
+        except torch.cuda.OutOfMemoryError:
+            ok = False
+        x = mlm = nsp = None
+        optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        return {"fits": ok, "reserved_bytes": peak}
 
     reply(
         {
@@ -142,14 +186,14 @@ def main():
         cmd = json.loads(line)
         if cmd["cmd"] == "loss":
             with torch.no_grad():
-                mlm, nsp = losses()
+                mlm, nsp = losses(given)
             reply({"loss": (mlm + nsp).item(), "mlm_loss": mlm.item(), "nsp_loss": nsp.item()})
         elif cmd["cmd"] == "steps":
             seconds, values = [], []
             for _ in range(cmd["n"]):
                 start = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
-                mlm, nsp = step_losses()
+                mlm, nsp = step_losses(given)
                 loss = mlm + nsp
                 loss.backward()
                 optimizer.step()
@@ -172,6 +216,8 @@ def main():
                 sync()
                 best = min(best, time.perf_counter() - start)
             reply({"gflops": 2 * n**3 / best / 1e9})
+        elif cmd["cmd"] == "fits":
+            reply(fits(cmd["batch"]))
         elif cmd["cmd"] == "quit":
             return
         else:

@@ -42,21 +42,18 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use burn::module::AutodiffModule;
-use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 use clap::Args;
 use ember_backend_ext::FusedOps;
-use ember_data::Batch;
 use ember_model::{BertConfig, BertForPreTraining, Precision, Preset};
 use ember_trainer::blas::GemmThreads;
 use ember_trainer::config::OptimizerConfig;
-use ember_trainer::eval::forward_loss;
 use ember_trainer::optim::PreTrainingOptimizer;
 use serde_json::{Value, json};
 
 use crate::bench_reference::{HostInputs, Reference, reference_python};
+use crate::bench_train_step_ember::EmberStep;
 use crate::bench_train_step_report::{ReferenceResult, Row, row_line};
 
 /// Flags of `bench train-step`.
@@ -64,16 +61,16 @@ use crate::bench_train_step_report::{ReferenceResult, Row, row_line};
 pub struct TrainStepArgs {
     /// The step to compare with: pytorch (Hugging Face + torch.optim.AdamW), or none
     #[arg(long, default_value = "pytorch", value_parser = ["pytorch", "none"])]
-    reference: String,
+    pub(crate) reference: String,
     /// Models to time
     #[arg(long, value_delimiter = ',', default_value = "tiny,mini,base")]
-    presets: Vec<Preset>,
+    pub(crate) presets: Vec<Preset>,
     /// Sequences per step (each value is a row per model)
     #[arg(long, value_delimiter = ',', default_value = "8")]
-    batch_size: Vec<usize>,
+    pub(crate) batch_size: Vec<usize>,
     /// Tokens per sequence, no padding (each value is a row per model)
     #[arg(long, value_delimiter = ',', default_value = "128")]
-    seq_len: Vec<usize>,
+    pub(crate) seq_len: Vec<usize>,
     /// Backend: cpu (NdArray); cuda needs the `cuda` feature; wgpu (the default adapter: a
     /// GPU, else Mesa's lavapipe) needs the `wgpu` feature and times PyTorch on the CPU
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda", "wgpu"])]
@@ -85,7 +82,7 @@ pub struct TrainStepArgs {
     pub(crate) precision: Vec<Precision>,
     /// Masked positions per sequence
     #[arg(long, default_value_t = 20)]
-    max_predictions: usize,
+    pub(crate) max_predictions: usize,
     /// Timed steps per round and side
     #[arg(long, default_value_t = 3)]
     steps: usize,
@@ -95,7 +92,7 @@ pub struct TrainStepArgs {
     /// Whose threads run ember's CPU GEMMs (model.gemm_threads): rayon, blas, or both
     /// (`rayon,blas`: a row each, their steps alternating with the reference's in every round)
     #[arg(long, value_delimiter = ',', default_value = "rayon")]
-    gemm_threads: Vec<GemmThreads>,
+    pub(crate) gemm_threads: Vec<GemmThreads>,
     /// Compute threads of both sides [default: the available cores]. ember's are rayon's
     /// (`RAYON_NUM_THREADS`), read once per process: this flag sets it before the first use.
     #[arg(long)]
@@ -110,12 +107,12 @@ pub struct TrainStepArgs {
     /// ember's GEMMs on cuda and wgpu (`model.gemm`): auto, autotune, cmma, or cublaslt
     /// (NVIDIA's cuBLASLt, cuda only)
     #[arg(long, default_value = "auto")]
-    gemm: ember_backend_ext::Gemm,
+    pub(crate) gemm: ember_backend_ext::Gemm,
     /// How `--gemm cublaslt` orders its products with CubeCL's kernels
     /// (`model.cublaslt_sync`): host (two host waits per window) or device (flags in GPU
     /// memory, no host wait)
     #[arg(long, default_value = "host")]
-    cublaslt_sync: ember_backend_ext::CublasltSync,
+    pub(crate) cublaslt_sync: ember_backend_ext::CublasltSync,
     /// Size n of the [n, n] × [n, n] GEMM that measures the peak (in each precision of the run)
     #[arg(long, default_value_t = 2048)]
     pub(crate) gemm_size: usize,
@@ -124,7 +121,24 @@ pub struct TrainStepArgs {
     pub(crate) out: Option<PathBuf>,
     /// Learning rate of both AdamW steps
     #[arg(long, default_value_t = 1e-4)]
-    lr: f64,
+    pub(crate) lr: f64,
+    /// Instead of timing: search for the largest batch whose step fits in memory, ember's and
+    /// PyTorch's, per model × sequence length × precision, from the first `--batch-size`
+    /// (Note [Largest batch] in xtask/src/bench_largest_batch.rs; cuda, or cpu with
+    /// `--memory-limit-mib`)
+    #[arg(long)]
+    pub(crate) largest_batch: bool,
+    /// The granularity of `--largest-batch`'s bisection: the answer is within this many
+    /// sequences of the first batch that does not fit
+    #[arg(long, default_value_t = 8)]
+    pub(crate) largest_batch_step: usize,
+    /// `--largest-batch` on the CPU: the cap on each try's address space, MiB
+    #[arg(long)]
+    pub(crate) memory_limit_mib: Option<u64>,
+    /// A try of `--largest-batch`: two steps at the first configuration, then "fits" on
+    /// stdout (an allocation failure ends the process)
+    #[arg(long, hide = true)]
+    pub(crate) probe: bool,
 }
 
 pub fn run(args: TrainStepArgs) -> Result<()> {
@@ -166,9 +180,15 @@ pub fn run(args: TrainStepArgs) -> Result<()> {
     }
     ember_trainer::blas::share_cores(1, args.gemm_threads[0]);
     let python = match args.reference.as_str() {
-        "pytorch" => Some(reference_python(args.python.as_deref())?),
+        // A try of --largest-batch runs ember alone; on the CPU so does the search.
+        "pytorch" if !args.probe && !(args.largest_batch && args.device == "cpu") => {
+            Some(reference_python(args.python.as_deref())?)
+        }
         _ => None,
     };
+    if args.largest_batch && !args.probe {
+        return crate::bench_largest_batch::run(&args, python.as_deref(), threads);
+    }
     match args.device.as_str() {
         "cpu" => bench::<burn::backend::Autodiff<burn::backend::NdArray>>(
             &args,
@@ -227,92 +247,6 @@ fn bench_cuda(_: &TrainStepArgs, _: Option<&Path>, _: usize) -> Result<()> {
     bail!(
         "--device cuda needs the cuda feature: cargo run --release -p xtask --features cuda -- bench train-step ..."
     )
-}
-
-/// ember's side of one configuration: the model, its optimizer and the batch.
-struct EmberStep<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps> {
-    model: Option<BertForPreTraining<B>>,
-    optimizer: PreTrainingOptimizer<BertForPreTraining<B>, B>,
-    inputs: Batch<B>,
-    lr: f64,
-    device: B::Device,
-    /// The calling thread's kernel launches so far (the counting runtime's), if counted.
-    launches: Option<fn() -> u64>,
-    /// The most device memory the allocator held at a phase's end, bytes.
-    reserved: Option<u64>,
-}
-
-impl<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps> EmberStep<B> {
-    fn loss(&self) -> f64 {
-        let model = self
-            .model
-            .as_ref()
-            .expect("the model is held between steps");
-        let (_, loss) = forward_loss(&model.valid(), self.inputs_valid());
-        loss.total.into_scalar().elem()
-    }
-
-    fn inputs_valid(&self) -> Batch<B::InnerBackend> {
-        let i = &self.inputs;
-        Batch {
-            input_ids: i.input_ids.clone().inner(),
-            segment_ids: i.segment_ids.clone().inner(),
-            input_mask: i.input_mask.clone().inner(),
-            masked_lm_flat_positions: i.masked_lm_flat_positions.clone().inner(),
-            masked_lm_labels: i.masked_lm_labels.clone().inner(),
-            next_sentence_labels: i.next_sentence_labels.clone().inner(),
-        }
-    }
-
-    /// One training step: its phases' seconds [forward and losses, backward, optimizer], each
-    /// ended by a read to the host (the loss; a parameter's first value), which also waits for
-    /// the device; and its kernel launches where counted (the reads launch nothing).
-    fn step(&mut self) -> ([f64; 3], Option<u64>) {
-        let model = self.model.take().expect("the model is held between steps");
-        let launches_before = self.launches.map(|count| count());
-        let start = Instant::now();
-        let (_, loss) = forward_loss(&model, self.inputs.clone());
-        let _: f64 = loss.total.clone().into_scalar().elem();
-        let forward = start.elapsed().as_secs_f64();
-        // The memory reads between phases are not the step's: their time is taken out.
-        let mut reading = self.note_memory();
-        let grads = GradientsParams::from_grads(loss.total.backward(), &model);
-        wait_for(&model);
-        let backward = start.elapsed().as_secs_f64() - reading - forward;
-        reading += self.note_memory();
-        let model = self.optimizer.step(self.lr, model, grads);
-        wait_for(&model);
-        let total = start.elapsed().as_secs_f64() - reading;
-        self.note_memory();
-        self.model = Some(model);
-        let launches = self
-            .launches
-            .zip(launches_before)
-            .map(|(count, before)| count() - before);
-        ([forward, backward, total - forward - backward], launches)
-    }
-
-    /// Keeps the most device memory the allocator has held (read between phases); returns
-    /// the seconds the read took, which the caller takes out of the phases' times.
-    fn note_memory(&mut self) -> f64 {
-        let start = Instant::now();
-        if let Some(now) = B::memory_reserved(&self.device) {
-            self.reserved = Some(self.reserved.map_or(now, |most| most.max(now)));
-        }
-        start.elapsed().as_secs_f64()
-    }
-
-    fn timed_steps(&mut self, n: usize) -> Vec<([f64; 3], Option<u64>)> {
-        (0..n).map(|_| self.step()).collect()
-    }
-}
-
-use burn::tensor::ElementConversion;
-
-/// Waits for the device's queued work by reading one value of `model` to the host.
-fn wait_for<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(model: &BertForPreTraining<B>) {
-    let bias = model.cls.predictions.bias.val().slice([0..1]);
-    let _: f64 = bias.into_scalar().elem();
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -374,6 +308,9 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
         // After CUDA's start, which links cuBLASLt where it is found under another name.
         ember_backend_ext::set_gpu_gemm(args.gemm).map_err(anyhow::Error::msg)?;
         ember_backend_ext::set_cublaslt_sync(args.cublaslt_sync);
+    }
+    if args.probe {
+        return crate::bench_largest_batch::probe::<B>(args, device);
     }
     let mut references: Vec<(&str, bool)> = Vec::new();
     if python.is_some() {

@@ -21,10 +21,14 @@ mod bench_gemm;
 #[doc(hidden)]
 pub use bench_data::number_after;
 mod bench_kernels;
+mod bench_largest_batch;
+#[doc(hidden)]
+pub use bench_largest_batch::{MAX_BATCH, Search, out_of_memory, search as largest_batch_search};
 mod bench_onebit;
 mod bench_reference;
 mod bench_step;
 mod bench_train_step;
+mod bench_train_step_ember;
 mod bench_train_step_report;
 mod comm_check;
 mod convert;

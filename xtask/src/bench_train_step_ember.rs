@@ -1,0 +1,98 @@
+//! ember's side of `bench train-step`: one configuration's model, optimizer and batch, and the
+//! training step it times (`crate::bench_train_step`) or tries (`crate::bench_largest_batch`).
+
+use std::time::Instant;
+
+use burn::module::AutodiffModule;
+use burn::optim::GradientsParams;
+use burn::tensor::ElementConversion;
+use burn::tensor::backend::AutodiffBackend;
+use ember_backend_ext::FusedOps;
+use ember_data::Batch;
+use ember_model::BertForPreTraining;
+use ember_trainer::eval::forward_loss;
+use ember_trainer::optim::PreTrainingOptimizer;
+
+/// ember's side of one configuration: the model, its optimizer and the batch.
+pub(crate) struct EmberStep<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps> {
+    pub(crate) model: Option<BertForPreTraining<B>>,
+    pub(crate) optimizer: PreTrainingOptimizer<BertForPreTraining<B>, B>,
+    pub(crate) inputs: Batch<B>,
+    pub(crate) lr: f64,
+    pub(crate) device: B::Device,
+    /// The calling thread's kernel launches so far (the counting runtime's), if counted.
+    pub(crate) launches: Option<fn() -> u64>,
+    /// The most device memory the allocator held at a phase's end, bytes.
+    pub(crate) reserved: Option<u64>,
+}
+
+impl<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps> EmberStep<B> {
+    pub(crate) fn loss(&self) -> f64 {
+        let model = self
+            .model
+            .as_ref()
+            .expect("the model is held between steps");
+        let (_, loss) = forward_loss(&model.valid(), self.inputs_valid());
+        loss.total.into_scalar().elem()
+    }
+
+    fn inputs_valid(&self) -> Batch<B::InnerBackend> {
+        let i = &self.inputs;
+        Batch {
+            input_ids: i.input_ids.clone().inner(),
+            segment_ids: i.segment_ids.clone().inner(),
+            input_mask: i.input_mask.clone().inner(),
+            masked_lm_flat_positions: i.masked_lm_flat_positions.clone().inner(),
+            masked_lm_labels: i.masked_lm_labels.clone().inner(),
+            next_sentence_labels: i.next_sentence_labels.clone().inner(),
+        }
+    }
+
+    /// One training step: its phases' seconds [forward and losses, backward, optimizer], each
+    /// ended by a read to the host (the loss; a parameter's first value), which also waits for
+    /// the device; and its kernel launches where counted (the reads launch nothing).
+    pub(crate) fn step(&mut self) -> ([f64; 3], Option<u64>) {
+        let model = self.model.take().expect("the model is held between steps");
+        let launches_before = self.launches.map(|count| count());
+        let start = Instant::now();
+        let (_, loss) = forward_loss(&model, self.inputs.clone());
+        let _: f64 = loss.total.clone().into_scalar().elem();
+        let forward = start.elapsed().as_secs_f64();
+        // The memory reads between phases are not the step's: their time is taken out.
+        let mut reading = self.note_memory();
+        let grads = GradientsParams::from_grads(loss.total.backward(), &model);
+        wait_for(&model);
+        let backward = start.elapsed().as_secs_f64() - reading - forward;
+        reading += self.note_memory();
+        let model = self.optimizer.step(self.lr, model, grads);
+        wait_for(&model);
+        let total = start.elapsed().as_secs_f64() - reading;
+        self.note_memory();
+        self.model = Some(model);
+        let launches = self
+            .launches
+            .zip(launches_before)
+            .map(|(count, before)| count() - before);
+        ([forward, backward, total - forward - backward], launches)
+    }
+
+    /// Keeps the most device memory the allocator has held (read between phases); returns
+    /// the seconds the read took, which the caller takes out of the phases' times.
+    fn note_memory(&mut self) -> f64 {
+        let start = Instant::now();
+        if let Some(now) = B::memory_reserved(&self.device) {
+            self.reserved = Some(self.reserved.map_or(now, |most| most.max(now)));
+        }
+        start.elapsed().as_secs_f64()
+    }
+
+    pub(crate) fn timed_steps(&mut self, n: usize) -> Vec<([f64; 3], Option<u64>)> {
+        (0..n).map(|_| self.step()).collect()
+    }
+}
+
+/// Waits for the device's queued work by reading one value of `model` to the host.
+fn wait_for<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(model: &BertForPreTraining<B>) {
+    let bias = model.cls.predictions.bias.val().slice([0..1]);
+    let _: f64 = bias.into_scalar().elem();
+}
