@@ -78,6 +78,8 @@
 #                  try) against PyTorch's (one process catching torch.cuda.OutOfMemoryError), by
 #                  doubling from 16 and bisecting in multiples of 8 (Note [Largest batch] in
 #                  xtask/src/bench_largest_batch.rs): the "largest batch that fits".
+#                  GEMMs by `cmma`: the same tensors as autotune's, without tuning every new
+#                  shape in every try.
 #   streaming      shards streamed per rank on a GPU's step time: `prepare-data` (seq 512, 76
 #                  predictions, uncompressed and gzip), then BERT-large batch 16 for 12 steps on
 #                  each; prints the mean data wait per step against the step time (on the CPU it
@@ -278,7 +280,8 @@ run)
                 reference=(--reference pytorch --python "$torch_python")
             fi
             timeout 360 "$dir/xtask" bench train-step --device cuda --presets large --seq-len 512 \
-                --batch-size 16 --precision bf16 --largest-batch "${reference[@]}" \
+                --batch-size 16 --precision bf16 --gemm cmma --largest-batch --largest-batch-timeout-s 150 \
+                "${reference[@]}" \
                 --out "$out/largest-batch" 2>&1 | grep -vE "INFO" | tail -16 || status=$?
             ;;
         streaming)

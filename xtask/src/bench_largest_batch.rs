@@ -125,12 +125,14 @@ pub fn search(
     })
 }
 
-/// Whether a try's stderr says it ran out of memory (CUDA's driver, CubeCL's allocator,
-/// Rust's global allocator, PyTorch's caching allocator).
+/// Whether a try's stderr says it ran out of memory: CUDA's driver, CubeCL's allocator
+/// (`IoError::BufferTooBig`, whose message is "can't allocate buffer of size: N"), Rust's
+/// global allocator, PyTorch's caching allocator.
 pub fn out_of_memory(stderr: &str) -> bool {
-    const MARKERS: [&str; 6] = [
+    const MARKERS: [&str; 7] = [
         "CUDA_ERROR_OUT_OF_MEMORY",
         "BufferTooBig",
+        "can't allocate buffer",
         "out of memory",
         "Out of memory",
         "OutOfMemory",
@@ -149,6 +151,9 @@ pub(crate) fn run(args: &TrainStepArgs, python: Option<&Path>, threads: usize) -
     let step = args.largest_batch_step;
     if step == 0 {
         bail!("--largest-batch-step must be at least 1");
+    }
+    if args.largest_batch_timeout_s == 0 {
+        bail!("--largest-batch-timeout-s must be at least 1");
     }
     match (args.device.as_str(), args.memory_limit_mib) {
         ("cpu", None) => bail!(
@@ -236,28 +241,60 @@ fn ember_fits(
         .args(["--gemm", args.gemm.name()])
         .args(["--cublaslt-sync", args.cublaslt_sync.name()])
         .args(["--gemm-threads", &args.gemm_threads[0].to_string()]);
-    let output = command
-        .output()
-        .with_context(|| format!("starting a try of batch {batch} ({})", exe.display()))?;
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let fitted =
-        output.status.success() && String::from_utf8_lossy(&output.stdout).contains("fits");
-    eprintln!(
-        "  batch {batch}: {}",
-        if fitted { "fits" } else { "does not fit" }
-    );
-    if fitted {
-        return Ok(true);
-    }
-    if out_of_memory(&stderr) {
-        return Ok(false);
+    let timeout = std::time::Duration::from_secs(args.largest_batch_timeout_s);
+    let (status, stdout, stderr) = run_with_timeout(command, timeout)
+        .with_context(|| format!("a try of batch {batch} ({})", exe.display()))?;
+    let fitted = status.is_some_and(|s| s.success()) && stdout.contains("fits");
+    // A try that ran out of memory in CubeCL's runner thread may leave the main thread
+    // waiting: killed at the timeout, its stderr still says why.
+    if fitted || out_of_memory(&stderr) {
+        eprintln!(
+            "  batch {batch}: {}",
+            if fitted { "fits" } else { "does not fit" }
+        );
+        return Ok(fitted);
     }
     let tail: Vec<&str> = stderr.lines().rev().take(20).collect();
+    let how = match status {
+        Some(status) => format!("failed ({status})"),
+        None => format!(
+            "did not finish in {} s (--largest-batch-timeout-s)",
+            timeout.as_secs()
+        ),
+    };
     bail!(
-        "the try of batch {batch} ({preset}, seq {seq_len}, {precision}) failed ({}), not for memory:\n{}",
-        output.status,
+        "the try of batch {batch} ({preset}, seq {seq_len}, {precision}) {how}, not for memory:\n{}",
         tail.into_iter().rev().collect::<Vec<_>>().join("\n")
     )
+}
+
+/// Runs `command` with its stdout and stderr in temporary files, killing it after `timeout`:
+/// its exit status (`None` when killed), stdout and stderr.
+pub fn run_with_timeout(
+    mut command: Command,
+    timeout: std::time::Duration,
+) -> Result<(Option<std::process::ExitStatus>, String, String)> {
+    let dir = tempfile::tempdir().context("a temporary folder for a try's output")?;
+    let (out_path, err_path) = (dir.path().join("stdout"), dir.path().join("stderr"));
+    let mut child = command
+        .stdout(std::fs::File::create(&out_path)?)
+        .stderr(std::fs::File::create(&err_path)?)
+        .spawn()
+        .context("starting it")?;
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break Some(status);
+        }
+        if start.elapsed() >= timeout {
+            child.kill()?;
+            child.wait()?;
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let read = |path: &Path| std::fs::read(path).map(|b| String::from_utf8_lossy(&b).into_owned());
+    Ok((status, read(&out_path)?, read(&err_path)?))
 }
 
 /// PyTorch's search: the reference process on the model and a batch of `start` sequences,

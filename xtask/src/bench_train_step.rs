@@ -132,6 +132,10 @@ pub struct TrainStepArgs {
     /// sequences of the first batch that does not fit
     #[arg(long, default_value_t = 8)]
     pub(crate) largest_batch_step: usize,
+    /// `--largest-batch`: the longest a try of ember's may take, seconds (a try past it is
+    /// killed, and stops the search unless its stderr says it ran out of memory)
+    #[arg(long, default_value_t = 600)]
+    pub(crate) largest_batch_timeout_s: u64,
     /// `--largest-batch` on the CPU: the cap on each try's address space, MiB
     #[arg(long)]
     pub(crate) memory_limit_mib: Option<u64>,

@@ -23,7 +23,9 @@ pub use bench_data::number_after;
 mod bench_kernels;
 mod bench_largest_batch;
 #[doc(hidden)]
-pub use bench_largest_batch::{MAX_BATCH, Search, out_of_memory, search as largest_batch_search};
+pub use bench_largest_batch::{
+    MAX_BATCH, Search, out_of_memory, run_with_timeout, search as largest_batch_search,
+};
 mod bench_onebit;
 mod bench_reference;
 mod bench_step;

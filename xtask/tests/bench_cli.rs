@@ -550,6 +550,9 @@ fn largest_batch_tells_running_out_of_memory_from_other_failures() {
         "memory allocation of 1048576 bytes failed\n"
     ));
     assert!(xtask::out_of_memory(
+        "called `Result::unwrap()` on an `Err` value: can't allocate buffer of size: 4294967296"
+    ));
+    assert!(xtask::out_of_memory(
         "panicked at ...: BufferTooBig { size: 1073741824 }"
     ));
     assert!(xtask::out_of_memory(
@@ -561,4 +564,26 @@ fn largest_batch_tells_running_out_of_memory_from_other_failures() {
     assert!(!xtask::out_of_memory(
         "error: --seq-len 600 exceeds the model's 512 positions"
     ));
+}
+
+/// A try past its timeout is killed, its output kept; one that ends keeps its exit status.
+#[test]
+fn largest_batch_tries_are_killed_at_their_timeout() {
+    let shell = |script: &str| {
+        let mut command = Command::new("sh");
+        command.args(["-c", script]);
+        command
+    };
+    let start = std::time::Instant::now();
+    let (status, stdout, stderr) = xtask::run_with_timeout(
+        shell("echo out; echo err >&2; sleep 30"),
+        std::time::Duration::from_millis(500),
+    )
+    .unwrap();
+    assert!(status.is_none());
+    assert_eq!((stdout.as_str(), stderr.as_str()), ("out\n", "err\n"));
+    assert!(start.elapsed() < std::time::Duration::from_secs(10));
+    let (status, _, _) =
+        xtask::run_with_timeout(shell("exit 3"), std::time::Duration::from_secs(30)).unwrap();
+    assert_eq!(status.and_then(|s| s.code()), Some(3));
 }
