@@ -120,6 +120,15 @@ fn keep_freed_memory() {
     }
 }
 
+/// The error of parsing `args` (the arguments after the program's name) as this binary's
+/// command line, `None` where they parse: how CI checks the commands of
+/// `scripts/gpu-check.sh`, which only a GPU machine runs (`xtask/tests/gpu_check.rs`).
+#[doc(hidden)]
+pub fn parse_error(args: &[String]) -> Option<String> {
+    let argv = std::iter::once("xtask".to_string()).chain(args.iter().cloned());
+    Cli::try_parse_from(argv).err().map(|e| e.to_string())
+}
+
 /// Parses the command line and runs the command; what both binaries' `main` calls.
 pub fn cli_main() -> ExitCode {
     keep_freed_memory();
