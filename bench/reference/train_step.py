@@ -84,13 +84,13 @@ def main():
 
     def inputs(rows):
         """The batch's tensors as the step reads them, its sequences tiled to `rows`."""
-        def tiled(t):
-            t = t.long()
+        def tiled(t, long=True):
+            t = t.long() if long else t
             return t.repeat((-(-rows // t.shape[0]),) + (1,) * (t.dim() - 1))[:rows]
 
         input_ids = tiled(batch["input_ids"])
         b, s = input_ids.shape
-        real = tiled(batch["masked_lm_weights"]) > 0
+        real = tiled(batch["masked_lm_weights"], long=False) > 0
         offsets = torch.arange(b, device=device).unsqueeze(1) * s
         return {
             "input_ids": input_ids,
@@ -159,8 +159,16 @@ def main():
             ok = True
             if device.type == "cuda":
                 peak = torch.cuda.max_memory_reserved(device)
-        except torch.cuda.OutOfMemoryError:
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as error:
+            # cuBLAS's and cuDNN's allocation failures are RuntimeErrors (accelerate's
+            # should_reduce_batch_size tells them apart the same way); anything else is a bug.
+            if not isinstance(error, torch.cuda.OutOfMemoryError) and "out of memory" not in str(error):
+                raise
             ok = False
+            # AdamW may have been building its state when memory ran out: a half-built entry
+            # would fail the next try's step. The next try builds it again, as a first step.
+            optimizer.state.clear()
+            error = None
         x = mlm = nsp = None
         optimizer.zero_grad(set_to_none=True)
         gc.collect()

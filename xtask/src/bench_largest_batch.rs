@@ -5,22 +5,29 @@
 //! backward, AdamW; the second step runs with the optimizer's moments allocated, the step's
 //! peak from then on) complete without the allocator running out of memory. The search
 //! ([`search`]) starts at `--batch-size`, doubles while the batch fits (halves while it does
-//! not), then bisects between the largest batch that fitted and the smallest that did not, in
-//! multiples of `--largest-batch-step` (8 by default: NVIDIA's BERT batch sizes are
-//! multiples of 8, and so are the sizes where tensor cores run best), so that the answer
-//! is "B fits, B + step or less does not". It assumes what PyTorch's users assume of
+//! not), then bisects between the largest batch that fitted and the smallest that did not in
+//! steps of `--largest-batch-step` (8 by default; multiples of it from a start that is one:
+//! NVIDIA's BERT batch sizes are multiples of 8, and so are the sizes where tensor cores run
+//! best), so that the answer is "B fits, B + step or less does not". It assumes what PyTorch's users assume of
 //! `accelerate.find_executable_batch_size`: that a batch fits when a larger one does.
 //!
 //! - **ember**: each try is a process of its own (this binary, `bench train-step --probe`),
-//!   so that an allocation failure, which Burn and CubeCL turn into a panic, ends only that
-//!   try and leaves no pools behind. A try that fails says why on its stderr: an allocation
-//!   error (CUDA's `CUDA_ERROR_OUT_OF_MEMORY`, CubeCL's `BufferTooBig`, Rust's "memory
-//!   allocation of … failed") means "does not fit"; any other failure stops the search with
-//!   the try's own error, so that a bug is never reported as a batch size. The processes
-//!   share the kernel cache (`EMBER_KERNEL_CACHE`), as the runs they stand for would.
+//!   so that an allocation failure ends only that try and leaves no pools behind. CubeCL
+//!   allocates on its device thread, where a failed allocation panics and is caught: the
+//!   thread goes on, later kernels on the missing buffer are skipped, and the main thread
+//!   could finish its steps on garbage. So a try ends its process at the first panic on any
+//!   thread (a panic hook), and a try whose stderr says it ran out of memory (CUDA's
+//!   `CUDA_ERROR_OUT_OF_MEMORY`, CubeCL's "can't allocate buffer", Rust's "memory allocation
+//!   of … failed") does not fit, whatever its exit status. Any other failure, or a try past
+//!   `--largest-batch-timeout-s`, ends that side's search with the try's own error (the
+//!   report keeps it, and the command fails after writing it), so that a bug is never
+//!   reported as a batch size. The processes share the kernel cache (`EMBER_KERNEL_CACHE`),
+//!   as the runs they stand for would.
 //! - **PyTorch** (CUDA): one reference process tries every batch in turn and catches
-//!   `torch.cuda.OutOfMemoryError`, emptying the caching allocator after each try
-//!   (`accelerate`'s way; a process per try would load BERT-large ~10 times). It runs after
+//!   `torch.cuda.OutOfMemoryError` (and the "out of memory" `RuntimeError`s of cuBLAS and
+//!   cuDNN, as `accelerate`'s `should_reduce_batch_size`), emptying the caching allocator and
+//!   dropping AdamW's state after a failed try (`accelerate`'s way; a process per try would
+//!   load BERT-large ~10 times). It runs after
 //!   ember's tries, and this process holds no GPU memory during either side's.
 //! - **CPU** (NdArray): the device's memory is the machine's, so a try has a cap,
 //!   `--memory-limit-mib`, on its process's address space (`ulimit -v`, `RLIMIT_AS`: libraries
@@ -77,6 +84,7 @@ pub fn search(
         tries.push((batch, fitted));
         Ok(fitted)
     };
+    let max = max.max(1);
     let start = start.clamp(1, max);
     // The bracket: `lo` fitted (0: none yet), `hi` did not (None: none yet).
     let (mut lo, mut hi) = if try_batch(start, &mut tries)? {
@@ -171,6 +179,10 @@ pub(crate) fn run(args: &TrainStepArgs, python: Option<&Path>, threads: usize) -
     }
     let exe = std::env::current_exe().context("this program's path, for the tries")?;
     let mut rows = Vec::new();
+    // The searches that ended in an error (kept in their rows; the command fails at the end).
+    let mut failures: Vec<String> = Vec::new();
+    // The reference's versions and attention implementation (its `ready` message).
+    let mut versions = Value::Null;
     for &preset in &args.presets {
         let config = BertConfig {
             hidden_dropout_prob: 0.0,
@@ -183,7 +195,7 @@ pub(crate) fn run(args: &TrainStepArgs, python: Option<&Path>, threads: usize) -
                 eprintln!("{preset} seq {seq_len} {precision}: ember's tries from batch {start}");
                 let ember = search(start, step, MAX_BATCH, |batch| {
                     ember_fits(&exe, args, threads, (preset, precision, batch, seq_len))
-                })?;
+                });
                 let reference = match (python, args.device.as_str()) {
                     (Some(python), "cuda") => {
                         eprintln!("{preset} seq {seq_len} {precision}: PyTorch's tries");
@@ -193,21 +205,45 @@ pub(crate) fn run(args: &TrainStepArgs, python: Option<&Path>, threads: usize) -
                             python,
                             threads,
                             (precision, start, seq_len),
-                        )?)
+                        ))
                     }
                     _ => None,
                 };
+                let label = format!("{preset} seq {seq_len} {precision}");
                 rows.push(json!({
                     "preset": preset.name(),
                     "seq_len": seq_len,
                     "precision": precision.to_string(),
-                    "ember": search_json(&ember),
-                    "pytorch": reference.as_ref().map(search_json),
+                    "ember": side_json(&ember, &label, "ember", &mut failures),
+                    "pytorch": reference.map(|r| side_json(&r.map(|(search, ready)| {
+                        versions = ready;
+                        search
+                    }), &label, "PyTorch", &mut failures)),
                 }));
             }
         }
     }
-    report(args, threads, &rows)
+    report(args, threads, &rows, &versions)?;
+    if !failures.is_empty() {
+        bail!("{}", failures.join("; "));
+    }
+    Ok(())
+}
+
+/// A side's search for the report: its result, or its error (also added to `failures`).
+fn side_json(
+    search: &Result<Search>,
+    label: &str,
+    side: &str,
+    failures: &mut Vec<String>,
+) -> Value {
+    match search {
+        Ok(search) => search_json(search),
+        Err(error) => {
+            failures.push(format!("{label}: {side}'s search: {error:#}"));
+            json!({ "error": format!("{error:#}") })
+        }
+    }
 }
 
 /// One ember try: a process of this binary at `batch`. `Ok(false)` when it ran out of memory.
@@ -240,13 +276,15 @@ fn ember_fits(
         .args(["--threads", &threads.to_string()])
         .args(["--gemm", args.gemm.name()])
         .args(["--cublaslt-sync", args.cublaslt_sync.name()])
-        .args(["--gemm-threads", &args.gemm_threads[0].to_string()]);
+        .args(["--gemm-threads", &args.gemm_threads[0].to_string()])
+        .args(["--lr", &args.lr.to_string()]);
     let timeout = std::time::Duration::from_secs(args.largest_batch_timeout_s);
     let (status, stdout, stderr) = run_with_timeout(command, timeout)
         .with_context(|| format!("a try of batch {batch} ({})", exe.display()))?;
-    let fitted = status.is_some_and(|s| s.success()) && stdout.contains("fits");
-    // A try that ran out of memory in CubeCL's runner thread may leave the main thread
-    // waiting: killed at the timeout, its stderr still says why.
+    // Out of memory first: CubeCL's device thread catches its panics and goes on, so a try
+    // that ran out of memory there may still exit 0 (Note [Largest batch]).
+    let fitted =
+        !out_of_memory(&stderr) && status.is_some_and(|s| s.success()) && stdout.contains("fits");
     if fitted || out_of_memory(&stderr) {
         eprintln!(
             "  batch {batch}: {}",
@@ -305,7 +343,7 @@ fn reference_search(
     python: &Path,
     threads: usize,
     (precision, start, seq_len): (Precision, usize, usize),
-) -> Result<Search> {
+) -> Result<(Search, Value)> {
     let dir = tempfile::tempdir().context("a temporary folder for the exported model")?;
     // On the CPU: the weights are the same function of the seed on every backend.
     let model: ember_model::BertForPreTraining<burn::backend::NdArray> =
@@ -327,7 +365,15 @@ fn reference_search(
         reference_device(&args.device),
         precision,
     )?;
-    search(start, args.largest_batch_step, MAX_BATCH, |batch| {
+    let parameters = burn::module::Module::num_params(&model);
+    if reference.ready["parameters"].as_u64() != Some(parameters as u64) {
+        bail!(
+            "PyTorch's model has {} parameters, ember's {parameters}: not the same model",
+            reference.ready["parameters"]
+        );
+    }
+    let ready = reference.ready.clone();
+    let found = search(start, args.largest_batch_step, MAX_BATCH, |batch| {
         let reply = reference.ask(json!({"cmd": "fits", "batch": batch}))?;
         let fitted = reply["fits"]
             .as_bool()
@@ -337,14 +383,14 @@ fn reference_search(
             if fitted { "fits" } else { "does not fit" }
         );
         Ok(fitted)
-    })
+    })?;
+    Ok((found, ready))
 }
 
 /// One try of `--largest-batch` (`bench train-step --probe`; Note [Largest batch]): the first
 /// model, precision, batch size and sequence length of `args`, two training steps (the second
-/// with AdamW's moments allocated), then `fits` on stdout. Running out of memory panics inside
-/// Burn or CubeCL, or aborts in Rust's allocator, and ends the process with its message on
-/// stderr.
+/// with AdamW's moments allocated), then `fits` on stdout. A panic on any thread ends the
+/// process (exit 101) with its message on stderr, as Rust's allocator aborts it on the CPU.
 ///
 /// # Errors
 /// `--max-predictions` outside the sequence.
@@ -352,6 +398,13 @@ pub(crate) fn probe<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     args: &TrainStepArgs,
     device: &B::Device,
 ) -> Result<()> {
+    // The first panic on any thread ends the try: CubeCL's device thread catches its own
+    // (a failed allocation among them) and goes on (Note [Largest batch]).
+    let report_panic = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report_panic(info);
+        std::process::exit(101);
+    }));
     let (preset, precision) = (args.presets[0], args.precision[0]);
     let (batch_size, seq_len) = (args.batch_size[0], args.seq_len[0]);
     if args.max_predictions == 0 || args.max_predictions >= seq_len {
@@ -365,6 +418,12 @@ pub(crate) fn probe<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
         attention_probs_dropout_prob: 0.0,
         ..BertConfig::preset(preset)
     };
+    if seq_len > config.max_position_embeddings {
+        bail!(
+            "--seq-len {seq_len} exceeds the model's {} positions",
+            config.max_position_embeddings
+        );
+    }
     let mut model: BertForPreTraining<B> = config.init_for_pretraining(device);
     model.set_precision(precision);
     let optimizer = OptimizerConfig {
@@ -401,8 +460,11 @@ fn search_json(search: &Search) -> Value {
     })
 }
 
-/// "B (B' does not fit)", "at least B", or "none (1 does not fit)".
+/// "B (B' does not fit)", "at least B", "none (1 does not fit)", or the search's error.
 fn describe(search: &Value) -> String {
+    if let Some(error) = search["error"].as_str() {
+        return format!("error: {}", error.lines().next().unwrap_or(""));
+    }
     let largest = search["largest_batch"].as_u64().unwrap_or(0);
     match search["smallest_failing_batch"].as_u64() {
         None => format!("≥ {largest}"),
@@ -411,13 +473,23 @@ fn describe(search: &Value) -> String {
     }
 }
 
-fn report(args: &TrainStepArgs, threads: usize, rows: &[Value]) -> Result<()> {
+fn report(args: &TrainStepArgs, threads: usize, rows: &[Value], versions: &Value) -> Result<()> {
     let limit = args.memory_limit_mib.map_or(String::new(), |mib| {
         format!(", each try capped at {mib} MiB of address space")
     });
+    let reference = match versions["torch"].as_str() {
+        Some(torch) => format!(
+            "; PyTorch {torch} + transformers {} ({} attention)",
+            versions["transformers"].as_str().unwrap_or("?"),
+            versions["attn_implementation"].as_str().unwrap_or("?")
+        ),
+        None => String::new(),
+    };
     let mut markdown = format!(
-        "Largest batch whose training step fits, {} ({threads} thread(s){limit}; in multiples of {} where the search bisects; Note [Largest batch])\n\n| model | seq | precision | ember | ember tries | PyTorch | PyTorch tries |\n|---|---|---|---|---|---|---|\n",
-        args.device, args.largest_batch_step
+        "Largest batch whose training step fits, {} ({threads} thread(s){limit}; the search bisects in steps of {}; GEMMs: {}{reference}; Note [Largest batch])\n\n| model | seq | precision | ember | ember tries | PyTorch | PyTorch tries |\n|---|---|---|---|---|---|---|\n",
+        args.device,
+        args.largest_batch_step,
+        args.gemm.name()
     );
     for row in rows {
         let tries = |side: &Value| {
@@ -453,6 +525,7 @@ fn report(args: &TrainStepArgs, threads: usize, rows: &[Value]) -> Result<()> {
         "memory_limit_mib": args.memory_limit_mib,
         "step": args.largest_batch_step,
         "gemm": args.gemm.name(),
+        "reference": versions,
         "rows": rows,
     });
     crate::bench_train_step_report::write_atomically(
