@@ -53,6 +53,9 @@
 #   bench-kernels  `xtask bench kernels`, f32 then bf16, then the LayerNorm and softmax rows again
 #                  in bf16 with `--row-reductions tree` (the shared-memory tree the row kernels
 #                  used before; the default reduces within warps first: Note [Row reductions]).
+#                  Then, where the machine's Python has torch, the attention core in bf16 against
+#                  PyTorch's scaled_dot_product_attention (`--reference pytorch`; the issue's
+#                  "attention at seq 512 no slower than PyTorch's SDPA in the same run").
 #   resume         checkpoints on CUDA (fused optimizer, device tensors): the tiny model with
 #                  dropout on, 12 steps straight against `--resume` from that run's step-6
 #                  checkpoint copied to another folder; prints
@@ -219,6 +222,12 @@ run)
             echo "== kernel benchmark, bf16, the row kernels reducing by a tree (before: the rows above reduce by warps)"
             timeout 90 "$dir/xtask" bench kernels --device cuda --dtype bf16 --iters 10 --row-reductions tree 2>&1 \
                 | grep -E "^\| (op|bias_dropout|masked_softmax|attention)|rror" | tee "$out/bench-bf16-tree.md" || status=$?
+            if [ -n "$torch_python" ]; then
+                echo "== attention against PyTorch's scaled_dot_product_attention, bf16, seq 128 and 512"
+                timeout 90 "$dir/xtask" bench kernels --device cuda --dtype bf16 --iters 10 --ops attention \
+                    --shapes large-128,base-512,large-512 --reference pytorch --python "$torch_python" 2>&1 \
+                    | sed -n '/^Attention core against/,$p' | tee "$out/bench-sdpa.md" || status=$?
+            fi
             ;;
         resume)
             echo "== resume on CUDA: 12 steps straight against --resume from step 6 (tiny, dropout on)"
@@ -279,8 +288,8 @@ run)
             if [ -n "$torch_python" ] && "$torch_python" -c "import transformers, safetensors" 2>/dev/null; then
                 reference=(--reference pytorch --python "$torch_python")
             fi
-            timeout 360 "$dir/xtask" bench train-step --device cuda --presets large --seq-len 512 \
-                --batch-size 16 --precision bf16 --gemm cmma --largest-batch --largest-batch-timeout-s 150 \
+            timeout 480 "$dir/xtask" bench train-step --device cuda --presets large --seq-len 512 \
+                --batch-size 16 --precision bf16 --gemm cmma --largest-batch --largest-batch-timeout-s 90 \
                 "${reference[@]}" \
                 --out "$out/largest-batch" 2>&1 | grep -vE "INFO" | tail -16 || status=$?
             ;;

@@ -11,7 +11,6 @@
 //! by how often a step runs each product: the step's GEMM time on that path, and its TFLOP/s.
 
 use std::path::PathBuf;
-use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use burn::tensor::backend::Backend;
@@ -342,29 +341,21 @@ fn torch_paths(args: &GemmArgs, list: &[StepGemm]) -> Result<(Vec<Path>, String)
     let dir = tempfile::tempdir().context("a temporary folder for the reference")?;
     let gemms = dir.path().join("gemms.json");
     std::fs::write(&gemms, serde_json::to_string(list)?)?;
-    let script = crate::shipped::write_script("gemm.py", dir.path())?;
-    let output = Command::new(&python)
-        .arg(&script)
-        .arg("--gemms")
-        .arg(&gemms)
-        .args(["--device", device])
-        .args(["--dtypes", &args.dtypes.join(",")])
-        .args(["--iters", &args.iters.max(1).to_string()])
-        .output()
-        .with_context(|| format!("starting {}", python.display()))?;
-    if !output.status.success() {
-        bail!(
-            "the PyTorch reference failed ({}): {}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr).trim()
-        );
-    }
-    let reply: Value = serde_json::from_slice(&output.stdout).with_context(|| {
-        format!(
-            "the reference printed {:?}, not JSON",
-            String::from_utf8_lossy(&output.stdout)
-        )
-    })?;
+    let reply = crate::bench_reference::run_script(
+        &python,
+        dir.path(),
+        "gemm.py",
+        &[
+            "--gemms".into(),
+            gemms.into_os_string(),
+            "--device".into(),
+            device.into(),
+            "--dtypes".into(),
+            args.dtypes.join(",").into(),
+            "--iters".into(),
+            args.iters.max(1).to_string().into(),
+        ],
+    )?;
     let mut paths = Vec::new();
     for dtype in &args.dtypes {
         let rates = reply["tflops"][dtype.as_str()]

@@ -23,23 +23,23 @@ pub struct KernelArgs {
     /// Backend: cpu (NdArray: the fused ops are the reference bodies), wgpu or cuda (need the
     /// features of the same name)
     #[arg(long, default_value = "cuda", value_parser = ["cpu", "wgpu", "cuda"])]
-    device: String,
+    pub(crate) device: String,
     /// Float type on cuda: f32 or bf16
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
-    dtype: String,
+    pub(crate) dtype: String,
     /// Samples per batch
     #[arg(long, default_value_t = 32)]
-    batch_size: usize,
+    pub(crate) batch_size: usize,
     /// Shapes: comma-separated <preset>-<seq>, preset base (H 768, 12 heads) or large
     /// (H 1024, 16 heads)
     #[arg(long, default_value = "base-128,base-512,large-128,large-512")]
     shapes: String,
     /// Timed iterations per measurement (after one warm-up)
     #[arg(long, default_value_t = 20)]
-    iters: usize,
+    pub(crate) iters: usize,
     /// Dropout probability of the ops that have dropout
     #[arg(long, default_value_t = 0.1)]
-    dropout: f64,
+    pub(crate) dropout: f64,
     /// Size of the copy that measures the device's bandwidth, MiB (lavapipe allocates at most
     /// 128 MiB in one buffer)
     #[arg(long, default_value_t = 256)]
@@ -49,14 +49,26 @@ pub struct KernelArgs {
     /// or tree (shared memory only), to compare (Note [Row reductions])
     #[arg(long, default_value = "auto")]
     row_reductions: ember_backend_ext::RowReductions,
+    /// The rows to time: bias_gelu, layer_norm, attention (the masked softmax and the attention
+    /// core), optimizer (multi-tensor AdamW and LAMB over the shapes' models)
+    #[arg(long, value_delimiter = ',', default_value = "bias_gelu,layer_norm,attention,optimizer",
+          value_parser = ["bias_gelu", "layer_norm", "attention", "optimizer"])]
+    pub(crate) ops: Vec<String>,
+    /// `pytorch`: also time the attention core against PyTorch's
+    /// `scaled_dot_product_attention` on the same device (cpu, cuda; a table of its own)
+    #[arg(long, default_value = "none", value_parser = ["none", "pytorch"])]
+    pub(crate) reference: String,
+    /// The reference's Python (default: the virtualenv of `bench --setup-reference`)
+    #[arg(long)]
+    pub(crate) python: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy)]
-struct Shape {
-    name: &'static str,
-    hidden: usize,
-    heads: usize,
-    seq: usize,
+pub(crate) struct Shape {
+    pub(crate) name: &'static str,
+    pub(crate) hidden: usize,
+    pub(crate) heads: usize,
+    pub(crate) seq: usize,
 }
 
 fn parse_shapes(spec: &str) -> Result<Vec<Shape>> {
@@ -86,6 +98,12 @@ fn parse_shapes(spec: &str) -> Result<Vec<Shape>> {
 
 pub fn run(args: KernelArgs) -> Result<()> {
     let shapes = parse_shapes(&args.shapes)?;
+    if args.reference == "pytorch" && !args.ops.iter().any(|o| o == "attention") {
+        bail!("--reference pytorch times the attention core against SDPA: add attention to --ops");
+    }
+    if args.reference == "pytorch" && args.device == "wgpu" {
+        bail!("--reference pytorch: PyTorch has no wgpu backend to time SDPA on (cpu or cuda)");
+    }
     ember_backend_ext::set_row_reductions(args.row_reductions);
     match (args.device.as_str(), args.dtype.as_str()) {
         ("cpu", _) => bench::<burn::backend::NdArray>(&Default::default(), &args, &shapes),
@@ -147,7 +165,7 @@ pub(crate) fn time<B: Backend>(
 }
 
 /// Burn's `Dropout` as it runs in training: a Bernoulli mask drawn on the device.
-fn burn_dropout<B: Backend, const D: usize>(x: Tensor<B, D>, p: f64) -> Tensor<B, D> {
+pub(crate) fn burn_dropout<B: Backend, const D: usize>(x: Tensor<B, D>, p: f64) -> Tensor<B, D> {
     if p == 0.0 {
         return x;
     }
@@ -155,7 +173,10 @@ fn burn_dropout<B: Backend, const D: usize>(x: Tensor<B, D>, p: f64) -> Tensor<B
     x * keep * (1.0 / (1.0 - p))
 }
 
-fn normal<B: Backend, const D: usize>(shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
+pub(crate) fn normal<B: Backend, const D: usize>(
+    shape: [usize; D],
+    device: &B::Device,
+) -> Tensor<B, D> {
     Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
 }
 
@@ -290,15 +311,15 @@ fn bench_optimizer<B: FusedOps>(device: &B::Device, preset: &str, n: usize) -> R
     ])
 }
 
-struct Row {
-    op: &'static str,
-    shape: String,
-    fused_fwd: f64,
-    reference_fwd: f64,
-    fused_fwd_bwd: f64,
-    reference_fwd_bwd: f64,
+pub(crate) struct Row {
+    pub(crate) op: &'static str,
+    pub(crate) shape: String,
+    pub(crate) fused_fwd: f64,
+    pub(crate) reference_fwd: f64,
+    pub(crate) fused_fwd_bwd: f64,
+    pub(crate) reference_fwd_bwd: f64,
     /// Least bytes the fused forward moves.
-    bytes: f64,
+    pub(crate) bytes: f64,
 }
 
 fn bench<B: FusedOps>(device: &B::Device, args: &KernelArgs, shapes: &[Shape]) -> Result<()>
@@ -328,12 +349,12 @@ where
 
     let mut rows = Vec::new();
     for shape in shapes {
-        let (b, s, h, nh) = (args.batch_size, shape.seq, shape.hidden, shape.heads);
+        let (b, s, h) = (args.batch_size, shape.seq, shape.hidden);
         let label = format!("{}-{} [{b}x{s}]", shape.name, s);
         let r = b * s;
 
         // bias + GELU on the FFN's intermediate activations [B·S, 4H].
-        {
+        if args.ops.iter().any(|o| o == "bias_gelu") {
             let x = normal::<B, 2>([r, 4 * h], device);
             let bias = normal::<B, 1>([4 * h], device);
             let fused_fwd = time::<B>(device, n, || {
@@ -364,7 +385,7 @@ where
         }
 
         // bias + dropout + residual + LayerNorm on [B·S, H].
-        {
+        if args.ops.iter().any(|o| o == "layer_norm") {
             let x = normal::<B, 2>([r, h], device);
             let residual = normal::<B, 2>([r, h], device);
             let bias = normal::<B, 1>([h], device);
@@ -436,111 +457,18 @@ where
         }
 
         // Attention: masked softmax + dropout alone, and the attention core around it.
-        {
-            let hd = h / nh;
-            let scale = 1.0 / (hd as f64).sqrt();
-            let scores = normal::<B, 4>([b, nh, s, s], device);
-            // Every other sample padded to 3/4 of the length.
-            let mask_bias = Tensor::<B, 2>::from_data(
-                burn::tensor::TensorData::new(
-                    (0..b * s)
-                        .map(|i| {
-                            if (i / s) % 2 == 1 && i % s >= 3 * s / 4 {
-                                -10000.0f32
-                            } else {
-                                0.0
-                            }
-                        })
-                        .collect::<Vec<_>>(),
-                    [b, s],
-                ),
-                device,
-            );
-            let mask4 = mask_bias.clone().reshape([b, 1, 1, s]);
-            let softmax_fwd = time::<B>(device, n, || {
-                let _ = B::masked_softmax_dropout(
-                    scores.clone().into_primitive().tensor(),
-                    mask_bias.clone().into_primitive().tensor(),
-                    scale,
-                    DropoutSpec::draw(p),
-                );
-            })?;
-            let softmax_ref = time::<B>(device, n, || {
-                let probs =
-                    burn::tensor::activation::softmax(scores.clone() * scale + mask4.clone(), 3);
-                let _ = burn_dropout(probs, p);
-            })?;
-            let (q, k, v) = (
-                normal::<B, 4>([b, nh, s, hd], device),
-                normal::<B, 4>([b, nh, s, hd], device),
-                normal::<B, 4>([b, nh, s, hd], device),
-            );
-            let attention_fwd = time::<B>(device, n, || {
-                let _ = ember_backend_ext::attention(
-                    q.clone(),
-                    k.clone(),
-                    v.clone(),
-                    mask_bias.clone(),
-                    scale,
-                    DropoutSpec::draw(p),
-                );
-            })?;
-            let reference_attention = |q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>| {
-                let probs = burn::tensor::activation::softmax(
-                    q.matmul(k.swap_dims(2, 3)) * scale + mask4.clone(),
-                    3,
-                );
-                burn_dropout(probs, p).matmul(v)
-            };
-            let attention_ref = time::<B>(device, n, || {
-                let _ = reference_attention(q.clone(), k.clone(), v.clone());
-            })?;
-            let leaf = |t: &Tensor<B, 4>| Tensor::<A<B>, 4>::from_inner(t.clone()).require_grad();
-            let (qa, ka, va) = (leaf(&q), leaf(&k), leaf(&v));
-            let mask_a = Tensor::<A<B>, 2>::from_inner(mask_bias.clone());
-            let mask4_a = Tensor::<A<B>, 4>::from_inner(mask4.clone());
-            let attention_fused_bwd = time::<B>(device, n, || {
-                let _ = ember_backend_ext::attention(
-                    qa.clone(),
-                    ka.clone(),
-                    va.clone(),
-                    mask_a.clone(),
-                    scale,
-                    DropoutSpec::draw(p),
-                )
-                .backward();
-            })?;
-            let attention_ref_bwd = time::<B>(device, n, || {
-                let probs = burn::tensor::activation::softmax(
-                    qa.clone().matmul(ka.clone().swap_dims(2, 3)) * scale + mask4_a.clone(),
-                    3,
-                );
-                let _ = burn_dropout(probs, p).matmul(va.clone()).backward();
-            })?;
-            rows.push(Row {
-                op: "masked_softmax_dropout",
-                shape: label.clone(),
-                fused_fwd: softmax_fwd,
-                reference_fwd: softmax_ref,
-                fused_fwd_bwd: f64::NAN,
-                reference_fwd_bwd: f64::NAN,
-                // scores in; probs and dropped out
-                bytes: 3.0 * (b * nh * s * s) as f64 * elem,
-            });
-            rows.push(Row {
-                op: "attention_core",
-                shape: label.clone(),
-                fused_fwd: attention_fwd,
-                reference_fwd: attention_ref,
-                fused_fwd_bwd: attention_fused_bwd,
-                reference_fwd_bwd: attention_ref_bwd,
-                bytes: f64::NAN,
-            });
+        if args.ops.iter().any(|o| o == "attention") {
+            rows.extend(crate::bench_kernels_attention::rows::<B>(
+                device, *shape, b, p, n, &label,
+            )?);
         }
     }
 
     // Optimizer steps over each preset's real parameter list (BERT for pre-training).
     let mut presets: Vec<&str> = shapes.iter().map(|s| s.name).collect();
+    if !args.ops.iter().any(|o| o == "optimizer") {
+        presets.clear();
+    }
     presets.dedup();
     for preset in presets {
         rows.extend(bench_optimizer::<B>(device, preset, n)?);
@@ -592,6 +520,9 @@ where
             gbs,
             frac
         );
+    }
+    if args.reference == "pytorch" {
+        crate::bench_kernels_attention::against_sdpa(args, shapes, &rows)?;
     }
     Ok(())
 }

@@ -30,6 +30,39 @@ pub(crate) fn reference_python(given: Option<&Path>) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// Runs the shipped reference script `name` (written into `dir`) with `python` and `args`, and
+/// returns the one JSON object it prints: the one-shot references (`gemm.py`, `attention.py`).
+///
+/// # Errors
+/// Python not starting, the script failing (its stderr is in the error), or output that is
+/// not JSON.
+pub(crate) fn run_script(
+    python: &Path,
+    dir: &Path,
+    name: &str,
+    args: &[std::ffi::OsString],
+) -> Result<Value> {
+    let script = crate::shipped::write_script(name, dir)?;
+    let output = Command::new(python)
+        .arg(&script)
+        .args(args)
+        .output()
+        .with_context(|| format!("starting {}", python.display()))?;
+    if !output.status.success() {
+        bail!(
+            "the PyTorch reference ({name}) failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    serde_json::from_slice(&output.stdout).with_context(|| {
+        format!(
+            "the reference ({name}) printed {:?}, not JSON",
+            String::from_utf8_lossy(&output.stdout)
+        )
+    })
+}
+
 /// The virtualenv of `cargo xtask bench --setup-reference`: `reference-venv` in ember's cache
 /// folder (`ember_data::embedded::cache_dir`: `$EMBER_CACHE_DIR`, else `~/.cache/ember`).
 fn reference_venv() -> PathBuf {

@@ -21,6 +21,7 @@ mod bench_gemm;
 #[doc(hidden)]
 pub use bench_data::number_after;
 mod bench_kernels;
+mod bench_kernels_attention;
 mod bench_largest_batch;
 #[doc(hidden)]
 pub use bench_largest_batch::{

@@ -37,6 +37,10 @@ const SCRIPTS: &[(&str, &str)] = &[
     ),
     ("embed.py", include_str!("../../bench/reference/embed.py")),
     ("gemm.py", include_str!("../../bench/reference/gemm.py")),
+    (
+        "attention.py",
+        include_str!("../../bench/reference/attention.py"),
+    ),
 ];
 
 /// The shipped configuration a `--config` value names, if it names one: `tiny-cpu`,

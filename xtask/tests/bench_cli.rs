@@ -330,260 +330,90 @@ fn gemm_bench_times_the_step_products() {
     );
 }
 
-/// `bench train-step --largest-batch` on the CPU, each try's address space capped (the
-/// smallest model at seq 32, so that a try takes a second): the JSON's largest batch and the
-/// smallest failing one are at most a step (8) apart, every try agrees with them, a try at the
-/// largest batch under the same cap fits, one at the failing batch runs out of memory (Rust's
-/// allocator says so) and fits without the cap. The CPU needs a cap; a cap beside cuda is
-/// refused.
+/// `bench kernels --reference pytorch` on the CPU, the Python a stand-in that records what it
+/// was asked and answers as `bench/reference/attention.py` does (CI has no torch): it gets the
+/// run's shapes (heads, head size, the scale 1/√64) and settings, and the SDPA table holds its
+/// times against ember's attention rows, with their ratio.
 #[test]
-fn largest_batch_search_on_the_cpu_brackets_what_fits_under_the_cap() {
-    const LIMIT_MIB: &str = "768";
-    let xtask = |args: &[&str], limit: Option<&str>| {
-        let mut command = match limit {
-            Some(mib) => {
-                let mut command = Command::new("sh");
-                command
-                    .args(["-c", "ulimit -v $(($0 * 1024)) && exec \"$@\""])
-                    .arg(mib)
-                    .arg(env!("CARGO_BIN_EXE_xtask"));
-                command
-            }
-            None => Command::new(env!("CARGO_BIN_EXE_xtask")),
-        };
-        command
-            .args([
-                "bench",
-                "train-step",
-                "--reference",
-                "none",
-                "--presets",
-                "tiny",
-            ])
-            .args(["--seq-len", "32", "--threads", "1"])
-            .args(if args.contains(&"--max-predictions") {
-                &[][..]
-            } else {
-                &["--max-predictions", "4"][..]
-            })
-            .args(args)
-            // The thread counts the search gives its tries, for the tries by hand below:
-            // OpenBLAS reads its own when the library loads and maps buffers per thread,
-            // which count against the cap.
-            .env("OPENBLAS_NUM_THREADS", "1")
-            .env("RAYON_NUM_THREADS", "1")
-            .output()
-            .expect("running xtask")
-    };
-    let out = tempfile::tempdir().unwrap();
-    let out_dir = out.path().to_str().unwrap();
-    let output = xtask(
-        &[
-            "--largest-batch",
-            "--batch-size",
-            "16",
-            "--memory-limit-mib",
-            LIMIT_MIB,
-            "--out",
-            out_dir,
-        ],
-        None,
-    );
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "{stderr}");
-    let (_, results) = result_json(out.path());
-    let rows = results["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 1, "{results}");
-    let ember = &rows[0]["ember"];
-    let largest = ember["largest_batch"].as_u64().unwrap();
-    let failing = ember["smallest_failing_batch"]
-        .as_u64()
-        .expect("a batch that does not fit");
-    assert!(
-        largest >= 16 && failing > largest && failing - largest <= 8,
-        "{ember}"
-    );
-    assert!(rows[0]["pytorch"].is_null());
-    for attempt in ember["tries"].as_array().unwrap() {
-        let batch = attempt["batch"].as_u64().unwrap();
-        assert_eq!(
-            attempt["fits"].as_bool().unwrap(),
-            batch <= largest,
-            "{ember}"
-        );
-    }
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        stdout.contains(&format!(
-            "| tiny | 32 | f32 | {largest} ({failing} does not) |"
-        )),
-        "{stdout}"
-    );
-    // The bracket, tried again by hand: the largest fits under the cap, the failing batch
-    // runs out of memory there and fits without it.
-    let try_batch =
-        |batch: u64, limit| xtask(&["--probe", "--batch-size", &batch.to_string()], limit);
-    let fits = try_batch(largest, Some(LIMIT_MIB));
-    assert!(
-        fits.status.success() && String::from_utf8_lossy(&fits.stdout).contains("fits"),
-        "{}",
-        String::from_utf8_lossy(&fits.stderr)
-    );
-    let too_big = try_batch(failing, Some(LIMIT_MIB));
-    let stderr = String::from_utf8_lossy(&too_big.stderr);
-    assert!(
-        !too_big.status.success() && stderr.contains("memory allocation of"),
-        "{stderr}"
-    );
-    assert!(try_batch(failing, None).status.success());
-    // A try that fails for another reason than memory stops the search with its error (the
-    // first try: `--batch-size` is 8 by default).
-    let output = xtask(
-        &[
-            "--largest-batch",
-            "--memory-limit-mib",
-            LIMIT_MIB,
-            "--max-predictions",
-            "32",
-            "--out",
-            out_dir,
-        ],
-        None,
-    );
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        !output.status.success()
-            && stderr.contains("the try of batch 8 (tiny, seq 32, f32) failed")
-            && stderr.contains("not for memory")
-            && stderr.contains("--max-predictions 32 must be in 1..32"),
-        "{stderr}"
-    );
-    // The CPU needs a cap; cuda takes none.
-    let output = xtask(&["--largest-batch", "--out", out_dir], None);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        !output.status.success()
-            && stderr.contains("--largest-batch on the CPU needs --memory-limit-mib"),
-        "{stderr}"
-    );
-    let output = xtask(
-        &[
-            "--largest-batch",
-            "--device",
-            "cuda",
-            "--memory-limit-mib",
-            "100",
-            "--out",
-            out_dir,
-        ],
-        None,
-    );
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        !output.status.success() && stderr.contains("on cuda the GPU's memory is the limit"),
-        "{stderr}"
-    );
-}
-
-/// Every threshold from 0 to 300, from several starts and steps: the search brackets the
-/// threshold within its granularity, never tries a batch twice, and takes about
-/// 2·log₂ tries.
-#[test]
-fn largest_batch_search_brackets_the_threshold() {
-    for threshold in 0..=300usize {
-        for start in [1, 8, 32, 100, 512] {
-            for step in [1, 8] {
-                let found = xtask::largest_batch_search(start, step, xtask::MAX_BATCH, |b| {
-                    Ok(b <= threshold)
-                })
-                .unwrap();
-                let failing = found
-                    .smallest_failing
-                    .expect("a failing batch under MAX_BATCH");
-                assert!(failing > threshold, "{found:?} for threshold {threshold}");
-                assert!(found.largest <= threshold);
-                // Within one step of the threshold.
-                assert!(
-                    threshold - found.largest < step,
-                    "threshold {threshold}, start {start}, step {step}: {found:?}"
-                );
-                assert!(failing - found.largest <= step.max(1));
-                let mut batches: Vec<usize> = found.tries.iter().map(|(b, _)| *b).collect();
-                batches.sort_unstable();
-                batches.dedup();
-                assert_eq!(
-                    batches.len(),
-                    found.tries.len(),
-                    "a batch tried twice: {found:?}"
-                );
-                assert!(found.tries.len() <= 2 * 17 + 2, "{found:?}");
-                for (batch, fitted) in &found.tries {
-                    assert_eq!(*fitted, *batch <= threshold);
-                }
-            }
-        }
-    }
-}
-
-#[test]
-fn largest_batch_search_stops_at_the_cap_and_passes_errors_on() {
-    let found = xtask::largest_batch_search(8, 8, 64, |_| Ok(true)).unwrap();
-    assert_eq!((found.largest, found.smallest_failing), (64, None));
-    assert_eq!(
-        found.tries.iter().map(|(b, _)| *b).collect::<Vec<_>>(),
-        [8, 16, 32, 64]
-    );
-    let error = xtask::largest_batch_search(8, 8, 64, |b| {
-        if b > 8 {
-            anyhow::bail!("a bug at {b}")
-        } else {
-            Ok(true)
-        }
-    })
-    .unwrap_err();
-    assert_eq!(error.to_string(), "a bug at 16");
-}
-
-#[test]
-fn largest_batch_tells_running_out_of_memory_from_other_failures() {
-    assert!(xtask::out_of_memory(
-        "memory allocation of 1048576 bytes failed\n"
-    ));
-    assert!(xtask::out_of_memory(
-        "called `Result::unwrap()` on an `Err` value: can't allocate buffer of size: 4294967296"
-    ));
-    assert!(xtask::out_of_memory(
-        "panicked at ...: BufferTooBig { size: 1073741824 }"
-    ));
-    assert!(xtask::out_of_memory(
-        "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")"
-    ));
-    assert!(!xtask::out_of_memory(
-        "panicked at src/lib.rs:1: index out of bounds"
-    ));
-    assert!(!xtask::out_of_memory(
-        "error: --seq-len 600 exceeds the model's 512 positions"
-    ));
-}
-
-/// A try past its timeout is killed, its output kept; one that ends keeps its exit status.
-#[test]
-fn largest_batch_tries_are_killed_at_their_timeout() {
-    let shell = |script: &str| {
-        let mut command = Command::new("sh");
-        command.args(["-c", script]);
-        command
-    };
-    let start = std::time::Instant::now();
-    let (status, stdout, stderr) = xtask::run_with_timeout(
-        shell("echo out; echo err >&2; sleep 30"),
-        std::time::Duration::from_millis(500),
+fn kernel_bench_sets_attention_against_sdpa() {
+    let dir = tempfile::tempdir().unwrap();
+    let asked = dir.path().join("asked");
+    let python = dir.path().join("python");
+    std::fs::write(
+        &python,
+        format!(
+            "#!/bin/sh\nshift\necho \"$@\" > {asked}\nwhile [ $# -gt 0 ]; do [ \"$1\" = --shapes ] && cp \"$2\" {asked}.json; shift; done\n\
+             echo '{{\"forward_s\": [0.002, 0.008], \"forward_backward_s\": [0.006, 0.024], \"device\": \"cpu\", \"torch\": \"9.9\"}}'\n",
+            asked = asked.display()
+        ),
     )
     .unwrap();
-    assert!(status.is_none());
-    assert_eq!((stdout.as_str(), stderr.as_str()), ("out\n", "err\n"));
-    assert!(start.elapsed() < std::time::Duration::from_secs(10));
-    let (status, _, _) =
-        xtask::run_with_timeout(shell("exit 3"), std::time::Duration::from_secs(30)).unwrap();
-    assert_eq!(status.and_then(|s| s.code()), Some(3));
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .args(["bench", "kernels", "--device", "cpu", "--batch-size", "2"])
+        .args([
+            "--shapes",
+            "base-16,large-32",
+            "--iters",
+            "1",
+            "--copy-mib",
+            "1",
+        ])
+        .args(["--ops", "attention", "--reference", "pytorch", "--python"])
+        .arg(&python)
+        .output()
+        .expect("running xtask");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let args = std::fs::read_to_string(&asked).unwrap();
+    assert!(
+        args.contains("--device cpu --dtype f32 --dropout 0.1 --iters 1"),
+        "{args}"
+    );
+    let shapes: Value =
+        serde_json::from_str(&std::fs::read_to_string(asked.with_extension("json")).unwrap())
+            .unwrap();
+    assert_eq!(shapes.as_array().unwrap().len(), 2);
+    for (shape, (heads, seq)) in shapes.as_array().unwrap().iter().zip([(12, 16), (16, 32)]) {
+        assert_eq!(shape["batch"], 2);
+        assert_eq!(shape["heads"], heads);
+        assert_eq!(shape["seq"], seq);
+        assert_eq!(shape["head_dim"], 64);
+        assert_eq!(shape["scale"], 0.125);
+    }
+    assert!(
+        stdout.contains("PyTorch 9.9's scaled_dot_product_attention on cpu"),
+        "{stdout}"
+    );
+    // ember's attention rows and the table's: the same fused times, the stand-in's beside them.
+    let ember: Vec<(f64, f64)> = stdout
+        .lines()
+        .filter(|l| l.starts_with("| attention_core |"))
+        .map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            (cells[3].parse().unwrap(), cells[6].parse().unwrap())
+        })
+        .collect();
+    let sdpa: Vec<Vec<&str>> = stdout
+        .lines()
+        .skip_while(|l| !l.starts_with("| shape | fwd ember ms"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .map(|l| l.split('|').map(str::trim).collect())
+        .collect();
+    assert_eq!((ember.len(), sdpa.len()), (2, 2), "{stdout}");
+    for ((fwd, fwd_bwd), (cells, (torch_fwd, torch_fwd_bwd))) in
+        ember.iter().zip(sdpa.iter().zip([(2.0, 6.0), (8.0, 24.0)]))
+    {
+        let number = |i: usize| cells[i].trim_end_matches('x').parse::<f64>().unwrap();
+        assert_eq!((number(2), number(5)), (*fwd, *fwd_bwd));
+        assert_eq!((number(3), number(6)), (torch_fwd, torch_fwd_bwd));
+        assert!((number(4) - torch_fwd / fwd).abs() < 0.01 * number(4).max(0.01));
+        assert!((number(7) - torch_fwd_bwd / fwd_bwd).abs() < 0.01 * number(7).max(0.01));
+    }
 }
