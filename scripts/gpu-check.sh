@@ -226,7 +226,7 @@ run)
                 echo "== attention against PyTorch's scaled_dot_product_attention, bf16, seq 128 and 512"
                 timeout 90 "$dir/xtask" bench kernels --device cuda --dtype bf16 --iters 10 --ops attention \
                     --shapes large-128,base-512,large-512 --reference pytorch --python "$torch_python" 2>&1 \
-                    | sed -n '/^Attention core against/,$p' | tee "$out/bench-sdpa.md" || status=$?
+                    | sed -n '/^Attention core against/,$p; /rror/p' | tee "$out/bench-sdpa.md" || status=$?
             fi
             ;;
         resume)

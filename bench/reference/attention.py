@@ -8,8 +8,8 @@ per call in the shapes' order. Each shape is what ember's attention op gets: q, 
 [batch, heads, seq, head_dim] drawn from N(0, 1), an additive key mask [batch, 1, 1, seq] of
 -10000 on the last quarter of every other sample (BERT's padding), the scale, dropout
 `--dropout` on the probabilities; `F.scaled_dot_product_attention` as Hugging Face's BERT
-calls it with `attn_implementation="sdpa"` (a float mask: PyTorch picks its memory-efficient
-kernel, as it does for BERT). Forward and backward: the output's gradient all ones, as Burn's
+calls it with `attn_implementation="sdpa"` (a float mask rules out the flash kernel; PyTorch
+picks among those that take one, memory-efficient or cuDNN, as it does for BERT). Forward and backward: the output's gradient all ones, as Burn's
 `backward()` of a tensor seeds it. Timed as ember's: one warm-up call, then the mean of
 `--iters` calls between two synchronisations.
 """

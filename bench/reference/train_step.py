@@ -162,7 +162,10 @@ def main():
         except (torch.cuda.OutOfMemoryError, RuntimeError) as error:
             # cuBLAS's and cuDNN's allocation failures are RuntimeErrors (accelerate's
             # should_reduce_batch_size tells them apart the same way); anything else is a bug.
-            if not isinstance(error, torch.cuda.OutOfMemoryError) and "out of memory" not in str(error):
+            message = str(error)
+            if not isinstance(error, torch.cuda.OutOfMemoryError) and not (
+                "out of memory" in message or "CUBLAS_STATUS_ALLOC_FAILED" in message
+            ):
                 raise
             ok = False
             # AdamW may have been building its state when memory ran out: a half-built entry

@@ -98,6 +98,9 @@ fn parse_shapes(spec: &str) -> Result<Vec<Shape>> {
 
 pub fn run(args: KernelArgs) -> Result<()> {
     let shapes = parse_shapes(&args.shapes)?;
+    if args.iters == 0 {
+        bail!("--iters must be at least 1");
+    }
     if args.reference == "pytorch" && !args.ops.iter().any(|o| o == "attention") {
         bail!("--reference pytorch times the attention core against SDPA: add attention to --ops");
     }

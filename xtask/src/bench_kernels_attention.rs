@@ -165,8 +165,14 @@ pub(crate) fn against_sdpa(args: &KernelArgs, shapes: &[Shape], rows: &[Row]) ->
             file.into_os_string(),
             "--device".into(),
             args.device.clone().into(),
+            // NdArray computes in f32 whatever --dtype says (it is cuda's setting).
             "--dtype".into(),
-            args.dtype.clone().into(),
+            if args.device == "cuda" {
+                args.dtype.as_str()
+            } else {
+                "f32"
+            }
+            .into(),
             "--dropout".into(),
             args.dropout.to_string().into(),
             "--iters".into(),

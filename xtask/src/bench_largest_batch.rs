@@ -389,8 +389,8 @@ fn reference_search(
 
 /// One try of `--largest-batch` (`bench train-step --probe`; Note [Largest batch]): the first
 /// model, precision, batch size and sequence length of `args`, two training steps (the second
-/// with AdamW's moments allocated), then `fits` on stdout. A panic on any thread ends the
-/// process (exit 101) with its message on stderr, as Rust's allocator aborts it on the CPU.
+/// with AdamW's moments allocated), then `fits` on stdout. A panic on any thread aborts the
+/// process after its message on stderr, as Rust's allocator does on the CPU.
 ///
 /// # Errors
 /// `--max-predictions` outside the sequence.
@@ -403,7 +403,9 @@ pub(crate) fn probe<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     let report_panic = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         report_panic(info);
-        std::process::exit(101);
+        // Not `exit`: its handlers (CUDA's teardown among them) would run while other threads
+        // may still be inside the driver.
+        std::process::abort();
     }));
     let (preset, precision) = (args.presets[0], args.precision[0]);
     let (batch_size, seq_len) = (args.batch_size[0], args.seq_len[0]);

@@ -53,7 +53,7 @@ fn gpu_check_script_commands_parse() {
         let mut rest = line;
         while let Some(at) = rest.find("\"$dir/xtask\"") {
             rest = &rest[at + "\"$dir/xtask\"".len()..];
-            let mut words = command_words(rest);
+            let words = command_words(rest);
             // `"$dir/xtask"` as a file (`cp`, `strip`, `ldd`, `[ -x ... ]`), not a command.
             if !words
                 .first()
