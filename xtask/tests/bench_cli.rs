@@ -11,6 +11,9 @@ use std::process::{Command, Output};
 use ember_model::{BertConfig, Preset};
 use serde_json::Value;
 
+mod common;
+use common::result_json;
+
 const BATCH: usize = 2;
 const SEQ_LEN: usize = 32;
 const MAX_PREDICTIONS: usize = 4;
@@ -39,18 +42,6 @@ fn bench(device: &str, out: &Path, extra: &[&str]) -> Output {
         .arg(out)
         .output()
         .expect("running xtask")
-}
-
-/// The JSON result a benchmark wrote in `out`: its path and its contents.
-fn result_json(out: &Path) -> (std::path::PathBuf, Value) {
-    let json = std::fs::read_dir(out)
-        .expect("the results folder")
-        .map(|entry| entry.expect("an entry").path())
-        .find(|path| path.extension().is_some_and(|e| e == "json"))
-        .expect("a JSON result");
-    let results =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).expect("valid JSON");
-    (json, results)
 }
 
 /// The run's JSON, checked: one row for tiny at the requested shape per GEMM setting

@@ -4,20 +4,10 @@
 //! each try's address space (CI has no GPU and no torch: the PyTorch side and CUDA's tries run
 //! in `scripts/gpu-check.sh run largest-batch`).
 
-use std::path::Path;
 use std::process::Command;
 
-use serde_json::Value;
-
-/// The JSON result the command wrote in `out`.
-fn result_json(out: &Path) -> Value {
-    let json = std::fs::read_dir(out)
-        .expect("the results folder")
-        .map(|entry| entry.expect("an entry").path())
-        .find(|path| path.extension().is_some_and(|e| e == "json"))
-        .expect("a JSON result");
-    serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).expect("valid JSON")
-}
+mod common;
+use common::result_json;
 
 /// `bench train-step --largest-batch` on the CPU, each try's address space capped (the
 /// smallest model at seq 32, so that a try takes a second): the JSON's largest batch and the
@@ -80,7 +70,7 @@ fn largest_batch_search_on_the_cpu_brackets_what_fits_under_the_cap() {
     );
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
-    let results = result_json(out.path());
+    let (_, results) = result_json(out.path());
     let rows = results["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 1, "{results}");
     let ember = &rows[0]["ember"];
@@ -140,7 +130,7 @@ fn largest_batch_search_on_the_cpu_brackets_what_fits_under_the_cap() {
         ],
         None,
     );
-    let error = result_json(failed.path())["rows"][0]["ember"]["error"].clone();
+    let error = result_json(failed.path()).1["rows"][0]["ember"]["error"].clone();
     assert!(
         error
             .as_str()
