@@ -8,7 +8,7 @@
 
 use cubecl::prelude::*;
 
-use super::reductions::{row_max, row_sum};
+use super::reductions::{row_max, row_sum, row_sum_pair};
 
 /// PCG's RXS-M-XS output permutation; the host's `dropout::pcg_hash`.
 #[cube]
@@ -228,7 +228,7 @@ pub fn layer_norm_backward_kernel<F: Float>(
     let n = gamma.len();
     let base = row * n;
     let unit = UNIT_POS_X as usize;
-    let mut shared = SharedMemory::<f32>::new(block as usize);
+    let mut shared = SharedMemory::<f32>::new(2 * block as usize); // Σg and Σg·x̂ side by side
     let mu = f32::cast_from(mean[row]);
     let rs = f32::cast_from(rstd[row]);
 
@@ -247,8 +247,7 @@ pub fn layer_norm_backward_kernel<F: Float>(
     }
     // Note [LayerNorm backward order].
     let n_f = f32::cast_from(n as u32);
-    let sum_g = row_sum(&mut shared, sum_g, planes);
-    let sum_gx = row_sum(&mut shared, sum_gx, planes);
+    let (sum_g, sum_gx) = row_sum_pair(&mut shared, sum_g, sum_gx, planes);
     let scale = rs / n_f;
 
     let mut j = unit;

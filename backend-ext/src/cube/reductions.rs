@@ -17,7 +17,11 @@
 //! cube then has at least one whole plane ([`row_form`]): CUDA's shuffles read every lane of a
 //! warp, so a row shorter than 32 still gets 32 units, the idle ones folding nothing.
 //! Both forms give every unit the same total, in an order fixed for a given device and cube
-//! size (a kernel's output repeats bit for bit from run to run).
+//! size (a kernel's output repeats bit for bit from run to run). LayerNorm's backward needs two
+//! sums of each row (Σg and Σg·x̂, apex's `cuComputeGradInput` reduces them together too):
+//! [`row_sum_pair`] takes both through one reduction, each in `row_sum`'s order (the same
+//! totals), with half the barriers: two in all with planes instead of four, nine with the
+//! tree at 256 units instead of eighteen.
 //!
 //! `RowReductions::Auto` (`kernels_choice.rs`) takes planes where CubeCL reports plane operations (CUDA) and the
 //! tree elsewhere. CubeCL does not report them for CPU devices, so lavapipe runs the tree
@@ -90,6 +94,30 @@ pub(super) fn cube_sum(shared: &mut SharedMemory<f32>, value: f32) -> f32 {
     total
 }
 
+/// Sums of `a` and of `b` over the units of the cube, by one tree in `shared` (two slots per
+/// unit: `a`'s in the first `CUBE_DIM_X`, `b`'s after): [`cube_sum`]'s additions in its order
+/// for each, with half its barriers per sum.
+#[cube]
+fn cube_sum_pair(shared: &mut SharedMemory<f32>, a: f32, b: f32) -> (f32, f32) {
+    let unit = UNIT_POS_X as usize;
+    let dim = CUBE_DIM_X as usize;
+    shared[unit] = a;
+    shared[dim + unit] = b;
+    sync_cube();
+    let mut stride = dim / 2;
+    while stride > 0 {
+        if unit < stride {
+            shared[unit] = shared[unit] + shared[unit + stride];
+            shared[dim + unit] = shared[dim + unit] + shared[dim + unit + stride];
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    let totals = (shared[0], shared[dim]);
+    sync_cube();
+    totals
+}
+
 /// Maximum of `value` over the units of the cube, by a tree in `shared`; every unit gets it.
 #[cube]
 fn cube_max(shared: &mut SharedMemory<f32>, value: f32) -> f32 {
@@ -142,6 +170,28 @@ fn plane_cube_sum(shared: &mut SharedMemory<f32>, value: f32) -> f32 {
     total
 }
 
+/// Sums of `a` and of `b` over the units of the cube, as [`plane_cube_sum`] for each, their
+/// planes' sums in `shared` side by side (`b`'s from slot `CUBE_DIM_X`): two barriers for both.
+#[cube]
+fn plane_cube_sum_pair(shared: &mut SharedMemory<f32>, a: f32, b: f32) -> (f32, f32) {
+    let dim = CUBE_DIM_X as usize;
+    let partial_a = plane_sum(a);
+    let partial_b = plane_sum(b);
+    if UNIT_POS_PLANE == 0 {
+        shared[plane_index()] = partial_a;
+        shared[dim + plane_index()] = partial_b;
+    }
+    sync_cube();
+    let mut total_a = shared[0];
+    let mut total_b = shared[dim];
+    for p in 1..plane_count() {
+        total_a += shared[p];
+        total_b += shared[dim + p];
+    }
+    sync_cube();
+    (total_a, total_b)
+}
+
 /// Maximum of `value` over the units of the cube, as [`plane_cube_sum`].
 #[cube]
 fn plane_cube_max(shared: &mut SharedMemory<f32>, value: f32) -> f32 {
@@ -169,6 +219,24 @@ pub(super) fn row_sum(shared: &mut SharedMemory<f32>, value: f32, #[comptime] pl
         plane_cube_sum(shared, value)
     } else {
         cube_sum(shared, value)
+    }
+}
+
+/// Sums of `a` and of `b` over the units of the cube in one reduction, by planes or by the
+/// tree, each in the order [`row_sum`] adds it (the same totals, bit for bit), with half the
+/// barriers of two `row_sum`s; `shared` holds two slots per unit (`2 · CUBE_DIM_X`). Every
+/// unit gets both totals.
+#[cube]
+pub(super) fn row_sum_pair(
+    shared: &mut SharedMemory<f32>,
+    a: f32,
+    b: f32,
+    #[comptime] planes: bool,
+) -> (f32, f32) {
+    if planes {
+        plane_cube_sum_pair(shared, a, b)
+    } else {
+        cube_sum_pair(shared, a, b)
     }
 }
 
