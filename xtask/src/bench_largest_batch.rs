@@ -45,7 +45,6 @@ use burn::tensor::backend::AutodiffBackend;
 use ember_backend_ext::FusedOps;
 use ember_model::{BertConfig, BertForPreTraining, Precision, Preset};
 use ember_trainer::config::OptimizerConfig;
-use ember_trainer::optim::PreTrainingOptimizer;
 use serde_json::{Value, json};
 
 use crate::bench_reference::{HostInputs, Reference};
@@ -184,11 +183,7 @@ pub(crate) fn run(args: &TrainStepArgs, python: Option<&Path>, threads: usize) -
     // The reference's versions and attention implementation (its `ready` message).
     let mut versions = Value::Null;
     for &preset in &args.presets {
-        let config = BertConfig {
-            hidden_dropout_prob: 0.0,
-            attention_probs_dropout_prob: 0.0,
-            ..BertConfig::preset(preset)
-        };
+        let config = crate::bench_train_step_ember::bench_config(preset);
         for &seq_len in &args.seq_len {
             for &precision in &args.precision {
                 let start = args.batch_size[0];
@@ -409,43 +404,12 @@ pub(crate) fn probe<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     }));
     let (preset, precision) = (args.presets[0], args.precision[0]);
     let (batch_size, seq_len) = (args.batch_size[0], args.seq_len[0]);
-    if args.max_predictions == 0 || args.max_predictions >= seq_len {
-        bail!(
-            "--max-predictions {} must be in 1..{seq_len} (the sequence length)",
-            args.max_predictions
-        );
-    }
-    let config = BertConfig {
-        hidden_dropout_prob: 0.0,
-        attention_probs_dropout_prob: 0.0,
-        ..BertConfig::preset(preset)
-    };
-    if seq_len > config.max_position_embeddings {
-        bail!(
-            "--seq-len {seq_len} exceeds the model's {} positions",
-            config.max_position_embeddings
-        );
-    }
+    let config = crate::bench_train_step_ember::bench_config(preset);
+    crate::bench_train_step_ember::check_shape(&config, seq_len, args.max_predictions)?;
     let mut model: BertForPreTraining<B> = config.init_for_pretraining(device);
     model.set_precision(precision);
-    let optimizer = OptimizerConfig {
-        lr: args.lr,
-        ..OptimizerConfig::default()
-    };
     let inputs = HostInputs::random(&config, batch_size, seq_len, args.max_predictions);
-    let mut ember = EmberStep {
-        optimizer: PreTrainingOptimizer::new(
-            &optimizer,
-            &model,
-            ember_model::Kernels::Auto.multi_tensor::<B>(),
-        ),
-        model: Some(model),
-        inputs: inputs.batch(device),
-        lr: args.lr,
-        device: device.clone(),
-        launches: None,
-        reserved: None,
-    };
+    let mut ember = EmberStep::new(model, &inputs, args.lr, device, None);
     ember.timed_steps(2);
     let reserved = ember.reserved.map_or(String::new(), |bytes| {
         format!(", {:.0} MiB reserved", bytes as f64 / (1u64 << 20) as f64)

@@ -49,7 +49,6 @@ use ember_backend_ext::FusedOps;
 use ember_model::{BertConfig, BertForPreTraining, Precision, Preset};
 use ember_trainer::blas::GemmThreads;
 use ember_trainer::config::OptimizerConfig;
-use ember_trainer::optim::PreTrainingOptimizer;
 use serde_json::{Value, json};
 
 use crate::bench_reference::{HostInputs, Reference, reference_python};
@@ -339,11 +338,7 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     // PyTorch's GEMM rate per precision, measured once.
     let mut reference_gemm: Vec<(Precision, f64)> = Vec::new();
     for &preset in &args.presets {
-        let config = BertConfig {
-            hidden_dropout_prob: 0.0,
-            attention_probs_dropout_prob: 0.0,
-            ..BertConfig::preset(preset)
-        };
+        let config = crate::bench_train_step_ember::bench_config(preset);
         for &precision in &args.precision {
             for &batch_size in &args.batch_size {
                 for &seq_len in &args.seq_len {
@@ -425,18 +420,7 @@ fn bench_row<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
         lr: args.lr,
         ..OptimizerConfig::default()
     };
-    if args.max_predictions == 0 || args.max_predictions >= seq_len {
-        bail!(
-            "--max-predictions {} must be in 1..{seq_len} (the sequence length)",
-            args.max_predictions
-        );
-    }
-    if seq_len > config.max_position_embeddings {
-        bail!(
-            "--seq-len {seq_len} exceeds the model's {} positions",
-            config.max_position_embeddings
-        );
-    }
+    crate::bench_train_step_ember::check_shape(config, seq_len, args.max_predictions)?;
     let dir = tempfile::tempdir().context("a temporary folder for the exported model")?;
     // The previous row's model and optimizer are gone: the pools give their pages back, so
     // that this row's reserved memory is its own (PyTorch starts a process per row).
@@ -448,16 +432,7 @@ fn bench_row<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     let inputs = HostInputs::random(config, batch_size, seq_len, args.max_predictions);
     inputs.write_safetensors(&dir.path().join("batch.safetensors"))?;
     let parameters = burn::module::Module::num_params(&model);
-    let fused = ember_model::Kernels::Auto.multi_tensor::<B>();
-    let mut ember = EmberStep {
-        optimizer: PreTrainingOptimizer::new(&optimizer_config, &model, fused),
-        model: Some(model),
-        inputs: inputs.batch(device),
-        lr: args.lr,
-        device: device.clone(),
-        launches,
-        reserved: None,
-    };
+    let mut ember = EmberStep::new(model, &inputs, args.lr, device, launches);
     let ember_loss = ember.loss();
     // Both losses come from the same weights and batch: f32 within 1e-3; a half precision
     // rounds every activation to its u, so 4u of the loss more.

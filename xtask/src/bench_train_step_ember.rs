@@ -3,15 +3,48 @@
 
 use std::time::Instant;
 
+use anyhow::{Result, bail};
 use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
 use burn::tensor::ElementConversion;
 use burn::tensor::backend::AutodiffBackend;
 use ember_backend_ext::FusedOps;
 use ember_data::Batch;
-use ember_model::BertForPreTraining;
+use ember_model::{BertConfig, BertForPreTraining, Preset};
+use ember_trainer::config::OptimizerConfig;
 use ember_trainer::eval::forward_loss;
 use ember_trainer::optim::PreTrainingOptimizer;
+
+use crate::bench_reference::HostInputs;
+
+/// The model both sides of `bench train-step` (and `--largest-batch`'s tries) run: `preset`
+/// with dropout 0, so that the two steps compute the same function.
+pub(crate) fn bench_config(preset: Preset) -> BertConfig {
+    BertConfig {
+        hidden_dropout_prob: 0.0,
+        attention_probs_dropout_prob: 0.0,
+        ..BertConfig::preset(preset)
+    }
+}
+
+/// Refuses a sequence length `config` has no positions for, and `max_predictions` outside
+/// `1..seq_len`, naming the flag.
+pub(crate) fn check_shape(
+    config: &BertConfig,
+    seq_len: usize,
+    max_predictions: usize,
+) -> Result<()> {
+    if max_predictions == 0 || max_predictions >= seq_len {
+        bail!("--max-predictions {max_predictions} must be in 1..{seq_len} (the sequence length)");
+    }
+    if seq_len > config.max_position_embeddings {
+        bail!(
+            "--seq-len {seq_len} exceeds the model's {} positions",
+            config.max_position_embeddings
+        );
+    }
+    Ok(())
+}
 
 /// ember's side of one configuration: the model, its optimizer and the batch.
 pub(crate) struct EmberStep<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps> {
@@ -27,6 +60,34 @@ pub(crate) struct EmberStep<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOp
 }
 
 impl<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps> EmberStep<B> {
+    /// `model` with its AdamW (learning rate `lr`, the multi-tensor path where the backend
+    /// has it) and `inputs` on `device`; `launches` counts the kernel launches, if given.
+    pub(crate) fn new(
+        model: BertForPreTraining<B>,
+        inputs: &HostInputs,
+        lr: f64,
+        device: &B::Device,
+        launches: Option<fn() -> u64>,
+    ) -> Self {
+        let optimizer = OptimizerConfig {
+            lr,
+            ..OptimizerConfig::default()
+        };
+        EmberStep {
+            optimizer: PreTrainingOptimizer::new(
+                &optimizer,
+                &model,
+                ember_model::Kernels::Auto.multi_tensor::<B>(),
+            ),
+            model: Some(model),
+            inputs: inputs.batch(device),
+            lr,
+            device: device.clone(),
+            launches,
+            reserved: None,
+        }
+    }
+
     pub(crate) fn loss(&self) -> f64 {
         let model = self
             .model
