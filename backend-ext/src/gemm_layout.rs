@@ -47,6 +47,62 @@ pub struct ColumnMajorGemm {
     pub stride_c: usize,
 }
 
+/// A matrix as cuBLASLt's `cublasLtMatrixLayoutCreate` describes it: `rows × cols` stored
+/// column-major with leading dimension `ld` (element `(r, c)` at `r + c·ld`), and its strided
+/// batch `(count, stride)` where there is one (`CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT`,
+/// `..._STRIDED_BATCH_OFFSET`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MatrixLayout {
+    /// Rows as stored.
+    pub rows: usize,
+    /// Columns as stored.
+    pub cols: usize,
+    /// Elements between consecutive columns.
+    pub ld: usize,
+    /// `(count, stride)` of the batch, in elements; `None` without a batch.
+    pub batch: Option<(usize, usize)>,
+}
+
+impl ColumnMajorGemm {
+    /// The layouts of `A'`, `B'` and `C'` as stored: an operand read transposed is stored as
+    /// the transpose of its `op` (`A'` is `k × m` when `transa`, else `m × k`; `B'` is `n × k`
+    /// when `transb`, else `k × n`; `C'` is `m × n`), as cuBLAS's `op(X)` is defined (and as
+    /// cudarc's `Matmul::matmul` creates them from the same fields).
+    pub fn layouts(&self) -> [MatrixLayout; 3] {
+        let batch = |stride: usize| (self.batch > 1).then_some((self.batch, stride));
+        let (a_rows, a_cols) = if self.transa {
+            (self.k, self.m)
+        } else {
+            (self.m, self.k)
+        };
+        let (b_rows, b_cols) = if self.transb {
+            (self.n, self.k)
+        } else {
+            (self.k, self.n)
+        };
+        [
+            MatrixLayout {
+                rows: a_rows,
+                cols: a_cols,
+                ld: self.lda,
+                batch: batch(self.stride_a),
+            },
+            MatrixLayout {
+                rows: b_rows,
+                cols: b_cols,
+                ld: self.ldb,
+                batch: batch(self.stride_b),
+            },
+            MatrixLayout {
+                rows: self.m,
+                cols: self.n,
+                ld: self.ldc,
+                batch: batch(self.stride_c),
+            },
+        ]
+    }
+}
+
 /// A matrix operand as the BLAS sees it: `rows × cols` with element `(r, c)` at
 /// `r·row_stride + c·col_stride`. Returns `(transposed, ld)`, or `None` when neither stride is
 /// a unit one (or a stride is too small to be a leading dimension).
@@ -151,31 +207,66 @@ pub fn column_major_gemm(
 mod tests {
     use super::*;
 
+    /// Element `(r, c)` of a stored matrix of batch `p`, through its layout: every read
+    /// inside the layout's `rows × cols` (the plan's layouts describe what is read).
+    fn stored(layout: &MatrixLayout, data: &[f64], p: usize, r: usize, c: usize) -> f64 {
+        assert!(
+            r < layout.rows && c < layout.cols,
+            "({r}, {c}) outside {layout:?}"
+        );
+        assert!(layout.ld >= layout.rows, "{layout:?}");
+        let offset = layout.batch.map_or(0, |(count, stride)| {
+            assert!(p < count, "batch {p} outside {layout:?}");
+            p * stride
+        });
+        data[offset + r + c * layout.ld]
+    }
+
+    /// `op(X)(i, l)` of a stored matrix: `X(i, l)`, or `X(l, i)` when read transposed.
+    fn op(
+        layout: &MatrixLayout,
+        transposed: bool,
+        data: &[f64],
+        p: usize,
+        i: usize,
+        l: usize,
+    ) -> f64 {
+        if transposed {
+            stored(layout, data, p, l, i)
+        } else {
+            stored(layout, data, p, i, l)
+        }
+    }
+
     /// What a column-major BLAS computes for `plan` (cuBLAS's definition of `op`, `ld` and the
-    /// strided batch), on flat buffers: the reference the plans are checked against.
+    /// strided batch), on flat buffers read through the plan's [`ColumnMajorGemm::layouts`]:
+    /// the reference the plans are checked against.
     fn column_major_blas(plan: &ColumnMajorGemm, a: &[f64], b: &[f64], c: &mut [f64]) {
+        let [la, lb, lc] = plan.layouts();
+        assert_eq!((lc.rows, lc.cols), (plan.m, plan.n), "{plan:?}");
         for p in 0..plan.batch {
             for i in 0..plan.m {
                 for j in 0..plan.n {
                     let mut sum = 0.0;
                     for l in 0..plan.k {
-                        // op(A')(i, l) and op(B')(l, j).
-                        let ai = if plan.transa {
-                            l + i * plan.lda
-                        } else {
-                            i + l * plan.lda
-                        };
-                        let bi = if plan.transb {
-                            j + l * plan.ldb
-                        } else {
-                            l + j * plan.ldb
-                        };
-                        sum += a[p * plan.stride_a + ai] * b[p * plan.stride_b + bi];
+                        sum += op(&la, plan.transa, a, p, i, l) * op(&lb, plan.transb, b, p, l, j);
                     }
-                    c[p * plan.stride_c + i + j * plan.ldc] = sum;
+                    let offset = lc.batch.map_or(0, |(_, stride)| p * stride);
+                    c[offset + i + j * lc.ld] = sum;
                 }
             }
         }
+    }
+
+    /// cuBLASLt's `CUBLASLT_EPILOGUE_BGRADA`: `op(A')` summed over the GEMM's `k` dimension, a
+    /// vector of `C'`'s `m` rows ("the reduction happens over the GEMM's k dimension; the bias
+    /// size corresponds to the number of rows of the matrix D", cuBLAS's documentation of
+    /// `cublasLtEpilogue_t`); one product.
+    fn bias_gradient_a(plan: &ColumnMajorGemm, a: &[f64]) -> Vec<f64> {
+        let [la, _, _] = plan.layouts();
+        (0..plan.m)
+            .map(|i| (0..plan.k).map(|l| op(&la, plan.transa, a, 0, i, l)).sum())
+            .collect()
     }
 
     /// Row-major strides of `shape`.
@@ -296,6 +387,54 @@ mod tests {
             "dW",
         );
         assert!(!plan.transa && plan.transb, "{plan:?}");
+    }
+
+    /// The dense layer's bias gradient in the weight gradient's GEMM (`dW = xᵀ·g` with
+    /// cuBLASLt's BGRADA epilogue, `cublaslt.rs`): `A'` is the row-major `g`, so the epilogue's
+    /// sum over `k` is `db = Σ_rows g`, a vector of `dW`'s columns.
+    #[test]
+    fn the_weight_gradients_bias_epilogue_sums_the_output_gradient_over_rows() {
+        let (rows, i, o) = (6, 4, 5);
+        let x = View::permuted(&[rows, i], &[1, 0], 21);
+        let g = View::permuted(&[rows, o], &[0, 1], 22);
+        let expected: Vec<f64> = (0..o)
+            .map(|col| (0..rows).map(|r| g.at(&[r, col])).sum())
+            .collect();
+        let plan = column_major_gemm(&x.shape, &x.strides, &g.shape, &g.strides)
+            .expect("dW = xᵀ·g has a plan");
+        assert_eq!(plan.m, o, "C' has dW's columns as its rows");
+        assert_eq!(bias_gradient_a(&plan, &g.data), expected, "{plan:?}");
+        // The same epilogue on the forward product would sum W over its rows: not db.
+        let w = View::permuted(&[i, o], &[0, 1], 23);
+        let forward =
+            column_major_gemm(&[rows, i], &[i, 1], &w.shape, &w.strides).expect("x·W has a plan");
+        assert_ne!(bias_gradient_a(&forward, &w.data), expected);
+    }
+
+    #[test]
+    fn layouts_store_a_transposed_operand_as_the_transpose_of_its_op() {
+        // Q·Kᵀ per sample and head (A' = Kᵀ's view read transposed, a batch of 6).
+        let k = View::permuted(&[2, 3, 5, 4], &[0, 1, 3, 2], 24);
+        let q = View::permuted(&[2, 3, 5, 4], &[0, 1, 2, 3], 25);
+        let plan = column_major_gemm(&q.shape, &q.strides, &k.shape, &k.strides)
+            .expect("scores have a plan");
+        let [la, lb, lc] = plan.layouts();
+        assert!(plan.transa && !plan.transb, "{plan:?}");
+        assert_eq!(
+            (la.rows, la.cols, la.ld, la.batch),
+            (4, 5, 4, Some((6, 20)))
+        );
+        assert_eq!(
+            (lb.rows, lb.cols, lb.ld, lb.batch),
+            (4, 5, 4, Some((6, 20)))
+        );
+        assert_eq!(
+            (lc.rows, lc.cols, lc.ld, lc.batch),
+            (5, 5, 5, Some((6, 25)))
+        );
+        // Without a batch, no batch attributes.
+        let plan = column_major_gemm(&[6, 4], &[4, 1], &[4, 5], &[5, 1]).expect("a plan");
+        assert!(plan.layouts().iter().all(|l| l.batch.is_none()));
     }
 
     #[test]
