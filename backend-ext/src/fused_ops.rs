@@ -137,8 +137,12 @@ pub trait FusedOps: Backend {
         grad: FloatTensor<Self>,
         with_bias: bool,
     ) -> DenseGrads<Self> {
-        linear::flattened_linear_backward::<Self>(x, weight, grad, with_bias, |a1, b1, a2, b2| {
-            (Self::float_matmul(a1, b1), Self::float_matmul(a2, b2))
+        linear::flattened_linear_backward::<Self>(x, weight, grad, with_bias, |g, wt, xt, _| {
+            (
+                Self::float_matmul(g.clone(), wt),
+                Self::float_matmul(xt, g),
+                None,
+            )
         })
     }
 

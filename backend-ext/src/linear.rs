@@ -47,19 +47,20 @@ pub(crate) fn reference_linear_backward<B: FusedOps>(
 
 /// The default body of [`FusedOps::dense_backward`]: the rows flattened to `[R, I]` and
 /// `[R, O]` (views of contiguous tensors), `dx = g·Wᵀ`, `dW = xᵀ·g`, `db = Σ_rows g`, the
-/// two products by `matmul_pair` (Burn's, or the GPU backends' choice of kernel, `gemm.rs`;
-/// cuBLASLt runs the pair between one set of host waits).
+/// two products by `products(g, Wᵀ, xᵀ, with_bias)` (Burn's, or the GPU backends' choice of
+/// kernel, `gemm.rs`; cuBLASLt runs the pair between one set of host waits and may return
+/// `db` from `dW`'s epilogue); `db` is Burn's `sum_dim` where `products` gives none.
 pub(crate) fn flattened_linear_backward<B: FusedOps>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     grad: FloatTensor<B>,
     with_bias: bool,
-    matmul_pair: impl Fn(
+    products: impl Fn(
         FloatTensor<B>,
         FloatTensor<B>,
         FloatTensor<B>,
-        FloatTensor<B>,
-    ) -> (FloatTensor<B>, FloatTensor<B>),
+        bool,
+    ) -> (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>),
 ) -> DenseGrads<B> {
     let x_shape = x.shape();
     let (i, o) = (
@@ -69,14 +70,17 @@ pub(crate) fn flattened_linear_backward<B: FusedOps>(
     let rows = x_shape.num_elements() / i.max(1);
     let x2 = B::float_reshape(x, Shape::new([rows, i]));
     let g2 = B::float_reshape(grad, Shape::new([rows, o]));
-    let (dx, dweight) = matmul_pair(
+    let (dx, dweight, dbias) = products(
         g2.clone(),
         B::float_swap_dims(weight, 0, 1),
         B::float_swap_dims(x2, 0, 1),
-        g2.clone(),
+        with_bias,
     );
     let dx = B::float_reshape(dx, x_shape);
-    let dbias = with_bias.then(|| B::float_reshape(B::float_sum_dim(g2, 0), Shape::new([o])));
+    let dbias = match dbias {
+        Some(dbias) => Some(dbias),
+        None => with_bias.then(|| B::float_reshape(B::float_sum_dim(g2, 0), Shape::new([o]))),
+    };
     (dx, dweight, dbias)
 }
 

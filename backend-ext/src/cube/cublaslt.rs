@@ -1,8 +1,10 @@
 //! NVIDIA's cuBLASLt as ember's GEMM on CUDA (`model.gemm = "cublaslt"`, Note [GPU GEMMs] in
-//! `gemm.rs`): the dense layers' products and attention's batched products, through cudarc's
-//! `cublaslt` module (`cublasLtMatmul` with the algorithm its heuristic ranks first; f32
+//! `gemm.rs`): the dense layers' products (the bias in the forward product's epilogue, the
+//! bias gradient in the weight gradient's) and attention's batched products, through
+//! `cublasLtMatmul` with the algorithm its heuristic ranks first (`cublaslt_call.rs`: f32
 //! operands as TF32, `CUBLAS_COMPUTE_32F_FAST_TF32`, as cubek's tensor-core kernels read them;
-//! bf16 and f16 multiplied exactly and accumulated in f32, `CUBLAS_COMPUTE_32F`).
+//! bf16 and f16 multiplied exactly and accumulated in f32, `CUBLAS_COMPUTE_32F`; descriptors
+//! kept per kind of product, Note [cuBLASLt descriptors kept]).
 //!
 //! Note [cuBLASLt beside CubeCL]: CubeCL 0.10 gives each thread a CUDA stream of its own,
 //! created non-blocking (no implicit ordering with any other stream), and exposes neither the
@@ -29,7 +31,8 @@
 //! column-major GEMM's definition. A layout it has no plan for (a strided slice, batch
 //! dimensions that do not flatten) and a product cuBLASLt refuses run CubeCL's autotuned
 //! matmul instead; the refusals are counted ([`refusals`]), the first is logged, and a refused
-//! layout is not offered again. An error reported by either wait is a device fault, not a
+//! kind (a layout, dtype and epilogue) is not offered again; a weight gradient whose
+//! bias-gradient epilogue was refused is offered without it. An error reported by either wait is a device fault, not a
 //! refusal: it panics, as CubeCL does on one.
 
 use std::any::Any;
@@ -43,17 +46,16 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl_runtime::server::ComputeServer;
-use cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
-use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+use cudarc::driver::{CudaContext, CudaStream};
 
+use super::cublaslt_call::{Epilogue, Kind, Lt, Pointers};
 use super::cublaslt_window::{self, Windows};
-use crate::gemm_layout::{ColumnMajorGemm, column_major_gemm};
+use crate::gemm_layout::column_major_gemm;
 
-/// One GPU's cuBLASLt handle (with its workspace: 32 MiB on Hopper, cudarc's choice after
-/// NVIDIA's advice) and the stream its products run on.
+/// One GPU's cuBLASLt handle (with its workspace and prepared kinds of product:
+/// `cublaslt_call.rs`) and the stream its products run on.
 struct Handle {
-    blas: CudaBlasLT,
+    lt: Lt,
     stream: Arc<CudaStream>,
     /// The device-side windows' flags (`model.cublaslt_sync = "device"`).
     windows: Windows,
@@ -71,9 +73,19 @@ static REFUSALS: AtomicUsize = AtomicUsize::new(0);
 /// Products cuBLASLt computed, since the process started.
 static PRODUCTS: AtomicUsize = AtomicUsize::new(0);
 
+/// Products whose bias gradient cuBLASLt's epilogue computed, since the process started.
+static BIAS_GRADIENTS: AtomicUsize = AtomicUsize::new(0);
+
 /// How many products cuBLASLt computed in this process (each batched product counts once).
 pub fn products() -> usize {
     PRODUCTS.load(Ordering::Relaxed)
+}
+
+/// How many of [`products`] also computed a dense layer's bias gradient in their epilogue
+/// (`CUBLASLT_EPILOGUE_BGRADA`, the weight gradient's product), instead of a reduction of
+/// its own.
+pub fn bias_gradients() -> usize {
+    BIAS_GRADIENTS.load(Ordering::Relaxed)
 }
 
 /// How many products `model.gemm = "cublaslt"` handed to CubeCL's matmul because cuBLASLt
@@ -112,10 +124,9 @@ fn handle(ordinal: usize) -> Result<Arc<Mutex<Handle>>, String> {
     let stream = ctx
         .new_stream()
         .map_err(|e| format!("a stream on CUDA device {ordinal}: {e:?}"))?;
-    let blas = CudaBlasLT::new(stream.clone())
-        .map_err(|e| format!("a cuBLASLt handle on CUDA device {ordinal}: {e:?}"))?;
+    let lt = Lt::new(&stream).map_err(|e| format!("cuBLASLt on CUDA device {ordinal}: {e}"))?;
     let handle = Arc::new(Mutex::new(Handle {
-        blas,
+        lt,
         stream,
         windows: Windows::default(),
     }));
@@ -123,66 +134,36 @@ fn handle(ordinal: usize) -> Result<Arc<Mutex<Handle>>, String> {
     Ok(handle)
 }
 
-/// A device pointer that CubeCL owns, as cudarc's operand traits take it: no event tracking
-/// (the window of Note [cuBLASLt beside CubeCL], on the host or the device, orders the
-/// accesses).
-struct Borrowed<'s> {
-    ptr: CUdeviceptr,
-    len: usize,
-    stream: &'s Arc<CudaStream>,
+/// What a product of [`matmuls`] does besides `a · b` (cuBLASLt's epilogues: Note [cuBLASLt
+/// descriptors kept] in `cublaslt_call.rs`).
+pub(crate) enum With<'t, R: CubeRuntime> {
+    /// The product alone.
+    Nothing,
+    /// `bias` `[n]` added to every row (`CUBLASLT_EPILOGUE_BIAS`; a product without batch).
+    Bias(&'t CubeTensor<R>),
+    /// Also `Σ_rows b` `[n]`, in `b`'s dtype (`CUBLASLT_EPILOGUE_BGRADA`: with `a = xᵀ` and
+    /// `b` the output's gradient, the dense layer's bias gradient beside `dW`; a product
+    /// without batch).
+    BiasGradient,
 }
 
-impl<T> DeviceSlice<T> for Borrowed<'_> {
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn stream(&self) -> &Arc<CudaStream> {
-        self.stream
+// (By hand: a derive would ask `R: Copy`.)
+impl<R: CubeRuntime> Clone for With<'_, R> {
+    fn clone(&self) -> Self {
+        *self
     }
 }
+impl<R: CubeRuntime> Copy for With<'_, R> {}
 
-impl<T> DevicePtr<T> for Borrowed<'_> {
-    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
-        (self.ptr, SyncOnDrop::Sync(None))
-    }
+/// One product for [`matmuls`]: `a · b`, and what else it does.
+pub(crate) type Operands<'t, R> = (&'t CubeTensor<R>, &'t CubeTensor<R>, With<'t, R>);
+
+/// A product computed by cuBLASLt: `a · b` (with the bias, where asked), and `Σ_rows b` where
+/// [`With::BiasGradient`] asked for it.
+pub(crate) struct Product<R: CubeRuntime> {
+    pub out: CubeTensor<R>,
+    pub bias_gradient: Option<CubeTensor<R>>,
 }
-
-impl<T> DevicePtrMut<T> for Borrowed<'_> {
-    fn device_ptr_mut<'a>(&'a mut self, _stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
-        (self.ptr, SyncOnDrop::Sync(None))
-    }
-}
-
-/// cudarc's configuration for a plan (`C'` written, not accumulated: β = 0).
-fn config(plan: &ColumnMajorGemm) -> MatmulConfig {
-    let batched = plan.batch > 1;
-    let batch = |stride: usize| batched.then_some(stride as i64);
-    MatmulConfig {
-        transa: plan.transa,
-        transb: plan.transb,
-        transc: false,
-        m: plan.m as u64,
-        n: plan.n as u64,
-        k: plan.k as u64,
-        alpha: 1.0,
-        lda: plan.lda as i64,
-        ldb: plan.ldb as i64,
-        beta: 0.0,
-        ldc: plan.ldc as i64,
-        stride_a: batch(plan.stride_a),
-        stride_b: batch(plan.stride_b),
-        stride_c: batch(plan.stride_c),
-        stride_bias: None,
-        batch_size: batched.then_some(plan.batch as i32),
-    }
-}
-
-/// One product for [`matmuls`]: `a · b`, plus `bias` on every row.
-pub(crate) type Operands<'t, R> = (
-    &'t CubeTensor<R>,
-    &'t CubeTensor<R>,
-    Option<&'t CubeTensor<R>>,
-);
 
 /// `a · b` (Burn's `float_matmul` semantics: batched over the leading dimensions, broadcast
 /// where one side has 1), plus `bias` `[n]` on every row (cuBLASLt's `CUBLASLT_EPILOGUE_BIAS`:
@@ -194,36 +175,49 @@ pub(crate) fn matmul<R: CubeRuntime>(
     b: &CubeTensor<R>,
     bias: Option<&CubeTensor<R>>,
 ) -> Option<CubeTensor<R>> {
-    matmuls(&[(a, b, bias)]).pop().flatten()
+    let with = bias.map_or(With::Nothing, With::Bias);
+    matmuls(&[(a, b, with)]).pop().flatten().map(|p| p.out)
 }
 
-/// Products that do not read each other's outputs, as [`matmul`] each, all in the same
-/// window (the dense layer's `dx` and `dW`; attention's `dV` and `dP`, `dQ` and `dK`):
-/// one window of Note [cuBLASLt beside CubeCL] instead of one per product. `None` where a
-/// product has no plan or cuBLASLt refused it, for the caller's CubeCL matmul.
-pub(crate) fn matmuls<R: CubeRuntime>(products: &[Operands<'_, R>]) -> Vec<Option<CubeTensor<R>>> {
+/// Products that do not read each other's outputs, as [`matmul`] each (with their
+/// [`With`]), all in the same window (the dense layer's `dx` and `dW` with `db`; attention's
+/// `dV` and `dP`, `dQ` and `dK`): one window of Note [cuBLASLt beside CubeCL] instead of one per
+/// product. `None` where a product has no plan or cuBLASLt refused it, for the caller's CubeCL
+/// matmul (and its own bias add or bias gradient).
+pub(crate) fn matmuls<R: CubeRuntime>(products: &[Operands<'_, R>]) -> Vec<Option<Product<R>>> {
     // Burn's CUDA backend, or ember's counting one around it (`CountingCuda`: what `train`
     // and the step benchmarks run): the same storage, so the same pointers.
     fn on<R: CubeRuntime, C: CudaLike>(
         products: &[Operands<'_, R>],
-    ) -> Option<Vec<Option<CubeTensor<R>>>> {
+    ) -> Option<Vec<Option<Product<R>>>> {
         fn cast<R: CubeRuntime, C: CubeRuntime>(t: &CubeTensor<R>) -> Option<&CubeTensor<C>> {
             (t as &dyn Any).downcast_ref()
         }
+        fn back<C: CubeRuntime, R: CubeRuntime>(t: CubeTensor<C>) -> Option<CubeTensor<R>> {
+            let t: Box<dyn Any> = Box::new(t);
+            t.downcast::<CubeTensor<R>>().ok().map(|t| *t)
+        }
         let mut cast_products = Vec::with_capacity(products.len());
-        for &(a, b, bias) in products {
-            let bias = match bias {
-                Some(bias) => Some(cast::<R, C>(bias)?),
-                None => None,
+        for &(a, b, with) in products {
+            let with = match with {
+                With::Nothing => With::Nothing,
+                With::Bias(bias) => With::Bias(cast::<R, C>(bias)?),
+                With::BiasGradient => With::BiasGradient,
             };
-            cast_products.push((cast::<R, C>(a)?, cast::<R, C>(b)?, bias));
+            cast_products.push((cast::<R, C>(a)?, cast::<R, C>(b)?, with));
         }
         Some(
             cuda_matmuls(&cast_products)
                 .into_iter()
-                .map(|out| {
-                    let out: Box<dyn Any> = Box::new(out?);
-                    out.downcast::<CubeTensor<R>>().ok().map(|t| *t)
+                .map(|product| {
+                    let product = product?;
+                    Some(Product {
+                        out: back(product.out)?,
+                        bias_gradient: match product.bias_gradient {
+                            Some(db) => Some(back(db)?),
+                            None => None,
+                        },
+                    })
                 })
                 .collect(),
         )
@@ -246,35 +240,27 @@ impl<C> CudaLike for C where
 {
 }
 
-/// What a refused product is known by: its plan, dtype and whether it had a bias.
-type RefusalKey = (ColumnMajorGemm, DType, bool);
-
-/// The layouts cuBLASLt refused, so that they go to CubeCL's matmul at once instead of after
-/// another host wait.
-fn refused() -> &'static Mutex<HashSet<RefusalKey>> {
-    static REFUSED: OnceLock<Mutex<HashSet<RefusalKey>>> = OnceLock::new();
+/// The kinds of product (plan, dtype, epilogue) cuBLASLt refused, so that they go to CubeCL's
+/// matmul at once instead of after another host wait.
+fn refused() -> &'static Mutex<HashSet<Kind>> {
+    static REFUSED: OnceLock<Mutex<HashSet<Kind>>> = OnceLock::new();
     REFUSED.get_or_init(Default::default)
 }
 
-/// A product with a plan, and its output's memory.
+/// A product with a plan, and its outputs' memory.
 struct Planned<'t, C: CubeRuntime> {
-    plan: ColumnMajorGemm,
     a: &'t CubeTensor<C>,
     b: &'t CubeTensor<C>,
     bias: Option<&'t CubeTensor<C>>,
     out: CubeTensor<C>,
-    key: RefusalKey,
+    /// `[n]`, for [`With::BiasGradient`].
+    bias_gradient: Option<CubeTensor<C>>,
+    kind: Kind,
 }
 
-/// The plan of one product and its output, or `None` (no plan, a bias the epilogue cannot
-/// take, a layout refused before).
-fn plan<'t, C: CudaLike>(
-    (a, b, bias): (
-        &'t CubeTensor<C>,
-        &'t CubeTensor<C>,
-        Option<&'t CubeTensor<C>>,
-    ),
-) -> Option<Planned<'t, C>> {
+/// The plan of one product and its outputs, or `None` (no plan, a bias or bias gradient the
+/// epilogue cannot take, a kind refused before).
+fn plan<'t, C: CudaLike>((a, b, with): Operands<'t, C>) -> Option<Planned<'t, C>> {
     if a.dtype != b.dtype || !matches!(a.dtype, DType::F32 | DType::BF16 | DType::F16) {
         return None;
     }
@@ -285,44 +271,58 @@ fn plan<'t, C: CudaLike>(
         b_shape.as_slice(),
         b.meta.strides(),
     )?;
-    // The epilogue adds a contiguous vector over C'`s rows (the row-major output's columns),
-    // the same vector for every product.
+    // The epilogues' vectors run over C''s rows (the row-major output's columns), one vector
+    // for one product (no batch).
+    let (bias, mut epilogue) = match with {
+        With::Nothing => (None, Epilogue::None),
+        With::Bias(bias) => (Some(bias), Epilogue::Bias),
+        With::BiasGradient => (None, Epilogue::BiasGradient),
+    };
+    if epilogue != Epilogue::None && plan.batch != 1 {
+        return None;
+    }
     if let Some(bias) = bias
         && (bias.dtype != a.dtype
             || bias.shape().as_slice() != [plan.m]
-            || bias.meta.strides()[0] != 1
-            || plan.batch != 1)
+            || bias.meta.strides()[0] != 1)
     {
         return None;
     }
-    let key = (plan, a.dtype, bias.is_some());
-    if refused()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .contains(&key)
-    {
+    let refused = refused().lock().unwrap_or_else(|e| e.into_inner());
+    // A weight gradient whose bias-gradient epilogue was refused is still a product cuBLASLt
+    // may take: without the epilogue (the caller's reduction computes the bias gradient).
+    if epilogue == Epilogue::BiasGradient && refused.contains(&(plan, a.dtype, epilogue)) {
+        epilogue = Epilogue::None;
+    }
+    let kind = (plan, a.dtype, epilogue);
+    if refused.contains(&kind) {
         return None;
     }
+    drop(refused);
     let rank = a_shape.num_dims();
     let mut out_dims: Vec<usize> = (0..rank - 2).map(|d| a_shape[d].max(b_shape[d])).collect();
     out_dims.extend([a_shape[rank - 2], b_shape[rank - 1]]);
-    let out = empty_device_contiguous_dtype(
-        a.client.clone(),
-        a.device.clone(),
-        Shape::from(out_dims),
-        a.dtype,
-    );
+    let empty = |dims: Vec<usize>| {
+        empty_device_contiguous_dtype(
+            a.client.clone(),
+            a.device.clone(),
+            Shape::from(dims),
+            a.dtype,
+        )
+    };
+    let out = empty(out_dims);
+    let bias_gradient = (epilogue == Epilogue::BiasGradient).then(|| empty(vec![plan.m]));
     Some(Planned {
-        plan,
         a,
         b,
         bias,
         out,
-        key,
+        bias_gradient,
+        kind,
     })
 }
 
-fn cuda_matmuls<C: CudaLike>(products: &[Operands<'_, C>]) -> Vec<Option<CubeTensor<C>>> {
+fn cuda_matmuls<C: CudaLike>(products: &[Operands<'_, C>]) -> Vec<Option<Product<C>>> {
     let planned: Vec<Option<Planned<'_, C>>> = products.iter().map(|&p| plan(p)).collect();
     let Some(first) = planned.iter().flatten().next() else {
         return products.iter().map(|_| None).collect();
@@ -339,21 +339,28 @@ fn cuda_matmuls<C: CudaLike>(products: &[Operands<'_, C>]) -> Vec<Option<CubeTen
                     PRODUCTS.fetch_add(1, Ordering::Relaxed);
                     // In the counting runtime's launches, as the CubeCL GEMM it replaces would be.
                     super::counting::count_foreign_launch("cublasLtMatmul");
-                    Some(planned.out)
+                    if planned.bias_gradient.is_some() {
+                        BIAS_GRADIENTS.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Some(Product {
+                        out: planned.out,
+                        bias_gradient: planned.bias_gradient,
+                    })
                 }
                 Err(reason) => {
                     refused()
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
-                        .insert(planned.key);
+                        .insert(planned.kind);
                     if REFUSALS.fetch_add(1, Ordering::Relaxed) == 0 {
                         tracing::warn!(
-                            "cuBLASLt refused a {:?} product of [{:?}]·[{:?}] ({reason}): \
-                             CubeCL's matmul runs it and the products of its layout, and the \
-                             next refusals are only counted",
+                            "cuBLASLt refused a {:?} product of [{:?}]·[{:?}] with epilogue \
+                             {:?} ({reason}): CubeCL's matmul runs it and the products of its \
+                             kind, and the next refusals are only counted",
                             planned.a.dtype,
                             planned.a.shape(),
-                            planned.b.shape()
+                            planned.b.shape(),
+                            planned.kind.2
                         );
                     }
                     None
@@ -361,27 +368,6 @@ fn cuda_matmuls<C: CudaLike>(products: &[Operands<'_, C>]) -> Vec<Option<CubeTen
             }
         })
         .collect()
-}
-
-/// cudarc's `cublasLtMatmul` with elements `T`: `(handle, config, A', B', C', bias)`.
-///
-/// # Safety
-/// As `Matmul::matmul`: the pointers are live device buffers of the extents `config` reads.
-unsafe fn lt_matmul<T>(
-    (blas, cfg, lhs, rhs, dst, bias): (
-        &CudaBlasLT,
-        MatmulConfig,
-        &Borrowed<'_>,
-        &Borrowed<'_>,
-        &mut Borrowed<'_>,
-        Option<&Borrowed<'_>>,
-    ),
-) -> Result<(), cudarc::cublaslt::result::CublasError>
-where
-    CudaBlasLT: Matmul<T>,
-{
-    // SAFETY: the caller's.
-    unsafe { Matmul::<T>::matmul(blas, cfg, lhs, rhs, dst, bias, None) }
 }
 
 /// The planned products (`None`: skipped), in one window of Note [cuBLASLt beside CubeCL]
@@ -409,7 +395,7 @@ fn run<C: CudaLike>(ordinal: usize, planned: &[Option<Planned<'_, C>>]) -> Vec<R
     };
     // Each keeps its memory from being reused until the products are done.
     let mut held = Vec::new();
-    let mut results: Vec<Result<[(CUdeviceptr, u64); 4], String>> = Vec::new();
+    let mut results: Vec<Result<Pointers, String>> = Vec::new();
     for p in planned {
         let Some(p) = p else {
             results.push(Err("no plan".into()));
@@ -417,24 +403,30 @@ fn run<C: CudaLike>(ordinal: usize, planned: &[Option<Planned<'_, C>>]) -> Vec<R
         };
         let pointers = (|| {
             let (ra, rb, rc) = (resource(p.a)?, resource(p.b)?, resource(&p.out)?);
-            let rbias = p.bias.map(resource).transpose()?;
+            let rvector = p
+                .bias
+                .or(p.bias_gradient.as_ref())
+                .map(resource)
+                .transpose()?;
             // (CubeCL's resource type is private to cubecl-cuda: its fields are read in place.)
-            let pointers = [
-                (ra.resource().ptr, ra.resource().size),
-                (rb.resource().ptr, rb.resource().size),
-                (rc.resource().ptr, rc.resource().size),
-                rbias
-                    .as_ref()
-                    .map_or((0, 0), |r| (r.resource().ptr, r.resource().size)),
-            ];
-            held.push((ra, rb, rc, rbias));
+            // A' is the row-major right operand, B' the left (Note [Row-major GEMMs on a
+            // column-major BLAS] in gemm_layout.rs).
+            let pointers = Pointers {
+                a: rb.resource().ptr,
+                b: ra.resource().ptr,
+                c: rc.resource().ptr,
+                vector: rvector.as_ref().map_or(0, |r| r.resource().ptr),
+            };
+            held.push((ra, rb, rc, rvector));
             // cuBLASLt picks its kernel assuming 256-byte aligned pointers (the default of
-            // `CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES`, which cudarc leaves). CubeCL's
-            // buffers are 512-byte aligned; a view into one may not be.
-            for (what, (ptr, _)) in ["left operand", "right operand", "output", "bias"]
-                .into_iter()
-                .zip(pointers)
-            {
+            // `CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES`, left unset). CubeCL's buffers are
+            // 512-byte aligned; a view into one may not be.
+            for (what, ptr) in [
+                ("left operand", pointers.b),
+                ("right operand", pointers.a),
+                ("output", pointers.c),
+                ("bias or bias gradient", pointers.vector),
+            ] {
                 if ptr % 256 != 0 {
                     return Err(format!("the {what} is not 256-byte aligned"));
                 }
@@ -459,33 +451,14 @@ fn run<C: CudaLike>(ordinal: usize, planned: &[Option<Planned<'_, C>>]) -> Vec<R
         .zip(results)
         .map(|(p, pointers)| {
             // A product without a plan has no pointers: it stops here.
-            let [pa, pb, pc, pbias] = pointers?;
+            let pointers = pointers?;
             let p = p.as_ref().expect("a product with pointers has a plan");
-            let element = p.a.dtype.size();
-            let borrowed = |(ptr, bytes): (CUdeviceptr, u64)| Borrowed {
-                ptr,
-                len: bytes as usize / element,
-                stream: &handle.stream,
-            };
-            // A' is the row-major right operand, B' the left (Note [Row-major GEMMs on a
-            // column-major BLAS] in gemm_layout.rs).
-            let (lhs, rhs, mut dst) = (borrowed(pb), borrowed(pa), borrowed(pc));
-            let bias = p.bias.map(|_| borrowed(pbias));
-            let cfg = config(&p.plan);
             // SAFETY: the pointers are CubeCL's live buffers (held in `held`; CubeCL's stream
-            // runs nothing after the window's start until its end), written before the
-            // window began (`cublaslt_window::begin`); the plan's extents stay within each tensor's
+            // runs nothing after the window's start until its end), written before the window
+            // began (`cublaslt_window::begin`); the plan's layouts stay within each tensor's
             // elements (gemm_layout.rs, tested against the column-major definition), and the
-            // bias has C''s `m` elements (checked by `plan`).
-            let operands = (&handle.blas, cfg, &lhs, &rhs, &mut dst, bias.as_ref());
-            unsafe {
-                match p.a.dtype {
-                    DType::BF16 => lt_matmul::<burn::tensor::bf16>(operands),
-                    DType::F16 => lt_matmul::<burn::tensor::f16>(operands),
-                    _ => lt_matmul::<f32>(operands),
-                }
-            }
-            .map_err(|e| format!("{e:?}"))
+            // bias and bias gradient have C''s `m` elements (`plan`).
+            unsafe { handle.lt.matmul(&p.kind, &pointers, &handle.stream) }
         })
         .collect();
     cublaslt_window::end::<C>(window, &handle.windows, &device, &handle.stream);

@@ -52,15 +52,56 @@ pub(crate) fn matmul_pair<R: CubeRuntime>(
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     #[cfg(feature = "cuda")]
     if gpu_gemm() == Gemm::Cublaslt {
-        let mut both = super::cublaslt::matmuls(&[(&a1, &b1, None), (&a2, &b2, None)]);
-        let second = both.pop().flatten();
-        let first = both.pop().flatten();
+        use super::cublaslt::With;
+        let mut both =
+            super::cublaslt::matmuls(&[(&a1, &b1, With::Nothing), (&a2, &b2, With::Nothing)]);
+        let second = both.pop().flatten().map(|p| p.out);
+        let first = both.pop().flatten().map(|p| p.out);
         return (
             first.unwrap_or_else(|| cube_only(a1, b1)),
             second.unwrap_or_else(|| cube_only(a2, b2)),
         );
     }
     (matmul(a1, b1), matmul(a2, b2))
+}
+
+/// The dense layer's gradient products, `dx = g·Wᵀ` and `dW = xᵀ·g` (`g2`, `weight_t`, `x_t`:
+/// the output's gradient `[R, O]`, the weight's transposed view `[O, I]`, the input's
+/// `[I, R]`), as [`matmul_pair`]; with `with_bias`, cuBLASLt also writes `db = Σ_rows g` `[O]`
+/// in `dW`'s epilogue (`CUBLASLT_EPILOGUE_BGRADA`, Note [cuBLASLt descriptors kept] in
+/// `cublaslt_call.rs`). `db` is `None` where no epilogue computed it (another kernel, a refused
+/// kind), for the caller's reduction.
+pub(crate) fn dense_backward_products<R: CubeRuntime>(
+    g2: CubeTensor<R>,
+    weight_t: CubeTensor<R>,
+    x_t: CubeTensor<R>,
+    with_bias: bool,
+) -> (CubeTensor<R>, CubeTensor<R>, Option<CubeTensor<R>>) {
+    #[cfg(feature = "cuda")]
+    if gpu_gemm() == Gemm::Cublaslt {
+        use super::cublaslt::With;
+        let with = if with_bias {
+            With::BiasGradient
+        } else {
+            With::Nothing
+        };
+        let mut both =
+            super::cublaslt::matmuls(&[(&g2, &weight_t, With::Nothing), (&x_t, &g2, with)]);
+        let dweight = both.pop().flatten();
+        let dx = both.pop().flatten().map(|p| p.out);
+        let (dweight, dbias) = match dweight {
+            Some(p) => (p.out, p.bias_gradient),
+            None => (cube_only(x_t, g2.clone()), None),
+        };
+        return (
+            dx.unwrap_or_else(|| cube_only(g2, weight_t)),
+            dweight,
+            dbias,
+        );
+    }
+    let _ = with_bias;
+    let (dx, dweight) = matmul_pair(g2.clone(), weight_t, x_t, g2);
+    (dx, dweight, None)
 }
 
 /// [`matmul`] on CubeCL's kernel, whatever the choice (a product cuBLASLt did not take).

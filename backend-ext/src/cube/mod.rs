@@ -4,6 +4,8 @@ pub mod counting;
 #[cfg(feature = "cuda")]
 pub mod cublaslt;
 #[cfg(feature = "cuda")]
+mod cublaslt_call;
+#[cfg(feature = "cuda")]
 mod cublaslt_window;
 mod gemm;
 pub mod gemm_window;
@@ -150,7 +152,7 @@ where
             weight,
             grad,
             with_bias,
-            gemm::matmul_pair,
+            gemm::dense_backward_products,
         )
     }
 

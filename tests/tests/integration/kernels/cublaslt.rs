@@ -341,4 +341,90 @@ pub(super) fn check_cublaslt<B: FusedOps>(device: &B::Device, counting: bool) {
             f32_gemm,
         );
     }
+    check_dense_backward::<B>(device, counting, f32_gemm);
+}
+
+/// `m` `[rows, cols]` row-major, transposed.
+fn transposed(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    (0..cols * rows)
+        .map(|e| m[(e % rows) * cols + e / rows])
+        .collect()
+}
+
+/// The dense layer's backward on cuBLASLt: `dx = g·Wᵀ` and `dW = xᵀ·g` in one window, and the
+/// bias gradient `db = Σ_rows g` written by `dW`'s epilogue (`CUBLASLT_EPILOGUE_BGRADA`): two
+/// products, two launches and no reduction of its own, against the host in f32 and bf16.
+fn check_dense_backward<B: FusedOps>(device: &B::Device, counting: bool, f32_gemm: GemmPrecision) {
+    for dtype in [DType::F32, DType::BF16] {
+        let [b, s, i, o] = [3, 37, 70, 50];
+        let rows = b * s;
+        let x = random::<B, 3>([b, s, i], device).cast(dtype);
+        let w = random::<B, 2>([i, o], device).cast(dtype);
+        let g = random::<B, 3>([b, s, o], device).cast(dtype);
+        let (xh, wh, gh) = (values(x.clone()), values(w.clone()), values(g.clone()));
+        B::sync(device).expect("the device's queue");
+        let (products, gradients, launches) = (
+            ember_backend_ext::cublaslt::products(),
+            ember_backend_ext::cublaslt::bias_gradients(),
+            ember_backend_ext::HostSyncs::now().launches,
+        );
+        let (dx, dw, db) = B::dense_backward(
+            x.into_primitive().tensor(),
+            w.into_primitive().tensor(),
+            g.into_primitive().tensor(),
+            true,
+        );
+        B::sync(device).expect("the device's queue");
+        assert_eq!(
+            (
+                ember_backend_ext::cublaslt::products() - products,
+                ember_backend_ext::cublaslt::bias_gradients() - gradients,
+                ember_backend_ext::HostSyncs::now().launches - launches,
+            ),
+            (2, 1, 2 + window_counts(counting).0),
+            "dense backward ({dtype:?}): (cuBLASLt products, bias gradients in an epilogue, \
+             launches) should be two products in one window, db in dW's epilogue and no \
+             reduction of its own (refused so far: {})",
+            ember_backend_ext::cublaslt::refusals()
+        );
+        let float = |t| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t));
+        let got_dx = values(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(dx)));
+        let got_dw = values(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(dw)));
+        let db = float(db.expect("a bias gradient"));
+        assert_eq!(db.dims(), [o], "db's shape ({dtype:?})");
+        let got_db = values(db);
+        let host_dx = host_product(&gh, &transposed(&wh, i, o), [1, rows, o, i], false);
+        assert_within(
+            &format!("dx ({dtype:?})"),
+            &got_dx,
+            &host_dx,
+            o,
+            dtype,
+            f32_gemm,
+        );
+        let host_dw = host_product(&transposed(&xh, rows, i), &gh, [1, i, rows, o], false);
+        assert_within(
+            &format!("dW ({dtype:?})"),
+            &got_dw,
+            &host_dw,
+            rows,
+            dtype,
+            f32_gemm,
+        );
+        let host_db: (Vec<f64>, Vec<f64>) = (0..o)
+            .map(|j| {
+                (0..rows)
+                    .map(|r| f64::from(gh[r * o + j]))
+                    .fold((0.0, 0.0), |(sum, abs), v| (sum + v, abs + v.abs()))
+            })
+            .unzip();
+        assert_within(
+            &format!("db ({dtype:?})"),
+            &got_db,
+            &host_db,
+            rows,
+            dtype,
+            f32_gemm,
+        );
+    }
 }

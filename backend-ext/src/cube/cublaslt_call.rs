@@ -1,0 +1,353 @@
+//! One GPU's cuBLASLt handle and its products, on cuBLASLt's own API (cudarc's `result` layer):
+//! the epilogues ember uses, and the descriptors and algorithm of each kind of product made
+//! once.
+//!
+//! Note [cuBLASLt descriptors kept]: cudarc's `Matmul::matmul` creates three matrix layouts, an
+//! operation descriptor and a preference, asks the heuristic for an algorithm and destroys them
+//! all again at every product: about fifteen calls into the library, for each of the ~600
+//! products of a BERT-large step, while the GPU waits for the host (Note [cuBLASLt beside
+//! CubeCL] in `cublaslt.rs`). None of them depends on the operands' addresses (the layouts
+//! hold shapes, the descriptor types, transposes and the epilogue; the algorithm is chosen for
+//! the preference's default 256-byte alignment, which `cublaslt.rs` checks of every pointer),
+//! so here they are made at the first product of a kind (its plan, dtype and epilogue) and
+//! kept with the handle. A product then costs one `cublasLtMatmul` call, and one attribute
+//! write for the bias or bias-gradient pointer. (cuBLASLt keeps its own cache of heuristic
+//! answers, `CUBLASLT_HEURISTICS_CACHE_CAPACITY`; the descriptors' calls are what this saves.)
+//! A kind whose descriptors or algorithm cuBLASLt refuses is not kept: `cublaslt.rs` records
+//! the refusal and runs the kind on CubeCL.
+//!
+//! The epilogues (cuBLAS's documentation of `cublasLtEpilogue_t`; the operands are the
+//! column-major ones of Note [Row-major GEMMs on a column-major BLAS] in `gemm_layout.rs`):
+//! - [`Epilogue::Bias`] (`CUBLASLT_EPILOGUE_BIAS`): a vector of `C'`'s `m` rows added to every
+//!   column: the dense layer's bias on every row of its output;
+//! - [`Epilogue::BiasGradient`] (`CUBLASLT_EPILOGUE_BGRADA`): `op(A')` summed over the GEMM's
+//!   `k` dimension into a vector of `C'`'s `m` rows, written beside the product. For the dense
+//!   layer's weight gradient `dW = xᵀ·g`, `A'` is the output's gradient `g` and `k` its rows, so
+//!   the vector is the bias gradient `Σ_rows g`: apex's `fused_dense` (`gemm_bgradb_lt`, its
+//!   operands the other way round, hence BGRADB there) and Transformer Engine compute the
+//!   weight and bias gradients in one GEMM the same way. Its dtype is the output's (cuBLASLt's
+//!   default, `CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE` unset); the sum accumulates in f32.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use burn::tensor::DType;
+use cudarc::cublaslt::result::{self, CublasError};
+use cudarc::cublaslt::sys;
+use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+
+use crate::gemm_layout::{ColumnMajorGemm, MatrixLayout};
+
+/// What a product does besides `C' = op(A')·op(B')` (Note [cuBLASLt descriptors kept]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) enum Epilogue {
+    /// Nothing (`CUBLASLT_EPILOGUE_DEFAULT`).
+    None,
+    /// Adds a vector of `m` elements to each column of `C'` (`CUBLASLT_EPILOGUE_BIAS`).
+    Bias,
+    /// Writes `op(A')` summed over `k`, `m` elements (`CUBLASLT_EPILOGUE_BGRADA`).
+    BiasGradient,
+}
+
+impl Epilogue {
+    fn value(self) -> sys::cublasLtEpilogue_t {
+        match self {
+            Epilogue::None => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
+            Epilogue::Bias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+            Epilogue::BiasGradient => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADA,
+        }
+    }
+}
+
+/// A kind of product: what its descriptors and algorithm depend on.
+pub(super) type Kind = (ColumnMajorGemm, DType, Epilogue);
+
+/// The device addresses of one product: `A'`, `B'`, `C'` and the epilogue's vector (0 without).
+pub(super) struct Pointers {
+    pub a: CUdeviceptr,
+    pub b: CUdeviceptr,
+    pub c: CUdeviceptr,
+    pub vector: CUdeviceptr,
+}
+
+/// cuBLASLt's element type and compute type for a dtype: f32 as TF32 on the tensor cores
+/// (`CUBLAS_COMPUTE_32F_FAST_TF32`, as cubek's kernels read f32), bf16 and f16 exact with f32
+/// accumulation (`CUBLAS_COMPUTE_32F`); the scale type (α, β) is f32 for all three.
+fn types(dtype: DType) -> Option<(sys::cudaDataType, sys::cublasComputeType_t)> {
+    use sys::cublasComputeType_t::{CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32};
+    use sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F};
+    match dtype {
+        DType::F32 => Some((CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32)),
+        DType::BF16 => Some((CUDA_R_16BF, CUBLAS_COMPUTE_32F)),
+        DType::F16 => Some((CUDA_R_16F, CUBLAS_COMPUTE_32F)),
+        _ => None,
+    }
+}
+
+/// A matrix layout descriptor, destroyed with it.
+struct Layout(sys::cublasLtMatrixLayout_t);
+
+impl Layout {
+    fn new(element: sys::cudaDataType, layout: &MatrixLayout) -> Result<Self, CublasError> {
+        let handle = result::create_matrix_layout(
+            element,
+            layout.rows as u64,
+            layout.cols as u64,
+            layout.ld as i64,
+        )?;
+        let made = Layout(handle);
+        if let Some((count, stride)) = layout.batch {
+            let (count, stride) = (count as i32, stride as i64);
+            // SAFETY: a live layout; each value is the attribute's documented type and size.
+            unsafe {
+                result::set_matrix_layout_attribute(
+                    made.0,
+                    sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                    (&count as *const i32).cast(),
+                    size_of::<i32>(),
+                )?;
+                result::set_matrix_layout_attribute(
+                    made.0,
+                    sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                    (&stride as *const i64).cast(),
+                    size_of::<i64>(),
+                )?;
+            }
+        }
+        Ok(made)
+    }
+}
+
+impl Drop for Layout {
+    fn drop(&mut self) {
+        // SAFETY: created by `create_matrix_layout`, destroyed once. An error here (a library
+        // torn down at exit) leaks the descriptor, nothing more.
+        let _ = unsafe { result::destroy_matrix_layout(self.0) };
+    }
+}
+
+/// An operation descriptor, destroyed with it.
+struct Desc(sys::cublasLtMatmulDesc_t);
+
+impl Desc {
+    /// Sets one attribute to `value`.
+    ///
+    /// # Safety
+    /// `T` is the attribute's documented type.
+    unsafe fn set<T>(
+        &self,
+        attribute: sys::cublasLtMatmulDescAttributes_t,
+        value: &T,
+    ) -> Result<(), CublasError> {
+        // SAFETY: a live descriptor; the value's type is the caller's promise.
+        unsafe {
+            result::set_matmul_desc_attribute(
+                self.0,
+                attribute,
+                (value as *const T).cast(),
+                size_of::<T>(),
+            )
+        }
+    }
+}
+
+impl Drop for Desc {
+    fn drop(&mut self) {
+        // SAFETY: created by `create_matmul_desc`, destroyed once.
+        let _ = unsafe { result::destroy_matmul_desc(self.0) };
+    }
+}
+
+/// A preference descriptor, destroyed with it.
+struct Pref(sys::cublasLtMatmulPreference_t);
+
+impl Drop for Pref {
+    fn drop(&mut self) {
+        // SAFETY: created by `create_matmul_pref`, destroyed once.
+        let _ = unsafe { result::destroy_matmul_pref(self.0) };
+    }
+}
+
+/// The descriptors and algorithm of one kind of product.
+struct Prepared {
+    desc: Desc,
+    /// `A'`, `B'`, `C'` (also `D`: the product is written in place of `C`, β = 0).
+    layouts: [Layout; 3],
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+/// One GPU's cuBLASLt handle, its workspace and the kinds of product prepared so far.
+pub(super) struct Lt {
+    handle: sys::cublasLtHandle_t,
+    /// Kept for its memory; `workspace_ptr` is its address.
+    _workspace: CudaSlice<u8>,
+    workspace_ptr: CUdeviceptr,
+    workspace_size: usize,
+    prepared: HashMap<Kind, Prepared>,
+}
+
+// SAFETY: a cuBLASLt handle may be used from any thread, one call at a time; `Lt` is only
+// reached through its GPU's mutex (`cublaslt.rs`), as cudarc's `CudaBlasLT` is `Send`.
+unsafe impl Send for Lt {}
+
+impl Drop for Lt {
+    fn drop(&mut self) {
+        self.prepared.clear();
+        // SAFETY: created by `create_handle`, destroyed once, after its descriptors.
+        let _ = unsafe { result::destroy_handle(self.handle) };
+    }
+}
+
+impl Lt {
+    /// A handle with a workspace on `stream`'s device: 32 MiB from Hopper on, else 4 MiB
+    /// (NVIDIA's advice, as cudarc's `Workspace`).
+    ///
+    /// # Errors
+    /// The library's or the driver's error, as text.
+    pub(super) fn new(stream: &Arc<CudaStream>) -> Result<Self, String> {
+        let major = stream
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+            .map_err(|e| format!("the device's compute capability: {e:?}"))?;
+        let workspace_size = if major >= 9 { 32 << 20 } else { 4 << 20 };
+        // SAFETY: only cuBLASLt writes the workspace, and only on `stream`.
+        let workspace = unsafe { stream.alloc::<u8>(workspace_size) }
+            .map_err(|e| format!("cuBLASLt's workspace of {workspace_size} bytes: {e:?}"))?;
+        let workspace_ptr = workspace.device_ptr(stream).0;
+        let handle = result::create_handle().map_err(|e| format!("a cuBLASLt handle: {e:?}"))?;
+        Ok(Lt {
+            handle,
+            _workspace: workspace,
+            workspace_ptr,
+            workspace_size,
+            prepared: HashMap::new(),
+        })
+    }
+
+    /// The descriptors and the heuristic's first algorithm for `kind`, the epilogue's vector
+    /// set to `vector` (the heuristic sees a product as it will run).
+    fn prepare(
+        &self,
+        (plan, dtype, epilogue): &Kind,
+        vector: CUdeviceptr,
+    ) -> Result<Prepared, String> {
+        let (element, compute) =
+            types(*dtype).ok_or_else(|| format!("no cuBLASLt type for {dtype:?}"))?;
+        let fail = |what: &'static str| move |e: CublasError| format!("{what}: {e:?}");
+        let [la, lb, lc] = plan.layouts();
+        let layouts = [
+            Layout::new(element, &la).map_err(fail("A's layout"))?,
+            Layout::new(element, &lb).map_err(fail("B's layout"))?,
+            Layout::new(element, &lc).map_err(fail("C's layout"))?,
+        ];
+        let desc = Desc(
+            result::create_matmul_desc(compute, sys::cudaDataType_t::CUDA_R_32F)
+                .map_err(fail("the operation descriptor"))?,
+        );
+        let (transa, transb) = (i32::from(plan.transa), i32::from(plan.transb));
+        let epilogue_value = epilogue.value();
+        use sys::cublasLtMatmulDescAttributes_t as A;
+        // SAFETY: cublasOperation_t is an i32 (0: N, 1: T), the epilogue a
+        // cublasLtEpilogue_t, the vector's pointer a device address.
+        unsafe {
+            desc.set(A::CUBLASLT_MATMUL_DESC_TRANSA, &transa)
+                .map_err(fail("transa"))?;
+            desc.set(A::CUBLASLT_MATMUL_DESC_TRANSB, &transb)
+                .map_err(fail("transb"))?;
+            desc.set(A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue_value)
+                .map_err(fail("the epilogue"))?;
+            if *epilogue != Epilogue::None {
+                desc.set(A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &vector)
+                    .map_err(fail("the epilogue's vector"))?;
+            }
+        }
+        let pref = Pref(result::create_matmul_pref().map_err(fail("the preference"))?);
+        // SAFETY: a live preference; the attribute is a size_t.
+        unsafe {
+            result::set_matmul_pref_attribute(
+                pref.0,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&self.workspace_size as *const usize).cast(),
+                size_of::<usize>(),
+            )
+        }
+        .map_err(fail("the workspace preference"))?;
+        // SAFETY: live descriptors of this handle; C and D share a layout.
+        let heuristic = unsafe {
+            result::get_matmul_algo_heuristic(
+                self.handle,
+                desc.0,
+                layouts[0].0,
+                layouts[1].0,
+                layouts[2].0,
+                layouts[2].0,
+                pref.0,
+            )
+        }
+        .map_err(fail("no algorithm for the layout"))?;
+        Ok(Prepared {
+            desc,
+            layouts,
+            algo: heuristic.algo,
+        })
+    }
+
+    /// `C' = op(A')·op(B')` (β = 0) with `kind`'s epilogue, enqueued on `stream`; the kind's
+    /// descriptors are made at its first product and kept (Note [cuBLASLt descriptors kept]).
+    ///
+    /// # Errors
+    /// Why cuBLASLt did not enqueue it (a refused layout or epilogue, no algorithm, a failed
+    /// launch), as text; a refused kind is not kept.
+    ///
+    /// # Safety
+    /// The pointers are live device buffers of `stream`'s context holding the extents the
+    /// plan's layouts read (and `m` elements of the vector where the epilogue has one), not
+    /// written by other work until the product is done.
+    pub(super) unsafe fn matmul(
+        &mut self,
+        kind: &Kind,
+        pointers: &Pointers,
+        stream: &CudaStream,
+    ) -> Result<(), String> {
+        if !self.prepared.contains_key(kind) {
+            let prepared = self.prepare(kind, pointers.vector)?;
+            self.prepared.insert(*kind, prepared);
+        }
+        let prepared = &self.prepared[kind];
+        if kind.2 != Epilogue::None {
+            // SAFETY: the attribute is a device address.
+            unsafe {
+                prepared.desc.set(
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    &pointers.vector,
+                )
+            }
+            .map_err(|e| format!("the epilogue's vector: {e:?}"))?;
+        }
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: the descriptors are this handle's and live; the pointers are the caller's
+        // promise; α and β are f32, the scale type.
+        unsafe {
+            result::matmul(
+                self.handle,
+                prepared.desc.0,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                pointers.a as *const _,
+                prepared.layouts[0].0,
+                pointers.b as *const _,
+                prepared.layouts[1].0,
+                pointers.c as *const _,
+                prepared.layouts[2].0,
+                pointers.c as *mut _,
+                prepared.layouts[2].0,
+                &prepared.algo,
+                self.workspace_ptr as *mut _,
+                self.workspace_size,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| format!("cublasLtMatmul: {e:?}"))
+    }
+}
