@@ -40,14 +40,18 @@
 #                  memory, no host wait; Note [Device-side GEMM windows]): step time, launches,
 #                  host syncs, and the time to the first step (the second autotune process
 #                  reads compiled kernels and autotune results from the cache; target <= 10 s).
-#                  `bench gemm` times cuBLASLt with both syncs too.
+#                  `bench gemm` times cuBLASLt with both syncs too, and prints a second
+#                  table: the dense layers' bias gradient in the weight gradient's epilogue
+#                  (BGRADA) against the same products and a `sum_dim` (ratio > 1: it pays;
+#                  "epilogue refused" if cuBLASLt took the kind without it).
 #   kernels        the kernel tests on CUDA (tests/tests/integration/kernels/, module
 #                  `kernels::cuda` of the integration test binary built with `--features cuda`):
 #                  every fused op against the reference, the dropout masks keyed by sample and
 #                  position (kernels = host masks, with a sample offset) and the dropout op; the
 #                  kernels with bf16 storage against the f32 reference (`half_precision.rs`);
 #                  cuBLASLt's products (`model.gemm = "cublaslt"`) against the host in f32 and
-#                  bf16, each of which must have run on cuBLASLt (`cublaslt.rs`), with host
+#                  bf16, each of which must have run on cuBLASLt (`cublaslt.rs`; the dense
+#                  backward's `db` from the BGRADA epilogue, no reduction launch), with host
 #                  waits and with device-side windows (launches and host syncs counted); the
 #                  window kernel alone (`gemm_window.rs`: released, expired).
 #   bench-kernels  `xtask bench kernels`, f32 then bf16, then the LayerNorm and softmax rows again

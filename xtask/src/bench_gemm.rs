@@ -9,6 +9,8 @@
 //! `--iters` products between two synchronisations, with operands laid out as ember's are
 //! (a transposed operand is a transposed view). The summary adds each path's times weighted
 //! by how often a step runs each product: the step's GEMM time on that path, and its TFLOP/s.
+//! With cuBLASLt, a second table times the dense layers' bias gradient in the weight
+//! gradient's epilogue against the unfused path (`bench_gemm_bias.rs`).
 
 use std::path::PathBuf;
 
@@ -144,11 +146,24 @@ pub fn run(mut args: GemmArgs) -> Result<()> {
         let table = table(&title, &list, &paths);
         print!("{table}");
         markdown.push_str(&table);
-        records.push(json!({
+        let mut record = json!({
             "preset": args.preset.to_string(), "batch_size": batch, "seq_len": seq,
             "gemms": list,
             "paths": paths.iter().map(|p| json!({"name": p.name, "seconds": p.seconds})).collect::<Vec<Value>>(),
-        }));
+        });
+        if args.device == "cuda" && gemms.contains(&Gemm::Cublaslt) {
+            let layers = crate::bench_gemm_bias::biased_dense_layers(
+                &config,
+                batch * seq,
+                batch * predictions,
+            );
+            let (bias_table, bias_record) =
+                crate::bench_gemm_bias::cuda_table(&args.dtypes, &layers, args.iters)?;
+            print!("{bias_table}");
+            markdown.push_str(&bias_table);
+            record["bias_gradient"] = bias_record;
+        }
+        records.push(record);
     }
     let md = base.with_extension("md");
     std::fs::write(&md, &markdown).with_context(|| md.display().to_string())?;

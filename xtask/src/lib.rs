@@ -18,6 +18,7 @@ mod bench_checkpoint;
 mod bench_data;
 mod bench_embed;
 mod bench_gemm;
+mod bench_gemm_bias;
 #[doc(hidden)]
 pub use bench_data::number_after;
 mod bench_kernels;
