@@ -15,8 +15,7 @@
 //! (`CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT`, `..._STRIDED_BATCH_OFFSET`; a stride of 0 repeats
 //! the operand, which is how a broadcast weight is read).
 
-/// One column-major BLAS call, in elements (cuBLASLt's `cublasLtMatmul` with cudarc's
-/// `MatmulConfig` fields): `C'[batch] = op(A')·op(B')`, `C'` `[m, n]` column-major with
+/// One column-major BLAS call, in elements (cuBLASLt's `cublasLtMatmul`: `cube/cublaslt_call.rs`): `C'[batch] = op(A')·op(B')`, `C'` `[m, n]` column-major with
 /// leading dimension `ldc`, where `A'` is the row-major `B` and `B'` the row-major `A`
 /// (Note [Row-major GEMMs on a column-major BLAS]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -66,8 +65,7 @@ pub struct MatrixLayout {
 impl ColumnMajorGemm {
     /// The layouts of `A'`, `B'` and `C'` as stored: an operand read transposed is stored as
     /// the transpose of its `op` (`A'` is `k × m` when `transa`, else `m × k`; `B'` is `n × k`
-    /// when `transb`, else `k × n`; `C'` is `m × n`), as cuBLAS's `op(X)` is defined (and as
-    /// cudarc's `Matmul::matmul` creates them from the same fields).
+    /// when `transb`, else `k × n`; `C'` is `m × n`), as cuBLAS's `op(X)` is defined.
     pub fn layouts(&self) -> [MatrixLayout; 3] {
         let batch = |stride: usize| (self.batch > 1).then_some((self.batch, stride));
         let (a_rows, a_cols) = if self.transa {

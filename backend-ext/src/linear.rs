@@ -77,6 +77,10 @@ pub(crate) fn flattened_linear_backward<B: FusedOps>(
         with_bias,
     );
     let dx = B::float_reshape(dx, x_shape);
+    debug_assert!(
+        with_bias || dbias.is_none(),
+        "a bias gradient nobody asked for"
+    );
     let dbias = match dbias {
         Some(dbias) => Some(dbias),
         None => with_bias.then(|| B::float_reshape(B::float_sum_dim(g2, 0), Shape::new([o]))),

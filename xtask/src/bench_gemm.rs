@@ -151,7 +151,8 @@ pub fn run(mut args: GemmArgs) -> Result<()> {
             "gemms": list,
             "paths": paths.iter().map(|p| json!({"name": p.name, "seconds": p.seconds})).collect::<Vec<Value>>(),
         });
-        if args.device == "cuda" && gemms.contains(&Gemm::Cublaslt) {
+        // (Not with `--only`: it keeps some products, and the table is of two dense layers.)
+        if args.device == "cuda" && gemms.contains(&Gemm::Cublaslt) && args.only.is_none() {
             let layers = crate::bench_gemm_bias::biased_dense_layers(
                 &config,
                 batch * seq,

@@ -13,7 +13,7 @@
 
 use anyhow::Result;
 use ember_model::BertConfig;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 /// A dense layer with its bias: `(name, rows, in, out)`.
 type Layer = (&'static str, usize, usize, usize);
@@ -66,15 +66,11 @@ pub(crate) fn cuda_table(
     let mut records = Vec::new();
     let timed = (|| {
         for dtype in dtypes {
-            let before = ember_backend_ext::cublaslt::bias_gradients();
             let times = match dtype.as_str() {
                 "bf16" => time_layers::<CudaBf16>(&device, layers, iters)?,
                 _ => time_layers::<CudaF32>(&device, layers, iters)?,
             };
-            // Each fused call must have had its bias gradient from the epilogue: otherwise
-            // (a refused epilogue) the row says so instead of timing the fallback as fused.
-            let epilogue = ember_backend_ext::cublaslt::bias_gradients() > before;
-            for (&(name, rows, i, o), (fused, unfused)) in layers.iter().zip(times) {
+            for (&(name, rows, i, o), (fused, unfused, epilogue)) in layers.iter().zip(times) {
                 let fused_cell = if epilogue {
                     format!("{:.3}", fused * 1e3)
                 } else {
@@ -85,7 +81,7 @@ pub(crate) fn cuda_table(
                     unfused * 1e3,
                     unfused / fused
                 ));
-                records.push(json!({
+                records.push(serde_json::json!({
                     "layer": name, "dtype": dtype, "rows": rows, "in": i, "out": o,
                     "epilogue_seconds": fused, "unfused_seconds": unfused,
                     "epilogue_ran": epilogue,
@@ -105,13 +101,16 @@ pub(crate) fn cuda_table(_: &[String], _: &[Layer], _: usize) -> Result<(String,
     anyhow::bail!("--device cuda needs a build with the `cuda` feature")
 }
 
-/// Seconds per call of each layer's backward: `(dense_backward, products + sum_dim)`.
+/// Seconds per call of each layer's backward, `(dense_backward, products + sum_dim)`, and
+/// whether every `dense_backward` call (the warm-up and the timed ones) had its bias gradient
+/// from the epilogue: otherwise (a refused epilogue) the row says so instead of passing the
+/// fallback off as the epilogue.
 #[cfg(feature = "cuda")]
 fn time_layers<B: ember_backend_ext::FusedOps>(
     device: &B::Device,
     layers: &[Layer],
     iters: usize,
-) -> Result<Vec<(f64, f64)>> {
+) -> Result<Vec<(f64, f64, bool)>> {
     use burn::tensor::{Distribution, Tensor};
     let normal = |shape: [usize; 2]| {
         Tensor::<B, 2>::random(shape, Distribution::Normal(0.0, 1.0), device)
@@ -122,9 +121,13 @@ fn time_layers<B: ember_backend_ext::FusedOps>(
         .iter()
         .map(|&(_, rows, i, o)| {
             let (x, w, g) = (normal([rows, i]), normal([i, o]), normal([rows, o]));
+            let before = ember_backend_ext::cublaslt::bias_gradients();
             let fused = crate::bench_kernels::time::<B>(device, iters.max(1), || {
                 drop(B::dense_backward(x.clone(), w.clone(), g.clone(), true));
             })?;
+            // One warm-up and `iters` timed calls.
+            let epilogue =
+                ember_backend_ext::cublaslt::bias_gradients() - before == iters.max(1) + 1;
             let unfused = crate::bench_kernels::time::<B>(device, iters.max(1), || {
                 let products = B::batched_matmul_pair(
                     g.clone(),
@@ -134,7 +137,7 @@ fn time_layers<B: ember_backend_ext::FusedOps>(
                 );
                 drop((products, B::float_sum_dim(g.clone(), 0)));
             })?;
-            Ok((fused, unfused))
+            Ok((fused, unfused, epilogue))
         })
         .collect()
 }

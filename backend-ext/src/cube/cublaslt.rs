@@ -278,7 +278,13 @@ fn plan<'t, C: CudaLike>((a, b, with): Operands<'t, C>) -> Option<Planned<'t, C>
         With::Bias(bias) => (Some(bias), Epilogue::Bias),
         With::BiasGradient => (None, Epilogue::BiasGradient),
     };
-    if epilogue != Epilogue::None && plan.batch != 1 {
+    // The bias gradient needs one product with more than one row to sum (cuBLASLt before 12.3.4
+    // has no BGRADA at k = 1, nvmath-python's `BgradHandler`): otherwise the product runs
+    // without it and the caller's reduction computes it.
+    if epilogue == Epilogue::BiasGradient && (plan.batch != 1 || plan.k == 1) {
+        epilogue = Epilogue::None;
+    }
+    if epilogue == Epilogue::Bias && plan.batch != 1 {
         return None;
     }
     if let Some(bias) = bias
@@ -445,7 +451,22 @@ fn run<C: CudaLike>(ordinal: usize, planned: &[Option<Planned<'_, C>>]) -> Vec<R
         .map(|p| p.a.device.clone())
         .expect("a window has a planned product");
     let handle = &mut *handle;
-    let window = cublaslt_window::begin(&mut handle.windows, &client, &device, &handle.stream);
+    // A window with a kind's first product waits on the host: cuBLASLt loads that kind's kernels
+    // at their first launch (CUDA's lazy loading), which may wait for the device, where a
+    // device window's kernel would be spinning until the products it waits for are done
+    // (CUDA's Lazy Loading notes: a kernel waiting on another that is still to be loaded can
+    // deadlock). Each kind keeps its algorithm, so its later launches load nothing.
+    let first_of_a_kind = planned
+        .iter()
+        .flatten()
+        .any(|p| !handle.lt.is_prepared(&p.kind));
+    let window = cublaslt_window::begin(
+        &mut handle.windows,
+        &client,
+        &device,
+        &handle.stream,
+        first_of_a_kind,
+    );
     let launched: Vec<Result<(), String>> = planned
         .iter()
         .zip(results)

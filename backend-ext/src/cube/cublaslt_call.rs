@@ -14,7 +14,10 @@
 //! write for the bias or bias-gradient pointer. (cuBLASLt keeps its own cache of heuristic
 //! answers, `CUBLASLT_HEURISTICS_CACHE_CAPACITY`; the descriptors' calls are what this saves.)
 //! A kind whose descriptors or algorithm cuBLASLt refuses is not kept: `cublaslt.rs` records
-//! the refusal and runs the kind on CubeCL.
+//! the refusal, runs that product on CubeCL, and does not offer the kind again (a weight
+//! gradient whose bias-gradient epilogue was refused is offered without it). At most
+//! [`MAX_KINDS`] kinds are kept (embedding many shapes makes a kind per shape): past that the
+//! cache starts again.
 //!
 //! The epilogues (cuBLAS's documentation of `cublasLtEpilogue_t`; the operands are the
 //! column-major ones of Note [Row-major GEMMs on a column-major BLAS] in `gemm_layout.rs`):
@@ -26,7 +29,17 @@
 //!   the vector is the bias gradient `Σ_rows g`: apex's `fused_dense` (`gemm_bgradb_lt`, its
 //!   operands the other way round, hence BGRADB there) and Transformer Engine compute the
 //!   weight and bias gradients in one GEMM the same way. Its dtype is the output's (cuBLASLt's
-//!   default, `CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE` unset); the sum accumulates in f32.
+//!   default, `CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE` unset). cuBLASLt does not document the
+//!   sum's accumulation; the CUDA test bounds it as the products are bounded.
+//!
+//! bf16 and f16 products add a split-K algorithm's partial products in f32
+//! (`CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK` = `CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE`: what
+//! PyTorch sets when `torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction` is
+//! `False`). A deliberate difference from PyTorch's default (`True`, partial products rounded
+//! to bf16 in place or in the workspace): ember's other GEMM paths (cubek's kernels)
+//! accumulate the whole sum in f32, and its tests bound every path's products alike. The
+//! heuristic may then have fewer split-K algorithms to choose from; `bench gemm` sets
+//! cuBLASLt beside `torch.matmul` with PyTorch's default.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -62,6 +75,10 @@ impl Epilogue {
 
 /// A kind of product: what its descriptors and algorithm depend on.
 pub(super) type Kind = (ColumnMajorGemm, DType, Epilogue);
+
+/// Kinds kept per handle before the cache starts again (Note [cuBLASLt descriptors kept]): a
+/// BERT step has a few dozen.
+const MAX_KINDS: usize = 4096;
 
 /// The device addresses of one product: `A'`, `B'`, `C'` and the epilogue's vector (0 without).
 pub(super) struct Pointers {
@@ -273,6 +290,20 @@ impl Lt {
             )
         }
         .map_err(fail("the workspace preference"))?;
+        if matches!(dtype, DType::BF16 | DType::F16) {
+            let mask =
+                sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
+            // SAFETY: a live preference; the attribute is a uint32_t mask.
+            unsafe {
+                result::set_matmul_pref_attribute(
+                    pref.0,
+                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                    (&mask as *const u32).cast(),
+                    size_of::<u32>(),
+                )
+            }
+            .map_err(fail("the reduction scheme preference"))?;
+        }
         // SAFETY: live descriptors of this handle; C and D share a layout.
         let heuristic = unsafe {
             result::get_matmul_algo_heuristic(
@@ -291,6 +322,12 @@ impl Lt {
             layouts,
             algo: heuristic.algo,
         })
+    }
+
+    /// Whether `kind`'s descriptors are made (its kernels launched before, unless its first
+    /// launch failed).
+    pub(super) fn is_prepared(&self, kind: &Kind) -> bool {
+        self.prepared.contains_key(kind)
     }
 
     /// `C' = op(A')·op(B')` (β = 0) with `kind`'s epilogue, enqueued on `stream`; the kind's
@@ -312,6 +349,9 @@ impl Lt {
     ) -> Result<(), String> {
         if !self.prepared.contains_key(kind) {
             let prepared = self.prepare(kind, pointers.vector)?;
+            if self.prepared.len() >= MAX_KINDS {
+                self.prepared.clear();
+            }
             self.prepared.insert(*kind, prepared);
         }
         let prepared = &self.prepared[kind];

@@ -54,7 +54,9 @@ pub(super) enum Window {
 /// Orders cuBLASLt's `stream` after the kernels enqueued on `client`'s CubeCL stream so far,
 /// as [`cublaslt_sync`] says: a host wait, or Note [Device-side GEMM windows]'s signal (the
 /// first device window on a runtime sets up its flags and checks that the device takes stream
-/// memory operations; a device that does not gets host waits, with a warning).
+/// memory operations; a device that does not gets host waits, with a warning). `host` asks
+/// for host waits whatever the setting (a window that launches a cuBLASLt kernel for the first
+/// time: `cublaslt.rs`).
 ///
 /// # Panics
 /// When CubeCL's stream reports an error (a fault of an earlier kernel).
@@ -63,8 +65,9 @@ pub(super) fn begin<C: CudaLike>(
     client: &cubecl::prelude::ComputeClient<C>,
     device: &CudaDevice,
     stream: &CudaStream,
+    host: bool,
 ) -> Window {
-    if cublaslt_sync() == CublasltSync::Device && windows.refused.is_none() {
+    if cublaslt_sync() == CublasltSync::Device && windows.refused.is_none() && !host {
         // The stream memory operations take the thread's current context (CubeCL makes it
         // current on its runner thread only).
         if let Err(e) = stream.context().bind_to_thread() {
