@@ -8,7 +8,7 @@
 
 use cubecl::prelude::*;
 
-use super::reductions::{row_max, row_sum, row_sum_pair};
+use super::reductions::{row_sum, row_sum_pair};
 
 /// PCG's RXS-M-XS output permutation; the host's `dropout::pcg_hash`.
 #[cube]
@@ -22,7 +22,7 @@ fn pcg_hash(v: u32) -> u32 {
 /// `row mod rows_per_sample` of sample `sample_offset + row / rows_per_sample`, and the key
 /// takes the sample and the row's position in it, never the padded length.
 #[cube]
-fn row_key(
+pub(super) fn row_key(
     key_lo: u32,
     key_hi: u32,
     sample_offset: u32,
@@ -40,7 +40,7 @@ fn row_key(
 /// The dropout scale of element `column` of a row keyed `rk`: `keep_scale` if kept, 0 if
 /// dropped (the host's `dropout::keeps`).
 #[cube]
-fn dropout_scale(column: usize, rk: u32, threshold: u32, keep_scale: f32) -> f32 {
+pub(super) fn dropout_scale(column: usize, rk: u32, threshold: u32, keep_scale: f32) -> f32 {
     let bits = pcg_hash(pcg_hash((column as u32) ^ rk) + rk);
     let mut scale = f32::new(0.0);
     if (bits >> 8u32) >= threshold {
@@ -262,148 +262,6 @@ pub fn layer_norm_backward_kernel<F: Float>(
         } else {
             grad_x[idx] = F::cast_from(d);
         }
-        j += block as usize;
-    }
-}
-
-/// One cube per row of `[B·nh·S, S]` scores: `softmax(s · scale + mask_bias[b])`, then dropout.
-/// Pass 1 takes the row max, pass 2 writes `exp(s − max)` and sums it, pass 3 normalises.
-#[cube(launch)]
-#[allow(clippy::too_many_arguments)]
-pub fn masked_softmax_dropout_kernel<F: Float>(
-    scores: &Tensor<F>,
-    mask_bias: &Tensor<F>,
-    probs: &mut Tensor<F>,
-    dropped: &mut Tensor<F>,
-    rows: u32,
-    rows_per_batch: u32,
-    scale: f32,
-    key_lo: u32,
-    key_hi: u32,
-    sample_offset: u32,
-    rows_per_sample: u32,
-    seq: u32,
-    threshold: u32,
-    keep_scale: f32,
-    #[comptime] block: u32,
-    #[comptime] dropout: bool,
-    #[comptime] planes: bool,
-    #[define(F)] _dtype: StorageType,
-) {
-    let row = row_index();
-    if row >= rows as usize {
-        terminate!();
-    }
-    let rk = row_key(
-        key_lo,
-        key_hi,
-        sample_offset,
-        rows_per_sample,
-        seq,
-        row as u32,
-    );
-    let n = mask_bias.shape(1);
-    let base = row * n;
-    let mask_base = (row / rows_per_batch as usize) * n;
-    let unit = UNIT_POS_X as usize;
-    let mut shared = SharedMemory::<f32>::new(block as usize);
-
-    let mut local_max = f32::new(-3.0e38);
-    let mut j = unit;
-    while j < n {
-        let s = f32::cast_from(scores[base + j]) * scale + f32::cast_from(mask_bias[mask_base + j]);
-        if s > local_max {
-            local_max = s;
-        }
-        j += block as usize;
-    }
-    let max = row_max(&mut shared, local_max, planes);
-
-    let mut sum = f32::new(0.0);
-    let mut j = unit;
-    while j < n {
-        let s = f32::cast_from(scores[base + j]) * scale + f32::cast_from(mask_bias[mask_base + j]);
-        let e = (s - max).exp();
-        probs[base + j] = F::cast_from(e);
-        sum += e;
-        j += block as usize;
-    }
-    let inv_sum = f32::new(1.0) / row_sum(&mut shared, sum, planes);
-
-    let mut j = unit;
-    while j < n {
-        let idx = base + j;
-        let p = f32::cast_from(probs[idx]) * inv_sum;
-        probs[idx] = F::cast_from(p);
-        if dropout {
-            dropped[idx] = F::cast_from(p * dropout_scale(j, rk, threshold, keep_scale));
-        } else {
-            dropped[idx] = F::cast_from(p);
-        }
-        j += block as usize;
-    }
-}
-
-/// One cube per row: `dS = scale · P · (dP − Σ dP·P)`, `dP = grad through the dropout mask`.
-#[cube(launch)]
-#[allow(clippy::too_many_arguments)]
-pub fn masked_softmax_dropout_backward_kernel<F: Float>(
-    grad_dropped: &Tensor<F>,
-    probs: &Tensor<F>,
-    grad_scores: &mut Tensor<F>,
-    rows: u32,
-    scale: f32,
-    key_lo: u32,
-    key_hi: u32,
-    sample_offset: u32,
-    rows_per_sample: u32,
-    seq: u32,
-    threshold: u32,
-    keep_scale: f32,
-    #[comptime] block: u32,
-    #[comptime] dropout: bool,
-    #[comptime] planes: bool,
-    #[define(F)] _dtype: StorageType,
-) {
-    let row = row_index();
-    if row >= rows as usize {
-        terminate!();
-    }
-    let rk = row_key(
-        key_lo,
-        key_hi,
-        sample_offset,
-        rows_per_sample,
-        seq,
-        row as u32,
-    );
-    let n = probs.shape(probs.rank() - 1);
-    let base = row * n;
-    let unit = UNIT_POS_X as usize;
-    let mut shared = SharedMemory::<f32>::new(block as usize);
-
-    let mut dot = f32::new(0.0);
-    let mut j = unit;
-    while j < n {
-        let idx = base + j;
-        let mut dp = f32::cast_from(grad_dropped[idx]);
-        if dropout {
-            dp *= dropout_scale(j, rk, threshold, keep_scale);
-        }
-        dot += dp * f32::cast_from(probs[idx]);
-        j += block as usize;
-    }
-    let dot = row_sum(&mut shared, dot, planes);
-
-    let mut j = unit;
-    while j < n {
-        let idx = base + j;
-        let mut dp = f32::cast_from(grad_dropped[idx]);
-        if dropout {
-            dp *= dropout_scale(j, rk, threshold, keep_scale);
-        }
-        let p = f32::cast_from(probs[idx]);
-        grad_scores[idx] = F::cast_from(scale * p * (dp - dot));
         j += block as usize;
     }
 }

@@ -15,6 +15,7 @@ mod multi_tensor;
 mod multi_tensor_kernels;
 mod qkv;
 mod reductions;
+mod softmax_kernels;
 
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape, TensorMetadata};
@@ -357,11 +358,10 @@ where
         check_rows(rows * seq_k);
         let probs = empty_like(&scores, scores.shape());
         let dropped = empty_like(&scores, scores.shape());
-        let (planes, min_units) = reductions::row_form(&scores.client);
-        let (count, dim, block) = row_launch(rows, seq_k, min_units);
+        let (count, dim, planes, layout) = reductions::softmax_launch(&scores.client, rows, seq_k);
         let mask = dropout_args(dropout, &[batch, heads, seq_q, seq_k]);
         let dtype = storage(scores.dtype);
-        kernels::masked_softmax_dropout_kernel::launch::<R>(
+        softmax_kernels::masked_softmax_dropout_kernel::launch::<R>(
             &scores.client,
             count,
             dim,
@@ -379,9 +379,11 @@ where
             mask.seq,
             mask.threshold,
             mask.keep_scale,
-            block as u32,
+            layout.block as u32,
             mask.enabled,
             planes,
+            layout.per_unit as u32,
+            layout.plane_rows,
             dtype,
         );
         SoftmaxForward { probs, dropped }
@@ -398,11 +400,11 @@ where
         let rows = batch * heads * seq_q;
         check_rows(rows * seq_k);
         let grad_scores = empty_like(&grad_dropped, grad_dropped.shape());
-        let (planes, min_units) = reductions::row_form(&grad_dropped.client);
-        let (count, dim, block) = row_launch(rows, seq_k, min_units);
+        let (count, dim, planes, layout) =
+            reductions::softmax_launch(&grad_dropped.client, rows, seq_k);
         let mask = dropout_args(dropout, &[batch, heads, seq_q, seq_k]);
         let dtype = storage(grad_dropped.dtype);
-        kernels::masked_softmax_dropout_backward_kernel::launch::<R>(
+        softmax_kernels::masked_softmax_dropout_backward_kernel::launch::<R>(
             &grad_dropped.client,
             count,
             dim,
@@ -418,9 +420,11 @@ where
             mask.seq,
             mask.threshold,
             mask.keep_scale,
-            block as u32,
+            layout.block as u32,
             mask.enabled,
             planes,
+            layout.per_unit as u32,
+            layout.plane_rows,
             dtype,
         );
         grad_scores

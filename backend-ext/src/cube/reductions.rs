@@ -62,16 +62,116 @@ pub(super) fn row_form<R: CubeRuntime>(client: &ComputeClient<R>) -> (bool, usiz
 /// Cube count, cube dim and block size for `rows` rows of `n` elements, one cube per row of at
 /// least `min_units` units ([`row_form`]).
 pub(super) fn row_launch(rows: usize, n: usize, min_units: usize) -> (CubeCount, CubeDim, usize) {
-    let block = n
-        .next_power_of_two()
-        .clamp(min_units.clamp(1, ROW_BLOCK), ROW_BLOCK);
-    let x = rows.clamp(1, MAX_GRID);
-    let y = rows.div_ceil(x).max(1);
-    (
-        CubeCount::Static(x as u32, y as u32, 1),
-        CubeDim::new_1d(block as u32),
+    let block = row_block(n, min_units);
+    (grid(rows), CubeDim::new_1d(block as u32), block)
+}
+
+/// Note [Softmax rows in registers]: the attention's masked softmax rows are short (S = 128 or
+/// 512 keys) and there are many of them (B·nh·S). Each unit used to stream its share of a row
+/// three times: the scores for the maximum, again for the exponentials (written out), then the
+/// exponentials back to normalise (written again); the backward read the gradient and the
+/// probabilities twice. Where a unit's share is at most [`MAX_PER_UNIT`] elements, it now keeps
+/// them in registers (a comptime-sized local array): the scores are read once and each output
+/// written once, and the backward reads each input once, as Megatron's
+/// `scaled_masked_softmax_warp_forward`/`_backward` (apex's fused softmax) do. The sums are
+/// taken in the same order as the streaming form's, so in f32 the outputs are the same bits;
+/// in bf16 and f16 the exponentials are no longer rounded to the storage type before the
+/// division (one rounding instead of two).
+///
+/// Where the row kernels reduce by planes and the device's planes have one fixed size `P`
+/// (CUDA's warps of 32), a row of at most `P`·[`MAX_PER_UNIT`] elements (512 on CUDA) goes to
+/// one plane instead of a cube, [`PLANE_ROWS_PER_CUBE`] rows per cube: its reductions are
+/// plane operations alone, with no shared memory and no barrier (Megatron's warp per row, four
+/// rows per 128 threads). A device whose plane size may vary (CubeCL's `plane_size_min` below
+/// its `max`) keeps a cube per row: a row split across two planes would be summed in halves.
+/// Longer rows keep the streaming form.
+pub(super) const MAX_PER_UNIT: usize = 16;
+
+/// Rows per cube of the plane-per-row softmax (Note [Softmax rows in registers]).
+pub(super) const PLANE_ROWS_PER_CUBE: usize = 4;
+
+/// How the softmax kernels lay `rows` rows of `n` elements out (Note [Softmax rows in
+/// registers]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct SoftmaxLayout {
+    /// Units per cube.
+    pub block: usize,
+    /// Cubes in all (spread over a 2-D grid by [`grid`]).
+    pub cubes: usize,
+    /// Elements each unit holds in registers; 0: the streaming form.
+    pub per_unit: usize,
+    /// One plane per row (`PLANE_ROWS_PER_CUBE` rows per cube), else one cube per row.
+    pub plane_rows: bool,
+}
+
+/// The layout for `rows` rows of `n` elements, given the row reductions' form (`planes`,
+/// `min_units`: [`row_form`]) and the device's plane size where it is fixed.
+pub(super) fn softmax_layout(
+    rows: usize,
+    n: usize,
+    planes: bool,
+    min_units: usize,
+    fixed_plane: Option<usize>,
+) -> SoftmaxLayout {
+    if planes
+        && let Some(plane) = fixed_plane
+        && plane > 0
+        && n.div_ceil(plane) <= MAX_PER_UNIT
+    {
+        return SoftmaxLayout {
+            block: plane * PLANE_ROWS_PER_CUBE,
+            cubes: rows.div_ceil(PLANE_ROWS_PER_CUBE).max(1),
+            per_unit: n.div_ceil(plane).max(1),
+            plane_rows: true,
+        };
+    }
+    let block = row_block(n, min_units);
+    let per_unit = n.div_ceil(block).max(1);
+    SoftmaxLayout {
         block,
+        cubes: rows.max(1),
+        per_unit: if per_unit <= MAX_PER_UNIT {
+            per_unit
+        } else {
+            0
+        },
+        plane_rows: false,
+    }
+}
+
+/// The softmax kernels' launch on `client` for `rows` rows of `n` elements: cube count and
+/// dim, whether the reductions go through planes, and the layout.
+pub(super) fn softmax_launch<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    rows: usize,
+    n: usize,
+) -> (CubeCount, CubeDim, bool, SoftmaxLayout) {
+    let (planes, min_units) = row_form(client);
+    let hardware = &client.properties().hardware;
+    let fixed_plane = (hardware.plane_size_min == hardware.plane_size_max)
+        .then_some(hardware.plane_size_max as usize);
+    let layout = softmax_layout(rows, n, planes, min_units, fixed_plane);
+    (
+        grid(layout.cubes),
+        CubeDim::new_1d(layout.block as u32),
+        planes,
+        layout,
     )
+}
+
+/// `cubes` cubes numbered `CUBE_POS_X + CUBE_POS_Y · CUBE_COUNT_X` (more than one grid
+/// dimension holds still fit).
+fn grid(cubes: usize) -> CubeCount {
+    let x = cubes.clamp(1, MAX_GRID);
+    let y = cubes.div_ceil(x).max(1);
+    CubeCount::Static(x as u32, y as u32, 1)
+}
+
+/// Units of a row kernel's cube for rows of `n` elements: `n` rounded up to a power of two,
+/// at least `min_units` and at most `ROW_BLOCK`.
+fn row_block(n: usize, min_units: usize) -> usize {
+    n.next_power_of_two()
+        .clamp(min_units.clamp(1, ROW_BLOCK), ROW_BLOCK)
 }
 
 /// Sum of `value` over the units of the cube, by a tree in `shared` (one slot per unit;
@@ -247,5 +347,59 @@ pub(super) fn row_max(shared: &mut SharedMemory<f32>, value: f32, #[comptime] pl
         plane_cube_max(shared, value)
     } else {
         cube_max(shared, value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn softmax_rows_go_to_planes_where_a_fixed_plane_holds_them_in_registers() {
+        // CUDA (warps of 32, planes): BERT's rows of 128 and 512 keys, one warp each, 4 and 16
+        // elements per lane, four rows per cube.
+        for (n, per_unit) in [(128, 4), (512, 16), (1, 1), (33, 2)] {
+            let layout = softmax_layout(1000, n, true, 32, Some(32));
+            assert_eq!(
+                layout,
+                SoftmaxLayout {
+                    block: 128,
+                    cubes: 250,
+                    per_unit,
+                    plane_rows: true
+                },
+                "n {n}"
+            );
+        }
+        assert_eq!(softmax_layout(1001, 128, true, 32, Some(32)).cubes, 251);
+        // Too long for a warp's registers: a cube per row, 256 units holding 3 each.
+        let long = softmax_layout(10, 513, true, 32, Some(32));
+        assert_eq!(
+            (long.block, long.cubes, long.per_unit, long.plane_rows),
+            (256, 10, 3, false)
+        );
+        // Beyond 256 · 16 elements: the streaming form.
+        assert_eq!(softmax_layout(10, 4097, true, 32, Some(32)).per_unit, 0);
+        assert_eq!(softmax_layout(10, 4096, true, 32, Some(32)).per_unit, 16);
+    }
+
+    #[test]
+    fn softmax_rows_keep_a_cube_without_planes_or_with_a_varying_plane() {
+        for (planes, fixed) in [(false, Some(32)), (true, None)] {
+            let layout = softmax_layout(7, 128, planes, if planes { 32 } else { 1 }, fixed);
+            assert_eq!(
+                layout,
+                SoftmaxLayout {
+                    block: 128,
+                    cubes: 7,
+                    per_unit: 1,
+                    plane_rows: false
+                }
+            );
+        }
+        // A row shorter than a cube: the cube is n rounded up to a power of two (one element
+        // each); seq 1 gets one unit on the tree.
+        assert_eq!(softmax_layout(3, 13, false, 1, None).block, 16);
+        assert_eq!(softmax_layout(3, 1, false, 1, None).block, 1);
     }
 }

@@ -31,6 +31,7 @@ mod gemm_window;
 mod half_precision;
 mod optimizer;
 mod packing;
+mod softmax;
 use common::{assert_close, mask_bias, random};
 use dropout::{check_dropout_backward_mask, check_dropout_mask, check_dropout_op};
 use optimizer::check_optimizer_ops;
@@ -309,6 +310,7 @@ fn with_row_reductions<A: AutodiffBackend + FusedOps>(
             check_attention::<A>(shape, &mask, prob, device);
         }
     }
+    softmax::check_softmax_rows::<A::InnerBackend>(device);
     ember_backend_ext::set_row_reductions(ember_backend_ext::RowReductions::Auto);
 }
 
@@ -344,6 +346,11 @@ macro_rules! kernel_tests {
                     check_attention::<B>(shape, &mask, prob, &device);
                 }
             }
+        }
+
+        #[test]
+        fn masked_softmax_rows_match_reference_in_every_layout() {
+            softmax::check_softmax_rows::<$backend>(&$device);
         }
 
         #[test]

@@ -1,0 +1,281 @@
+//! The masked softmax + dropout kernels of the attention core, forward and backward
+//! (`FusedOps::masked_softmax_dropout`): a row of scores per cube, or per plane with the row
+//! held in registers (Note [Softmax rows in registers] in `reductions.rs`).
+
+use cubecl::prelude::*;
+
+use super::kernels::{dropout_scale, row_index, row_key};
+use super::reductions::{row_max, row_sum};
+
+/// The row of a softmax kernel's unit, the unit's first column and the stride between its
+/// columns: one cube per row, or with `plane_rows` one plane per row
+/// (`CUBE_DIM_X / PLANE_DIM` rows per cube; Note [Softmax rows in registers] in
+/// `reductions.rs`).
+#[cube]
+fn softmax_position(#[comptime] plane_rows: bool) -> (usize, usize, usize) {
+    let mut row = row_index();
+    let mut unit = UNIT_POS_X as usize;
+    let mut stride = CUBE_DIM_X as usize;
+    if plane_rows {
+        row = row_index() * (CUBE_DIM_X / PLANE_DIM) as usize + (UNIT_POS_X / PLANE_DIM) as usize;
+        unit = UNIT_POS_PLANE as usize;
+        stride = PLANE_DIM as usize;
+    }
+    (row, unit, stride)
+}
+
+/// The row's maximum: across its plane (`plane_rows`), else across the cube.
+#[cube]
+fn softmax_row_max(
+    shared: &mut SharedMemory<f32>,
+    value: f32,
+    #[comptime] planes: bool,
+    #[comptime] plane_rows: bool,
+) -> f32 {
+    if plane_rows {
+        plane_max(value)
+    } else {
+        row_max(shared, value, planes)
+    }
+}
+
+/// The row's sum: across its plane (`plane_rows`), else across the cube.
+#[cube]
+fn softmax_row_sum(
+    shared: &mut SharedMemory<f32>,
+    value: f32,
+    #[comptime] planes: bool,
+    #[comptime] plane_rows: bool,
+) -> f32 {
+    if plane_rows {
+        plane_sum(value)
+    } else {
+        row_sum(shared, value, planes)
+    }
+}
+
+/// Per row of `[B·nh·S, S]` scores: `softmax(s · scale + mask_bias[b])`, then dropout. With
+/// `per_unit` > 0 each unit keeps its `per_unit` elements of the row in registers: the scores
+/// are read once and each output written once (Note [Softmax rows in registers]); with 0 (rows
+/// too long for that) pass 1 takes the row max, pass 2 writes `exp(s − max)` and sums it, pass
+/// 3 normalises.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn masked_softmax_dropout_kernel<F: Float>(
+    scores: &Tensor<F>,
+    mask_bias: &Tensor<F>,
+    probs: &mut Tensor<F>,
+    dropped: &mut Tensor<F>,
+    rows: u32,
+    rows_per_batch: u32,
+    scale: f32,
+    key_lo: u32,
+    key_hi: u32,
+    sample_offset: u32,
+    rows_per_sample: u32,
+    seq: u32,
+    threshold: u32,
+    keep_scale: f32,
+    #[comptime] block: u32,
+    #[comptime] dropout: bool,
+    #[comptime] planes: bool,
+    #[comptime] per_unit: u32,
+    #[comptime] plane_rows: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let (row, unit, stride) = softmax_position(plane_rows);
+    if row >= rows as usize {
+        terminate!();
+    }
+    let rk = row_key(
+        key_lo,
+        key_hi,
+        sample_offset,
+        rows_per_sample,
+        seq,
+        row as u32,
+    );
+    let n = mask_bias.shape(1);
+    let base = row * n;
+    let mask_base = (row / rows_per_batch as usize) * n;
+    let mut shared = SharedMemory::<f32>::new(block as usize);
+
+    if per_unit > 0 {
+        let mut values = Array::<f32>::new(per_unit as usize);
+        let mut local_max = f32::new(-3.0e38);
+        #[unroll]
+        for t in 0..per_unit {
+            let j = unit + t as usize * stride;
+            let mut s = f32::new(-3.0e38);
+            if j < n {
+                s = f32::cast_from(scores[base + j]) * scale
+                    + f32::cast_from(mask_bias[mask_base + j]);
+            }
+            values[t as usize] = s;
+            if s > local_max {
+                local_max = s;
+            }
+        }
+        let max = softmax_row_max(&mut shared, local_max, planes, plane_rows);
+        let mut sum = f32::new(0.0);
+        #[unroll]
+        for t in 0..per_unit {
+            let j = unit + t as usize * stride;
+            let mut e = f32::new(0.0);
+            if j < n {
+                e = (values[t as usize] - max).exp();
+            }
+            values[t as usize] = e;
+            sum += e;
+        }
+        let inv_sum = f32::new(1.0) / softmax_row_sum(&mut shared, sum, planes, plane_rows);
+        #[unroll]
+        for t in 0..per_unit {
+            let j = unit + t as usize * stride;
+            if j < n {
+                let p = values[t as usize] * inv_sum;
+                probs[base + j] = F::cast_from(p);
+                if dropout {
+                    dropped[base + j] =
+                        F::cast_from(p * dropout_scale(j, rk, threshold, keep_scale));
+                } else {
+                    dropped[base + j] = F::cast_from(p);
+                }
+            }
+        }
+    } else {
+        let mut local_max = f32::new(-3.0e38);
+        let mut j = unit;
+        while j < n {
+            let s =
+                f32::cast_from(scores[base + j]) * scale + f32::cast_from(mask_bias[mask_base + j]);
+            if s > local_max {
+                local_max = s;
+            }
+            j += stride;
+        }
+        let max = softmax_row_max(&mut shared, local_max, planes, plane_rows);
+
+        let mut sum = f32::new(0.0);
+        let mut j = unit;
+        while j < n {
+            let s =
+                f32::cast_from(scores[base + j]) * scale + f32::cast_from(mask_bias[mask_base + j]);
+            let e = (s - max).exp();
+            probs[base + j] = F::cast_from(e);
+            sum += e;
+            j += stride;
+        }
+        let inv_sum = f32::new(1.0) / softmax_row_sum(&mut shared, sum, planes, plane_rows);
+
+        let mut j = unit;
+        while j < n {
+            let idx = base + j;
+            let p = f32::cast_from(probs[idx]) * inv_sum;
+            probs[idx] = F::cast_from(p);
+            if dropout {
+                dropped[idx] = F::cast_from(p * dropout_scale(j, rk, threshold, keep_scale));
+            } else {
+                dropped[idx] = F::cast_from(p);
+            }
+            j += stride;
+        }
+    }
+}
+
+/// Per row: `dS = scale · P · (dP − Σ dP·P)`, `dP = grad through the dropout mask`; rows laid
+/// out and held as the forward's (`per_unit`, `plane_rows`).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn masked_softmax_dropout_backward_kernel<F: Float>(
+    grad_dropped: &Tensor<F>,
+    probs: &Tensor<F>,
+    grad_scores: &mut Tensor<F>,
+    rows: u32,
+    scale: f32,
+    key_lo: u32,
+    key_hi: u32,
+    sample_offset: u32,
+    rows_per_sample: u32,
+    seq: u32,
+    threshold: u32,
+    keep_scale: f32,
+    #[comptime] block: u32,
+    #[comptime] dropout: bool,
+    #[comptime] planes: bool,
+    #[comptime] per_unit: u32,
+    #[comptime] plane_rows: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let (row, unit, stride) = softmax_position(plane_rows);
+    if row >= rows as usize {
+        terminate!();
+    }
+    let rk = row_key(
+        key_lo,
+        key_hi,
+        sample_offset,
+        rows_per_sample,
+        seq,
+        row as u32,
+    );
+    let n = probs.shape(probs.rank() - 1);
+    let base = row * n;
+    let mut shared = SharedMemory::<f32>::new(block as usize);
+
+    if per_unit > 0 {
+        let mut dps = Array::<f32>::new(per_unit as usize);
+        let mut ps = Array::<f32>::new(per_unit as usize);
+        let mut dot = f32::new(0.0);
+        #[unroll]
+        for t in 0..per_unit {
+            let j = unit + t as usize * stride;
+            let mut dp = f32::new(0.0);
+            let mut p = f32::new(0.0);
+            if j < n {
+                dp = f32::cast_from(grad_dropped[base + j]);
+                if dropout {
+                    dp *= dropout_scale(j, rk, threshold, keep_scale);
+                }
+                p = f32::cast_from(probs[base + j]);
+            }
+            dps[t as usize] = dp;
+            ps[t as usize] = p;
+            dot += dp * p;
+        }
+        let dot = softmax_row_sum(&mut shared, dot, planes, plane_rows);
+        #[unroll]
+        for t in 0..per_unit {
+            let j = unit + t as usize * stride;
+            if j < n {
+                grad_scores[base + j] =
+                    F::cast_from(scale * ps[t as usize] * (dps[t as usize] - dot));
+            }
+        }
+    } else {
+        let mut dot = f32::new(0.0);
+        let mut j = unit;
+        while j < n {
+            let idx = base + j;
+            let mut dp = f32::cast_from(grad_dropped[idx]);
+            if dropout {
+                dp *= dropout_scale(j, rk, threshold, keep_scale);
+            }
+            dot += dp * f32::cast_from(probs[idx]);
+            j += stride;
+        }
+        let dot = softmax_row_sum(&mut shared, dot, planes, plane_rows);
+
+        let mut j = unit;
+        while j < n {
+            let idx = base + j;
+            let mut dp = f32::cast_from(grad_dropped[idx]);
+            if dropout {
+                dp *= dropout_scale(j, rk, threshold, keep_scale);
+            }
+            let p = f32::cast_from(probs[idx]);
+            grad_scores[idx] = F::cast_from(scale * p * (dp - dot));
+            j += stride;
+        }
+    }
+}
