@@ -53,10 +53,14 @@
 #                  bf16, each of which must have run on cuBLASLt (`cublaslt.rs`; the dense
 #                  backward's `db` from the BGRADA epilogue, no reduction launch), with host
 #                  waits and with device-side windows (launches and host syncs counted); the
-#                  window kernel alone (`gemm_window.rs`: released, expired).
+#                  window kernel alone (`gemm_window.rs`: released, expired); the masked
+#                  softmax in each of its layouts (`softmax.rs`: a warp per row up to 512 keys,
+#                  a cube per row in registers, the streaming form past 4,096 keys).
 #   bench-kernels  `xtask bench kernels`, f32 then bf16, then the LayerNorm and softmax rows again
 #                  in bf16 with `--row-reductions tree` (the shared-memory tree the row kernels
-#                  used before; the default reduces within warps first: Note [Row reductions]).
+#                  used before; the default reduces within warps first: Note [Row reductions];
+#                  the softmax then also takes a warp per row, Note [Softmax rows in
+#                  registers], so the two softmax rows compare warp-per-row with cube-per-row).
 #                  Then, where the machine's Python has torch, the attention core in bf16 against
 #                  PyTorch's scaled_dot_product_attention (`--reference pytorch`; the issue's
 #                  "attention at seq 512 no slower than PyTorch's SDPA in the same run").
