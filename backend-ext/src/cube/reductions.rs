@@ -73,10 +73,11 @@ pub(super) fn row_launch(rows: usize, n: usize, min_units: usize) -> (CubeCount,
 /// probabilities twice. Where a unit's share is at most [`MAX_PER_UNIT`] elements, it now keeps
 /// them in registers (a comptime-sized local array): the scores are read once and each output
 /// written once, and the backward reads each input once, as Megatron's
-/// `scaled_masked_softmax_warp_forward`/`_backward` (apex's fused softmax) do. The sums are
-/// taken in the same order as the streaming form's, so in f32 the outputs are the same bits;
-/// in bf16 and f16 the exponentials are no longer rounded to the storage type before the
-/// division (one rounding instead of two).
+/// `scaled_masked_softmax_warp_forward`/`_backward` (apex's fused softmax) do. With a cube per
+/// row the sums are taken in the same order as the streaming form's, so in f32 the outputs are
+/// the same bits (a plane per row, below, adds in another order: the same from run to run, not
+/// the same bits as a cube's); in bf16 and f16 the exponentials are no longer rounded to the
+/// storage type before the division (one rounding instead of two).
 ///
 /// Where the row kernels reduce by planes and the device's planes have one fixed size `P`
 /// (CUDA's warps of 32), a row of at most `P`·[`MAX_PER_UNIT`] elements (512 on CUDA) goes to

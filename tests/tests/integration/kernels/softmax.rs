@@ -3,7 +3,8 @@
 //! (Note [Softmax rows in registers] in backend-ext's `cube/reductions.rs`): a plane per row
 //! with the row in registers (CUDA's warps: up to 512 keys; lavapipe's planes of 8 with
 //! `RowReductions::Planes`: up to 128), a cube per row with the row in registers (up to
-//! 256 · 16 keys), and the streaming form beyond; odd lengths, one key, padded keys.
+//! 256 · 16 keys), and the streaming form beyond; more rows than one grid dimension holds; odd
+//! lengths, one key, padded keys.
 
 use burn::tensor::{Tensor, TensorPrimitive};
 use ember_backend_ext::{DropoutSpec, FusedOps, reference};
@@ -12,15 +13,20 @@ use super::common::{assert_close, mask_bias, random};
 use super::{BWD, FWD};
 
 /// `[B, nh, Sq, Sk]` scores and the number of real keys of each sample.
-const CASES: [([usize; 4], [usize; 2]); 6] = [
+const CASES: [([usize; 4], [usize; 2]); 8] = [
     // BERT's rows of 128 keys: a warp per row on CUDA, a plane per row on lavapipe.
     ([2, 3, 5, 128], [128, 77]),
     // 512 keys: a warp per row on CUDA (16 each); a cube per row (2 each) elsewhere.
     ([2, 2, 3, 512], [512, 300]),
     // A cube per row, 4 keys each.
     ([1, 1, 3, 1000], [999, 0]),
+    // The cube form's largest share: 256 units holding 16 keys each.
+    ([1, 1, 2, 4096], [4000, 0]),
     // Past 256 · 16 keys: the streaming form.
     ([1, 1, 2, 4500], [4321, 0]),
+    // More rows than one grid dimension holds (65,535 cubes): the grid's second dimension, in
+    // every layout (a plane per row: 65,550 cubes of four rows).
+    ([2, 1, 131_100, 1], [1, 1]),
     // One key; odd lengths.
     ([2, 1, 3, 1], [1, 1]),
     ([2, 2, 6, 33], [33, 0]),
