@@ -94,7 +94,9 @@ pub fn bias_gelu_backward_kernel<F: Float>(
 }
 
 /// One cube per row: `y = residual + dropout(x + bias)`, then LayerNorm of y (two-pass
-/// variance over the stored y).
+/// variance over the stored y). With `per_unit` > 0 each unit keeps its `per_unit` elements of
+/// y, as stored, in registers instead of reading them back twice (Note [Softmax rows in
+/// registers] in `reductions.rs`: the same values, the same bits).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
@@ -119,6 +121,7 @@ pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
     #[comptime] block: u32,
     #[comptime] dropout: bool,
     #[comptime] planes: bool,
+    #[comptime] per_unit: u32,
     #[define(F)] _dtype: StorageType,
 ) {
     let row = row_index();
@@ -138,46 +141,97 @@ pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
     let unit = UNIT_POS_X as usize;
     let mut shared = SharedMemory::<f32>::new(block as usize);
 
-    let mut sum = f32::new(0.0);
-    let mut j = unit;
-    while j < n {
-        let idx = base + j;
-        let mut z = f32::cast_from(x[idx]) + f32::cast_from(bias[j]);
-        if dropout {
-            z *= dropout_scale(j, rk, threshold, keep_scale);
+    if per_unit > 0 {
+        // y as stored (rounded to F), as the streaming form reads it back.
+        let mut stored = Array::<f32>::new(per_unit as usize);
+        let mut sum = f32::new(0.0);
+        #[unroll]
+        for t in 0..per_unit {
+            let j = unit + t as usize * block as usize;
+            let mut kept = f32::new(0.0);
+            if j < n {
+                let idx = base + j;
+                let mut z = f32::cast_from(x[idx]) + f32::cast_from(bias[j]);
+                if dropout {
+                    z *= dropout_scale(j, rk, threshold, keep_scale);
+                }
+                let y = z + f32::cast_from(residual[idx]);
+                let y_stored = F::cast_from(y);
+                pre_norm[idx] = y_stored;
+                kept = f32::cast_from(y_stored);
+                sum += y;
+            }
+            stored[t as usize] = kept;
         }
-        let y = z + f32::cast_from(residual[idx]);
-        pre_norm[idx] = F::cast_from(y);
-        sum += y;
-        j += block as usize;
-    }
-    let mean = row_sum(&mut shared, sum, planes) / f32::cast_from(n as u32);
+        let mean = row_sum(&mut shared, sum, planes) / f32::cast_from(n as u32);
+        let mut squares = f32::new(0.0);
+        #[unroll]
+        for t in 0..per_unit {
+            let j = unit + t as usize * block as usize;
+            if j < n {
+                let centered = stored[t as usize] - mean;
+                squares += centered * centered;
+            }
+        }
+        let var = row_sum(&mut shared, squares, planes) / f32::cast_from(n as u32);
+        let rstd = f32::new(1.0) / (var + eps).sqrt();
+        #[unroll]
+        for t in 0..per_unit {
+            let j = unit + t as usize * block as usize;
+            if j < n {
+                let x_hat = (stored[t as usize] - mean) * rstd;
+                output[base + j] =
+                    F::cast_from(x_hat * f32::cast_from(gamma[j]) + f32::cast_from(beta[j]));
+            }
+        }
+        if unit == 0 {
+            mean_out[row] = F::cast_from(mean);
+            rstd_out[row] = F::cast_from(rstd);
+        }
+    } else {
+        let mut sum = f32::new(0.0);
+        let mut j = unit;
+        while j < n {
+            let idx = base + j;
+            let mut z = f32::cast_from(x[idx]) + f32::cast_from(bias[j]);
+            if dropout {
+                z *= dropout_scale(j, rk, threshold, keep_scale);
+            }
+            let y = z + f32::cast_from(residual[idx]);
+            pre_norm[idx] = F::cast_from(y);
+            sum += y;
+            j += block as usize;
+        }
+        let mean = row_sum(&mut shared, sum, planes) / f32::cast_from(n as u32);
 
-    let mut squares = f32::new(0.0);
-    let mut j = unit;
-    while j < n {
-        let centered = f32::cast_from(pre_norm[base + j]) - mean;
-        squares += centered * centered;
-        j += block as usize;
-    }
-    let var = row_sum(&mut shared, squares, planes) / f32::cast_from(n as u32);
-    let rstd = f32::new(1.0) / (var + eps).sqrt();
+        let mut squares = f32::new(0.0);
+        let mut j = unit;
+        while j < n {
+            let centered = f32::cast_from(pre_norm[base + j]) - mean;
+            squares += centered * centered;
+            j += block as usize;
+        }
+        let var = row_sum(&mut shared, squares, planes) / f32::cast_from(n as u32);
+        let rstd = f32::new(1.0) / (var + eps).sqrt();
 
-    let mut j = unit;
-    while j < n {
-        let idx = base + j;
-        let x_hat = (f32::cast_from(pre_norm[idx]) - mean) * rstd;
-        output[idx] = F::cast_from(x_hat * f32::cast_from(gamma[j]) + f32::cast_from(beta[j]));
-        j += block as usize;
-    }
-    if unit == 0 {
-        mean_out[row] = F::cast_from(mean);
-        rstd_out[row] = F::cast_from(rstd);
+        let mut j = unit;
+        while j < n {
+            let idx = base + j;
+            let x_hat = (f32::cast_from(pre_norm[idx]) - mean) * rstd;
+            output[idx] = F::cast_from(x_hat * f32::cast_from(gamma[j]) + f32::cast_from(beta[j]));
+            j += block as usize;
+        }
+        if unit == 0 {
+            mean_out[row] = F::cast_from(mean);
+            rstd_out[row] = F::cast_from(rstd);
+        }
     }
 }
 
 /// One cube per row: `dy = rstd · (g − mean(g) − x̂ · mean(g·x̂))`, `g = grad · gamma`; writes
-/// dy, dy through the dropout mask, and `grad · x̂`.
+/// dy, dy through the dropout mask, and `grad · x̂`. With `per_unit` > 0 each unit keeps its
+/// elements' `g` and `x̂` in registers for the second pass instead of reading `grad`,
+/// `pre_norm` and `gamma` again.
 ///
 /// Note [LayerNorm backward order]: dy is computed as apex's `cuComputeGradInput`
 /// (csrc/layer_norm_cuda_kernel.cu) does, `(N·g − Σg − x̂·Σ(g·x̂)) · rstd / N`, not as
@@ -211,6 +265,7 @@ pub fn layer_norm_backward_kernel<F: Float>(
     #[comptime] block: u32,
     #[comptime] dropout: bool,
     #[comptime] planes: bool,
+    #[comptime] per_unit: u32,
     #[define(F)] _dtype: StorageType,
 ) {
     let row = row_index();
@@ -232,37 +287,79 @@ pub fn layer_norm_backward_kernel<F: Float>(
     let mu = f32::cast_from(mean[row]);
     let rs = f32::cast_from(rstd[row]);
 
-    let mut sum_g = f32::new(0.0);
-    let mut sum_gx = f32::new(0.0);
-    let mut j = unit;
-    while j < n {
-        let idx = base + j;
-        let dy = f32::cast_from(grad[idx]);
-        let x_hat = (f32::cast_from(pre_norm[idx]) - mu) * rs;
-        let g = dy * f32::cast_from(gamma[j]);
-        sum_g += g;
-        sum_gx += g * x_hat;
-        grad_x_hat[idx] = F::cast_from(dy * x_hat);
-        j += block as usize;
-    }
-    // Note [LayerNorm backward order].
-    let n_f = f32::cast_from(n as u32);
-    let (sum_g, sum_gx) = row_sum_pair(&mut shared, sum_g, sum_gx, planes);
-    let scale = rs / n_f;
-
-    let mut j = unit;
-    while j < n {
-        let idx = base + j;
-        let x_hat = (f32::cast_from(pre_norm[idx]) - mu) * rs;
-        let g = f32::cast_from(grad[idx]) * f32::cast_from(gamma[j]);
-        let d = (g * n_f - sum_g - x_hat * sum_gx) * scale;
-        grad_pre_norm[idx] = F::cast_from(d);
-        if dropout {
-            grad_x[idx] = F::cast_from(d * dropout_scale(j, rk, threshold, keep_scale));
-        } else {
-            grad_x[idx] = F::cast_from(d);
+    if per_unit > 0 {
+        let mut gs = Array::<f32>::new(per_unit as usize);
+        let mut x_hats = Array::<f32>::new(per_unit as usize);
+        let mut sum_g = f32::new(0.0);
+        let mut sum_gx = f32::new(0.0);
+        #[unroll]
+        for t in 0..per_unit {
+            let j = unit + t as usize * block as usize;
+            let mut g = f32::new(0.0);
+            let mut x_hat = f32::new(0.0);
+            if j < n {
+                let idx = base + j;
+                let dy = f32::cast_from(grad[idx]);
+                x_hat = (f32::cast_from(pre_norm[idx]) - mu) * rs;
+                g = dy * f32::cast_from(gamma[j]);
+                sum_g += g;
+                sum_gx += g * x_hat;
+                grad_x_hat[idx] = F::cast_from(dy * x_hat);
+            }
+            gs[t as usize] = g;
+            x_hats[t as usize] = x_hat;
         }
-        j += block as usize;
+        // Note [LayerNorm backward order].
+        let n_f = f32::cast_from(n as u32);
+        let (sum_g, sum_gx) = row_sum_pair(&mut shared, sum_g, sum_gx, planes);
+        let scale = rs / n_f;
+        #[unroll]
+        for t in 0..per_unit {
+            let j = unit + t as usize * block as usize;
+            if j < n {
+                let idx = base + j;
+                let d = (gs[t as usize] * n_f - sum_g - x_hats[t as usize] * sum_gx) * scale;
+                grad_pre_norm[idx] = F::cast_from(d);
+                if dropout {
+                    grad_x[idx] = F::cast_from(d * dropout_scale(j, rk, threshold, keep_scale));
+                } else {
+                    grad_x[idx] = F::cast_from(d);
+                }
+            }
+        }
+    } else {
+        let mut sum_g = f32::new(0.0);
+        let mut sum_gx = f32::new(0.0);
+        let mut j = unit;
+        while j < n {
+            let idx = base + j;
+            let dy = f32::cast_from(grad[idx]);
+            let x_hat = (f32::cast_from(pre_norm[idx]) - mu) * rs;
+            let g = dy * f32::cast_from(gamma[j]);
+            sum_g += g;
+            sum_gx += g * x_hat;
+            grad_x_hat[idx] = F::cast_from(dy * x_hat);
+            j += block as usize;
+        }
+        // Note [LayerNorm backward order].
+        let n_f = f32::cast_from(n as u32);
+        let (sum_g, sum_gx) = row_sum_pair(&mut shared, sum_g, sum_gx, planes);
+        let scale = rs / n_f;
+
+        let mut j = unit;
+        while j < n {
+            let idx = base + j;
+            let x_hat = (f32::cast_from(pre_norm[idx]) - mu) * rs;
+            let g = f32::cast_from(grad[idx]) * f32::cast_from(gamma[j]);
+            let d = (g * n_f - sum_g - x_hat * sum_gx) * scale;
+            grad_pre_norm[idx] = F::cast_from(d);
+            if dropout {
+                grad_x[idx] = F::cast_from(d * dropout_scale(j, rk, threshold, keep_scale));
+            } else {
+                grad_x[idx] = F::cast_from(d);
+            }
+            j += block as usize;
+        }
     }
 }
 

@@ -286,6 +286,7 @@ where
             block as u32,
             mask.enabled,
             planes,
+            reductions::registers_per_unit(n, block) as u32,
             dtype,
         );
         LayerNormForward {
@@ -337,6 +338,7 @@ where
             block as u32,
             mask.enabled,
             planes,
+            reductions::registers_per_unit(n, block) as u32,
             dtype,
         );
         LayerNormBackward {

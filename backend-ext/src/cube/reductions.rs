@@ -66,7 +66,8 @@ pub(super) fn row_launch(rows: usize, n: usize, min_units: usize) -> (CubeCount,
     (grid(rows), CubeDim::new_1d(block as u32), block)
 }
 
-/// Note [Softmax rows in registers]: the attention's masked softmax rows are short (S = 128 or
+/// Note [Softmax rows in registers] (LayerNorm's rows too, forward and backward: `kernels.rs`,
+/// a cube per row): the attention's masked softmax rows are short (S = 128 or
 /// 512 keys) and there are many of them (B·nh·S). Each unit used to stream its share of a row
 /// three times: the scores for the maximum, again for the exponentials (written out), then the
 /// exponentials back to normalise (written again); the backward read the gradient and the
@@ -127,16 +128,23 @@ pub(super) fn softmax_layout(
         };
     }
     let block = row_block(n, min_units);
-    let per_unit = n.div_ceil(block).max(1);
     SoftmaxLayout {
         block,
         cubes: rows.max(1),
-        per_unit: if per_unit <= MAX_PER_UNIT {
-            per_unit
-        } else {
-            0
-        },
+        per_unit: registers_per_unit(n, block),
         plane_rows: false,
+    }
+}
+
+/// Elements of a row of `n` each of a cube's `block` units holds in registers, or 0 where that
+/// is more than [`MAX_PER_UNIT`] (the streaming form): the row kernels' `per_unit` (softmax,
+/// and LayerNorm forward and backward, whose rows are a cube's).
+pub(super) fn registers_per_unit(n: usize, block: usize) -> usize {
+    let per_unit = n.div_ceil(block.max(1)).max(1);
+    if per_unit <= MAX_PER_UNIT {
+        per_unit
+    } else {
+        0
     }
 }
 
@@ -382,6 +390,17 @@ mod tests {
         // Beyond 256 · 16 elements: the streaming form.
         assert_eq!(softmax_layout(10, 4097, true, 32, Some(32)).per_unit, 0);
         assert_eq!(softmax_layout(10, 4096, true, 32, Some(32)).per_unit, 16);
+    }
+
+    #[test]
+    fn layer_norm_rows_fit_registers_up_to_sixteen_elements_a_unit() {
+        // BERT-base and -large at 256 units: 3 and 4 elements each.
+        assert_eq!(registers_per_unit(768, 256), 3);
+        assert_eq!(registers_per_unit(1024, 256), 4);
+        assert_eq!(registers_per_unit(4096, 256), 16);
+        assert_eq!(registers_per_unit(4097, 256), 0);
+        assert_eq!(registers_per_unit(1, 1), 1);
+        assert_eq!(registers_per_unit(33, 64), 1);
     }
 
     #[test]
