@@ -78,7 +78,8 @@ pub(super) fn row_launch(rows: usize, n: usize, min_units: usize) -> (CubeCount,
 /// row the sums are taken in the same order as the streaming form's, so in f32 the outputs are
 /// the same bits (a plane per row, below, adds in another order: the same from run to run, not
 /// the same bits as a cube's); in bf16 and f16 the exponentials are no longer rounded to the
-/// storage type before the division (one rounding instead of two).
+/// storage type before the division (one rounding instead of two). LayerNorm keeps `y` as
+/// stored (rounded to the storage type, as it was read back): the same bits in every dtype.
 ///
 /// Where the row kernels reduce by planes and the device's planes have one fixed size `P`
 /// (CUDA's warps of 32), a row of at most `P`·[`MAX_PER_UNIT`] elements (512 on CUDA) goes to
@@ -137,8 +138,8 @@ pub(super) fn softmax_layout(
 }
 
 /// Elements of a row of `n` each of a cube's `block` units holds in registers, or 0 where that
-/// is more than [`MAX_PER_UNIT`] (the streaming form): the row kernels' `per_unit` (softmax,
-/// and LayerNorm forward and backward, whose rows are a cube's).
+/// is more than [`MAX_PER_UNIT`] (the streaming form): the row kernels' `per_unit` with a cube
+/// per row (the softmax's cube form, and LayerNorm forward and backward).
 pub(super) fn registers_per_unit(n: usize, block: usize) -> usize {
     let per_unit = n.div_ceil(block.max(1)).max(1);
     if per_unit <= MAX_PER_UNIT {
