@@ -254,15 +254,16 @@ fn wgpu_paths(_: &GemmArgs, _: &[Gemm], _: &[StepGemm]) -> Result<Vec<Path>> {
     bail!("--device wgpu needs a build with the `wgpu` feature (cargo xtask --features wgpu ...)")
 }
 
+/// Burn's CUDA backend in f32 and bf16: the GEMM benchmarks' backends.
+#[cfg(feature = "cuda")]
+pub(crate) type CudaF32 = burn::backend::Cuda<f32, i32>;
+#[cfg(feature = "cuda")]
+pub(crate) type CudaBf16 = burn::backend::Cuda<burn::tensor::bf16, i32>;
+
 #[cfg(feature = "cuda")]
 fn cuda_paths(args: &GemmArgs, gemms: &[Gemm], list: &[StepGemm]) -> Result<Vec<Path>> {
     use ember_backend_ext::CublasltSync;
-    type CudaF32 = burn::backend::Cuda<f32, i32>;
-    type CudaBf16 = burn::backend::Cuda<burn::tensor::bf16, i32>;
-    let device = burn::backend::cuda::CudaDevice::new(crate::cuda::start(
-        &ember_trainer::parallel::LaunchEnv::single(),
-        false,
-    )?);
+    let device = crate::cuda::single_device()?;
     let precision = <CudaF32 as FusedOps>::f32_gemm_precision(&device).name();
     let mut paths = Vec::new();
     // cuBLASLt twice: with host waits around each product, and with device-side windows.

@@ -44,13 +44,9 @@ pub(crate) fn cuda_table(
     layers: &[Layer],
     iters: usize,
 ) -> Result<(String, Value)> {
+    use crate::bench_gemm::{CudaBf16, CudaF32};
     use ember_backend_ext::{CublasltSync, Gemm};
-    type CudaF32 = burn::backend::Cuda<f32, i32>;
-    type CudaBf16 = burn::backend::Cuda<burn::tensor::bf16, i32>;
-    let device = burn::backend::cuda::CudaDevice::new(crate::cuda::start(
-        &ember_trainer::parallel::LaunchEnv::single(),
-        false,
-    )?);
+    let device = crate::cuda::single_device()?;
     let (gemm, sync) = (
         ember_backend_ext::gpu_gemm(),
         ember_backend_ext::cublaslt_sync(),

@@ -134,10 +134,7 @@ fn bench_wgpu(_: &KernelArgs, _: &[Shape]) -> Result<()> {
 #[cfg(feature = "cuda")]
 fn bench_cuda(args: &KernelArgs, shapes: &[Shape], bf16: bool) -> Result<()> {
     // Burn's `Cuda` is `CubeBackend<CudaRuntime, F, I, u8>` (no fusion feature here).
-    let device = burn::backend::cuda::CudaDevice::new(crate::cuda::start(
-        &ember_trainer::parallel::LaunchEnv::single(),
-        false,
-    )?);
+    let device = crate::cuda::single_device()?;
     if bf16 {
         bench::<burn::backend::Cuda<burn::tensor::bf16, i32>>(&device, args, shapes)
     } else {

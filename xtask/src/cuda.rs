@@ -36,6 +36,18 @@ pub fn start(launch: &LaunchEnv, nccl: bool) -> Result<usize> {
     Ok(gpu.index)
 }
 
+/// The GPU of a single process without NCCL (local rank 0 of 1), after [`start`]: what the
+/// benchmarks run on.
+///
+/// # Errors
+/// As [`start`].
+pub fn single_device() -> Result<burn::backend::cuda::CudaDevice> {
+    Ok(burn::backend::cuda::CudaDevice::new(start(
+        &LaunchEnv::single(),
+        false,
+    )?))
+}
+
 /// Each library CUDA runs need (NCCL with `nccl`), and where it was found.
 fn survey(nccl: bool) -> Result<Vec<(Library, Result<Located, String>)>> {
     let var = |name: &str| std::env::var(name).ok();
