@@ -116,23 +116,36 @@ impl Layout {
         let made = Layout(handle);
         if let Some((count, stride)) = layout.batch {
             let (count, stride) = (count as i32, stride as i64);
-            // SAFETY: a live layout; each value is the attribute's documented type and size.
+            use sys::cublasLtMatrixLayoutAttribute_t as A;
+            // SAFETY: each value is the attribute's documented type (int32, int64).
             unsafe {
-                result::set_matrix_layout_attribute(
-                    made.0,
-                    sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
-                    (&count as *const i32).cast(),
-                    size_of::<i32>(),
-                )?;
-                result::set_matrix_layout_attribute(
-                    made.0,
-                    sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                    (&stride as *const i64).cast(),
-                    size_of::<i64>(),
-                )?;
+                made.set(A::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count)?;
+                made.set(A::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride)?;
             }
         }
         Ok(made)
+    }
+}
+
+impl Layout {
+    /// Sets one attribute to `value`.
+    ///
+    /// # Safety
+    /// `T` is the attribute's documented type.
+    unsafe fn set<T>(
+        &self,
+        attribute: sys::cublasLtMatrixLayoutAttribute_t,
+        value: &T,
+    ) -> Result<(), CublasError> {
+        // SAFETY: a live layout; the value's type is the caller's promise.
+        unsafe {
+            result::set_matrix_layout_attribute(
+                self.0,
+                attribute,
+                (value as *const T).cast(),
+                size_of::<T>(),
+            )
+        }
     }
 }
 
@@ -178,6 +191,28 @@ impl Drop for Desc {
 
 /// A preference descriptor, destroyed with it.
 struct Pref(sys::cublasLtMatmulPreference_t);
+
+impl Pref {
+    /// Sets one attribute to `value`.
+    ///
+    /// # Safety
+    /// `T` is the attribute's documented type.
+    unsafe fn set<T>(
+        &self,
+        attribute: sys::cublasLtMatmulPreferenceAttributes_t,
+        value: &T,
+    ) -> Result<(), CublasError> {
+        // SAFETY: a live preference; the value's type is the caller's promise.
+        unsafe {
+            result::set_matmul_pref_attribute(
+                self.0,
+                attribute,
+                (value as *const T).cast(),
+                size_of::<T>(),
+            )
+        }
+    }
+}
 
 impl Drop for Pref {
     fn drop(&mut self) {
@@ -280,29 +315,21 @@ impl Lt {
             }
         }
         let pref = Pref(result::create_matmul_pref().map_err(fail("the preference"))?);
-        // SAFETY: a live preference; the attribute is a size_t.
+        use sys::cublasLtMatmulPreferenceAttributes_t as P;
+        // SAFETY: the workspace size is a size_t.
         unsafe {
-            result::set_matmul_pref_attribute(
-                pref.0,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                (&self.workspace_size as *const usize).cast(),
-                size_of::<usize>(),
+            pref.set(
+                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &self.workspace_size,
             )
         }
         .map_err(fail("the workspace preference"))?;
         if matches!(dtype, DType::BF16 | DType::F16) {
             let mask =
                 sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
-            // SAFETY: a live preference; the attribute is a uint32_t mask.
-            unsafe {
-                result::set_matmul_pref_attribute(
-                    pref.0,
-                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-                    (&mask as *const u32).cast(),
-                    size_of::<u32>(),
-                )
-            }
-            .map_err(fail("the reduction scheme preference"))?;
+            // SAFETY: the mask is a uint32_t.
+            unsafe { pref.set(P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask) }
+                .map_err(fail("the reduction scheme preference"))?;
         }
         // SAFETY: live descriptors of this handle; C and D share a layout.
         let heuristic = unsafe {
