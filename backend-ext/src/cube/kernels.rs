@@ -93,6 +93,27 @@ pub fn bias_gelu_backward_kernel<F: Float>(
     output[i] = F::cast_from(f32::cast_from(grad[i]) * (normal_cdf(z) + z * pdf));
 }
 
+/// `residual + dropout(x + bias)` at element `idx` (column `j`) of a LayerNorm row, in f32.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn pre_norm_value<F: Float>(
+    x: &Tensor<F>,
+    bias: &Tensor<F>,
+    residual: &Tensor<F>,
+    idx: usize,
+    j: usize,
+    rk: u32,
+    threshold: u32,
+    keep_scale: f32,
+    #[comptime] dropout: bool,
+) -> f32 {
+    let mut z = f32::cast_from(x[idx]) + f32::cast_from(bias[j]);
+    if dropout {
+        z *= dropout_scale(j, rk, threshold, keep_scale);
+    }
+    z + f32::cast_from(residual[idx])
+}
+
 /// One cube per row: `y = residual + dropout(x + bias)`, then LayerNorm of y (two-pass
 /// variance over the stored y). With `per_unit` > 0 each unit keeps its `per_unit` elements of
 /// y, as stored, in registers instead of reading them back twice (Note [Softmax rows in
@@ -151,11 +172,9 @@ pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
             let mut kept = f32::new(0.0);
             if j < n {
                 let idx = base + j;
-                let mut z = f32::cast_from(x[idx]) + f32::cast_from(bias[j]);
-                if dropout {
-                    z *= dropout_scale(j, rk, threshold, keep_scale);
-                }
-                let y = z + f32::cast_from(residual[idx]);
+                let y = pre_norm_value(
+                    x, bias, residual, idx, j, rk, threshold, keep_scale, dropout,
+                );
                 let y_stored = F::cast_from(y);
                 pre_norm[idx] = y_stored;
                 kept = f32::cast_from(y_stored);
@@ -193,11 +212,9 @@ pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
         let mut j = unit;
         while j < n {
             let idx = base + j;
-            let mut z = f32::cast_from(x[idx]) + f32::cast_from(bias[j]);
-            if dropout {
-                z *= dropout_scale(j, rk, threshold, keep_scale);
-            }
-            let y = z + f32::cast_from(residual[idx]);
+            let y = pre_norm_value(
+                x, bias, residual, idx, j, rk, threshold, keep_scale, dropout,
+            );
             pre_norm[idx] = F::cast_from(y);
             sum += y;
             j += block as usize;

@@ -24,6 +24,38 @@ fn softmax_position(#[comptime] plane_rows: bool) -> (usize, usize, usize) {
     (row, unit, stride)
 }
 
+/// `s · scale + mask_bias` of one score (`idx`) and its key's bias (`mask_idx`), in f32.
+#[cube]
+fn masked_score<F: Float>(
+    scores: &Tensor<F>,
+    mask_bias: &Tensor<F>,
+    idx: usize,
+    mask_idx: usize,
+    scale: f32,
+) -> f32 {
+    f32::cast_from(scores[idx]) * scale + f32::cast_from(mask_bias[mask_idx])
+}
+
+/// The gradient of a probability through the dropout mask: `grad_dropped[idx]` times the
+/// keep scale of column `j` of the row keyed `rk` (as is without dropout), in f32.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dropped_grad<F: Float>(
+    grad_dropped: &Tensor<F>,
+    idx: usize,
+    j: usize,
+    rk: u32,
+    threshold: u32,
+    keep_scale: f32,
+    #[comptime] dropout: bool,
+) -> f32 {
+    let mut dp = f32::cast_from(grad_dropped[idx]);
+    if dropout {
+        dp *= dropout_scale(j, rk, threshold, keep_scale);
+    }
+    dp
+}
+
 /// The row's maximum: across its plane (`plane_rows`), else across the cube.
 #[cube]
 fn softmax_row_max(
@@ -108,8 +140,7 @@ pub fn masked_softmax_dropout_kernel<F: Float>(
             let j = unit + t as usize * stride;
             let mut s = f32::new(-3.0e38);
             if j < n {
-                s = f32::cast_from(scores[base + j]) * scale
-                    + f32::cast_from(mask_bias[mask_base + j]);
+                s = masked_score(scores, mask_bias, base + j, mask_base + j, scale);
             }
             values[t as usize] = s;
             if s > local_max {
@@ -147,8 +178,7 @@ pub fn masked_softmax_dropout_kernel<F: Float>(
         let mut local_max = f32::new(-3.0e38);
         let mut j = unit;
         while j < n {
-            let s =
-                f32::cast_from(scores[base + j]) * scale + f32::cast_from(mask_bias[mask_base + j]);
+            let s = masked_score(scores, mask_bias, base + j, mask_base + j, scale);
             if s > local_max {
                 local_max = s;
             }
@@ -159,8 +189,7 @@ pub fn masked_softmax_dropout_kernel<F: Float>(
         let mut sum = f32::new(0.0);
         let mut j = unit;
         while j < n {
-            let s =
-                f32::cast_from(scores[base + j]) * scale + f32::cast_from(mask_bias[mask_base + j]);
+            let s = masked_score(scores, mask_bias, base + j, mask_base + j, scale);
             let e = (s - max).exp();
             probs[base + j] = F::cast_from(e);
             sum += e;
@@ -233,10 +262,15 @@ pub fn masked_softmax_dropout_backward_kernel<F: Float>(
             let mut dp = f32::new(0.0);
             let mut p = f32::new(0.0);
             if j < n {
-                dp = f32::cast_from(grad_dropped[base + j]);
-                if dropout {
-                    dp *= dropout_scale(j, rk, threshold, keep_scale);
-                }
+                dp = dropped_grad(
+                    grad_dropped,
+                    base + j,
+                    j,
+                    rk,
+                    threshold,
+                    keep_scale,
+                    dropout,
+                );
                 p = f32::cast_from(probs[base + j]);
             }
             dps[t as usize] = dp;
@@ -257,10 +291,7 @@ pub fn masked_softmax_dropout_backward_kernel<F: Float>(
         let mut j = unit;
         while j < n {
             let idx = base + j;
-            let mut dp = f32::cast_from(grad_dropped[idx]);
-            if dropout {
-                dp *= dropout_scale(j, rk, threshold, keep_scale);
-            }
+            let dp = dropped_grad(grad_dropped, idx, j, rk, threshold, keep_scale, dropout);
             dot += dp * f32::cast_from(probs[idx]);
             j += stride;
         }
@@ -269,10 +300,7 @@ pub fn masked_softmax_dropout_backward_kernel<F: Float>(
         let mut j = unit;
         while j < n {
             let idx = base + j;
-            let mut dp = f32::cast_from(grad_dropped[idx]);
-            if dropout {
-                dp *= dropout_scale(j, rk, threshold, keep_scale);
-            }
+            let dp = dropped_grad(grad_dropped, idx, j, rk, threshold, keep_scale, dropout);
             let p = f32::cast_from(probs[idx]);
             grad_scores[idx] = F::cast_from(scale * p * (dp - dot));
             j += stride;
