@@ -236,6 +236,23 @@ impl<B: FusedOps> Backward<B, 2> for TiedDecoderBackward {
     }
 }
 
+/// [`FusedOps::ordered_after`]: parents `x` and `after` (a parent for the order of backward
+/// only: it gets no gradient); the gradient passes to `x` unchanged.
+#[derive(Debug)]
+struct OrderedAfterBackward;
+
+impl<B: FusedOps> Backward<B, 2> for OrderedAfterBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, _after] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(node) = node_x {
+            register_sum!(grads, &node, grad);
+        }
+    }
+}
+
 /// `x · weight + bias`: parents x, weight, bias; state x and weight.
 #[derive(Debug)]
 struct LinearBackward;
@@ -400,6 +417,17 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         {
             OpsKind::Tracked(prep) => prep.finish((), transposed),
             OpsKind::UnTracked(prep) => prep.finish(transposed),
+        }
+    }
+
+    fn ordered_after(x: FloatTensor<Self>, after: FloatTensor<Self>) -> FloatTensor<Self> {
+        match OrderedAfterBackward
+            .prepare::<C>([x.node.clone(), after.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((), x.primitive),
+            OpsKind::UnTracked(prep) => prep.finish(x.primitive),
         }
     }
 

@@ -65,6 +65,19 @@ pub fn tied_decoder_weight<B: FusedOps>(table: Tensor<B, 2>, after: &Tensor<B, 2
     float(B::tied_decoder_weight(prim(table), prim(after.clone())))
 }
 
+/// `x` through [`FusedOps::ordered_after`]: the same values; under autodiff its gradient
+/// reaches `x` before the backward of `after`'s producer runs (a layer's parameters ordered
+/// after the layer's hooked input: Note [Late gradients] in `ember_trainer`).
+///
+/// # Shapes
+/// `x` any, `after` any → `x`'s
+pub fn ordered_after<B: FusedOps, const D: usize, const E: usize>(
+    x: Tensor<B, D>,
+    after: &Tensor<B, E>,
+) -> Tensor<B, D> {
+    float(B::ordered_after(prim(x), prim(after.clone())))
+}
+
 /// Mean cross-entropy of `logits` against `labels` through [`FusedOps::cross_entropy`] (and
 /// its backward under autodiff): `mean_i(logsumexp(x_i) − x_i[label_i])`,
 /// `torch.nn.functional.cross_entropy` with mean reduction.

@@ -518,6 +518,22 @@ pub trait FusedOps: Backend {
         Self::float_swap_dims(table, 0, 1)
     }
 
+    /// `x` itself; under autodiff an identity whose backward runs before that of `after`'s
+    /// producer: `after` is a parent only for that order (it gets no gradient). Burn runs
+    /// backward by graph depth, a node one deeper than its deepest parent, so a parameter
+    /// reaching a layer through this op with the layer's (hooked) input as `after` has its
+    /// gradient final before the hook at that input runs: without it a parameter cast to a
+    /// half type, or packed with others (Note [Packed QKV]), sits behind a node of depth 1,
+    /// whose backward runs at the very end of backward (Note [Late gradients] in
+    /// `ember_trainer`'s `parallel/hooks.rs`). No kernel: the primitive is passed through.
+    ///
+    /// # Shapes
+    /// `x` any, `after` any → `x`'s
+    fn ordered_after(x: FloatTensor<Self>, after: FloatTensor<Self>) -> FloatTensor<Self> {
+        let _ = after;
+        x
+    }
+
     /// `x` in the row-major layout of its shape: a copy where `x` is a strided view, `x`
     /// itself where it is contiguous already. For an operand that several kernels read: the
     /// attention's Q, K, V (`[B, nh, S, hd]` views of `[B, S, H]` projections, heads strided)

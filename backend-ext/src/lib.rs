@@ -86,8 +86,8 @@ pub use cross_entropy::CrossEntropyForward;
 pub use dropout::{DropoutScope, DropoutSpec, keep_mask, reseed_dropout};
 pub use functions::{
     attention, attention_qkv, bias_dropout_add_layer_norm, bias_gelu, concat_columns,
-    cross_entropy, dense, dense_module, dropout, embedding, lamb_multi_tensor, reshape,
-    sum_ordered, sum_squares, tied_decoder_weight,
+    cross_entropy, dense, dense_module, dropout, embedding, lamb_multi_tensor, ordered_after,
+    reshape, sum_ordered, sum_squares, tied_decoder_weight,
 };
 pub use fused_ops::{DenseGrads, FusedOps, LayerNormBackward, LayerNormForward, SoftmaxForward};
 use fused_ops::{float, prim};

@@ -12,7 +12,7 @@ use ember_backend_ext::{DropoutSpec, FusedOps, Kernels, QkvProjections};
 
 use crate::hook::{ForwardHook, NoHook};
 use crate::precision::{Precision, cast_to, dense_as, layer_norm_f32, softmax_f32};
-use crate::weight_casts::{CastScope, cast_together, param_as};
+use crate::weight_casts::{LayerParams, layer_scope, param_as};
 
 use crate::BertConfig;
 use crate::layer::BertLayer;
@@ -410,13 +410,29 @@ impl<B: FusedOps> BertEncoder<B> {
         input_mask: Tensor<B, 2, Int>,
         hook: &dyn ForwardHook<B>,
     ) -> Tensor<B, 3> {
+        self.forward_scoped(hidden_states, input_mask, hook, true)
+    }
+
+    /// [`BertEncoder::forward_hooked`], each layer's parameters held by a scope of their own
+    /// (Note [Parameters ordered after their layer's input] in `weight_casts.rs`), cast
+    /// together under a half precision where `together` (Note [Weights cast together]).
+    pub(crate) fn forward_scoped(
+        &self,
+        hidden_states: Tensor<B, 3>,
+        input_mask: Tensor<B, 2, Int>,
+        hook: &dyn ForwardHook<B>,
+        together: bool,
+    ) -> Tensor<B, 3> {
+        let dtype = hidden_states.dtype();
         // In the layers' dtype (Note [Autocast]); −10000 is exact in f16 and bf16.
-        let mask_bias = cast_to(attention_mask_bias(input_mask), hidden_states.dtype());
+        let mask_bias = cast_to(attention_mask_bias(input_mask), dtype);
         self.layer
             .iter()
             .enumerate()
             .fold(hidden_states, |x, (i, layer)| {
-                layer.forward(hook.layer_input(i, x), mask_bias.clone())
+                let x = hook.layer_input(i, x);
+                let _scope = layer_scope(layer.params(), &x, dtype, together);
+                layer.forward(x, mask_bias.clone())
             })
     }
 }
@@ -530,27 +546,6 @@ impl<B: Backend> BertModel<B> {
     pub fn set_cast_weights_together(&mut self, together: bool) {
         self.cast_weights_together = together;
     }
-
-    /// What a half-precision forward casts together: every encoder layer's six dense layers
-    /// and two LayerNorms, and the pooler's dense layer.
-    fn half_weights(&self) -> (Vec<&Linear<B>>, Vec<&LayerNorm<B>>) {
-        let mut linears = Vec::new();
-        let mut norms = Vec::new();
-        for layer in &self.encoder.layer {
-            norms.extend([&layer.attention.output.layer_norm, &layer.output.layer_norm]);
-            let attention = &layer.attention.self_attention;
-            linears.extend([
-                &attention.query,
-                &attention.key,
-                &attention.value,
-                &layer.attention.output.dense,
-                &layer.intermediate.dense,
-                &layer.output.dense,
-            ]);
-        }
-        linears.push(&self.pooler.dense);
-        (linears, norms)
-    }
 }
 
 impl<B: FusedOps> BertModel<B> {
@@ -587,15 +582,19 @@ impl<B: FusedOps> BertModel<B> {
             .forward_with(input_ids, segment_ids, self.encoder.kernels());
         let dtype = self.precision.dtype().into();
         let embedded = cast_to(embedded, dtype);
-        let _casts = if self.cast_weights_together {
-            let (linears, norms) = self.half_weights();
-            cast_together(&linears, &norms, dtype)
-        } else {
-            CastScope::none()
-        };
-        let encoded = self.encoder.forward_hooked(embedded, input_mask, hook);
+        let encoded =
+            self.encoder
+                .forward_scoped(embedded, input_mask, hook, self.cast_weights_together);
         let sequence_output = hook.heads_input(encoded);
-        let pooled_output = self.pooler.forward(sequence_output.clone());
+        let pooled_output = {
+            let _scope = layer_scope(
+                LayerParams::of(&[&self.pooler.dense], &[]),
+                &sequence_output,
+                dtype,
+                self.cast_weights_together,
+            );
+            self.pooler.forward(sequence_output.clone())
+        };
         BertModelOutput {
             sequence_output,
             pooled_output,

@@ -15,7 +15,7 @@ use crate::bert::{
     reference_dropout, training,
 };
 use crate::precision::{dense_as, layer_norm_f32};
-use crate::weight_casts::param_as;
+use crate::weight_casts::{LayerParams, param_as};
 
 /// Self-attention and its output block. Mirrors Hugging Face `BertAttention`.
 #[derive(Module, Debug)]
@@ -93,6 +93,25 @@ impl<B: Backend> BertLayer<B> {
 fn dense_no_bias<B: FusedOps>(x: Tensor<B, 3>, linear: &Linear<B>) -> Tensor<B, 3> {
     let dtype = x.dtype();
     ember_backend_ext::dense(x, param_as(&linear.weight, dtype), None)
+}
+
+impl<B: Backend> BertLayer<B> {
+    /// The parameters a forward takes through the layer's scope (`weight_casts.rs`): the six
+    /// dense layers' weights and biases, the two LayerNorms' γ and β.
+    pub(crate) fn params(&self) -> LayerParams<'_, B> {
+        let attention = &self.attention.self_attention;
+        LayerParams::of(
+            &[
+                &attention.query,
+                &attention.key,
+                &attention.value,
+                &self.attention.output.dense,
+                &self.intermediate.dense,
+                &self.output.dense,
+            ],
+            &[&self.attention.output.layer_norm, &self.output.layer_norm],
+        )
+    }
 }
 
 impl<B: FusedOps> BertLayer<B> {

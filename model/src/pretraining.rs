@@ -13,6 +13,7 @@ use crate::BertConfig;
 use crate::bert::{BertModel, bias_of, dense, gamma_beta, gelu, layer_norm};
 use crate::hook::{ForwardHook, NoHook};
 use crate::precision::{Precision, cast_to, dense_as, layer_norm_f32};
+use crate::weight_casts::{LayerParams, layer_scope, param_as};
 
 /// Dense + GELU + LayerNorm before the vocabulary projection.
 /// Mirrors Hugging Face `BertPredictionHeadTransform`.
@@ -152,13 +153,25 @@ impl<B: FusedOps> BertForPreTraining<B> {
         let out = self
             .bert
             .forward_hooked(input_ids, segment_ids, input_mask, hook);
+        let predictions = &self.cls.predictions;
+        let dtype = out.sequence_output.dtype();
+        // The heads' parameters ordered after their hooked input, cast together (Note
+        // [Parameters ordered after their layer's input] in `weight_casts.rs`).
+        let _scope = layer_scope(
+            LayerParams::of(
+                &[&predictions.transform.dense, &self.cls.seq_relationship],
+                &[&predictions.transform.layer_norm],
+            )
+            .and_vector(&predictions.bias),
+            &out.sequence_output,
+            dtype,
+            self.bert.cast_weights_together,
+        );
         let [batch, seq_len, hidden] = out.sequence_output.dims();
         let masked_states =
             ember_backend_ext::reshape(out.sequence_output, [batch * seq_len, hidden])
                 .select(0, masked_lm_flat_positions); // [N, H]
 
-        let predictions = &self.cls.predictions;
-        let dtype = masked_states.dtype();
         let transform = &predictions.transform;
         let transformed = if self.bert.encoder.kernels().fused::<B>() {
             // GELU(x·W + b) and LayerNorm as the encoder's fused ops (zero bias and residual,
@@ -166,7 +179,7 @@ impl<B: FusedOps> BertForPreTraining<B> {
             let hidden = ember_backend_ext::bias_gelu(
                 ember_backend_ext::dense(
                     masked_states,
-                    cast_to(transform.dense.weight.val(), dtype),
+                    param_as(&transform.dense.weight, dtype),
                     None,
                 ),
                 bias_of(&transform.dense, dtype),
@@ -195,7 +208,7 @@ impl<B: FusedOps> BertForPreTraining<B> {
             ),
             dtype,
         );
-        let bias = cast_to(predictions.bias.val(), dtype);
+        let bias = param_as(&predictions.bias, dtype);
         let mlm_logits = ember_backend_ext::dense(transformed, decoder, Some(bias)); // [N, V]
 
         // The logits in f32, for the losses and accuracy (Note [Autocast]).

@@ -2,13 +2,14 @@
 //! cast to the activations' dtype where it is used (Note [Autocast] in `precision.rs`), one
 //! cast launch each: 16 per encoder layer (Q, K, V, the attention output, the FFN's two
 //! layers, weight and bias; the fused LayerNorms' γ and β, which that kernel takes in its
-//! input's type), 384 per BERT-large forward, each a kernel the GPU waits its turn for. [`BertModel::forward`](crate::BertModel::forward) casts them all first, in one
-//! [`FusedOps::cast_multi_tensor`] (on CubeCL up to 32 tensors a launch: apex's
-//! `multi_tensor_scale`, which is how apex O2 refreshes its half copy of the model), and the
-//! layers take their copy from this scope ([`param_as`], used by `dense_as` and the fused
-//! layer's biases, γ and β) instead of casting again. The values are the same bits: the kernel rounds
-//! as Burn's cast. Each copy's backward still casts its gradient back to f32, a launch per
-//! weight, when the gradient arrives.
+//! input's type), 384 per BERT-large forward, each a kernel the GPU waits its turn for. Each
+//! encoder layer casts its parameters first, in one [`FusedOps::cast_multi_tensor`] (on
+//! CubeCL up to 32 tensors a launch: apex's `multi_tensor_scale`, which is how apex O2
+//! refreshes its half copy of the model), and so do the pooler and the pre-training heads;
+//! the layers take their copy from this scope ([`param_as`], used by `dense_as` and the fused
+//! layer's biases, γ and β) instead of casting again. The values are the same bits: the kernel
+//! rounds as Burn's cast. Each copy's backward still casts its gradient back to f32, a launch
+//! per weight, when the gradient arrives.
 //!
 //! Where ember differs from NVIDIA's recipe: apex O2 (and the GPU-speed issue's item 3) keeps
 //! the half copy between steps, written by the optimizer beside the f32 master. ember casts at
@@ -18,8 +19,22 @@
 //! step's traffic). [`BertModel::set_cast_weights_together`](crate::BertModel) turns it off
 //! (a cast where each weight is used, as before).
 //!
+//! Note [Parameters ordered after their layer's input]: Burn runs backward by graph depth
+//! (Note [Late gradients] in `ember_trainer`'s `parallel/hooks.rs`). A cast of a parameter,
+//! or the packed QKV weight's concatenation (Note [Packed QKV]), is a node of depth 1 or 2,
+//! whose backward runs at the very end of backward: the parameter's gradient reached it only
+//! then, after every gradient hook had fired. Under a half precision that made every
+//! parameter's gradient late (the data-parallel buckets' allreduce waited for the end of
+//! backward, overlapping nothing), and in f32 the packed Q, K and V weights' (a quarter of an
+//! encoder layer's weights). The scope therefore holds each parameter through
+//! [`ember_backend_ext::ordered_after`] with the layer's (hooked) input as `after`: the same
+//! values, no kernel, and a depth one more than the input's, so that the casts and the
+//! concatenation run in backward right after the layer's own ops and before the hook at its
+//! input. `fp16_hooks_deliver_the_same_gradients_as_f32` (tests) checks that a half-precision
+//! model's hooks deliver what an f32 model's do, every encoder layer's parameters included.
+//!
 //! The scope is a stack per thread (a rank's forward runs on one thread), pushed by
-//! [`cast_together`] and popped when its guard drops; copies are keyed by [`ParamId`] and by
+//! [`layer_scope`] and popped when its guard drops; copies are keyed by [`ParamId`] and by
 //! backend type, so a model of another backend (`valid()`'s inner one) never sees them.
 
 use std::any::Any;
@@ -39,92 +54,111 @@ thread_local! {
     static SCOPES: RefCell<Vec<HashMap<ParamId, Box<dyn Any>>>> = const { RefCell::new(Vec::new()) };
 }
 
-/// While alive, the weights cast by [`cast_together`] are what [`param_as`] returns.
-pub(crate) struct CastScope {
-    open: bool,
-}
-
-impl CastScope {
-    /// An empty scope: every weight cast where it is used, even inside another model's scope
-    /// (a nested forward of a clone, same ParamIds, must not take the outer copies).
-    pub(crate) fn none() -> Self {
-        SCOPES.with(|scopes| scopes.borrow_mut().push(HashMap::new()));
-        CastScope { open: true }
-    }
-}
+/// While alive, the parameters [`layer_scope`] holds are what [`param_as`] starts from.
+pub(crate) struct CastScope;
 
 impl Drop for CastScope {
     fn drop(&mut self) {
-        if self.open {
-            SCOPES.with(|scopes| scopes.borrow_mut().pop());
-        }
+        SCOPES.with(|scopes| scopes.borrow_mut().pop());
     }
 }
 
-/// Casts the weights and biases of `linears` and the γ and β of `norms` to `dtype` in one
-/// [`FusedOps::cast_multi_tensor`] and opens a scope in which [`param_as`] returns them. In
-/// f32 (nothing to cast) no scope opens.
-pub(crate) fn cast_together<B: FusedOps>(
-    linears: &[&Linear<B>],
-    norms: &[&LayerNorm<B>],
+/// The parameters of a layer: its matrices (dense weights) and vectors (biases, γ, β).
+pub(crate) struct LayerParams<'a, B: Backend> {
+    matrices: Vec<&'a Param<Tensor<B, 2>>>,
+    vectors: Vec<&'a Param<Tensor<B, 1>>>,
+}
+
+impl<'a, B: Backend> LayerParams<'a, B> {
+    /// The weights and biases of `linears` and the γ and β of `norms`.
+    pub(crate) fn of(linears: &[&'a Linear<B>], norms: &[&'a LayerNorm<B>]) -> Self {
+        let mut params = LayerParams {
+            matrices: Vec::new(),
+            vectors: Vec::new(),
+        };
+        for linear in linears {
+            params.matrices.push(&linear.weight);
+            params.vectors.extend(&linear.bias);
+        }
+        for norm in norms {
+            params.vectors.push(&norm.gamma);
+            params.vectors.extend(&norm.beta);
+        }
+        params
+    }
+
+    /// These and `vector` (a bias of its own, as the MLM output bias).
+    pub(crate) fn and_vector(mut self, vector: &'a Param<Tensor<B, 1>>) -> Self {
+        self.vectors.push(vector);
+        self
+    }
+}
+
+/// Opens a scope in which [`param_as`] takes `params` as this layer's forward uses them: each
+/// through [`ember_backend_ext::ordered_after`] `after` (the layer's hooked input; Note
+/// [Parameters ordered after their layer's input]) and, in a half `dtype` with `together`,
+/// cast to it in one [`FusedOps::cast_multi_tensor`] (Note [Weights cast together]); without
+/// `together`, [`param_as`] casts each where it is used.
+pub(crate) fn layer_scope<B: FusedOps, const D: usize>(
+    params: LayerParams<'_, B>,
+    after: &Tensor<B, D>,
     dtype: DType,
+    together: bool,
 ) -> CastScope {
-    if dtype == DType::F32 {
-        return CastScope { open: false };
-    }
-    let mut weights = Vec::new();
-    let mut biases = Vec::new();
-    for linear in linears {
-        weights.push((linear.weight.id, linear.weight.val()));
-        if let Some(bias) = &linear.bias {
-            biases.push((bias.id, bias.val()));
-        }
-    }
-    for norm in norms {
-        biases.push((norm.gamma.id, norm.gamma.val()));
-        if let Some(beta) = &norm.beta {
-            biases.push((beta.id, beta.val()));
-        }
-    }
-    let primitives = weights
+    let ids: Vec<ParamId> = params
+        .matrices
         .iter()
-        .map(|(_, w)| w.clone().into_primitive().tensor())
-        .chain(
-            biases
-                .iter()
-                .map(|(_, b)| b.clone().into_primitive().tensor()),
-        )
+        .map(|p| p.id)
+        .chain(params.vectors.iter().map(|p| p.id))
         .collect();
-    let mut cast = B::cast_multi_tensor(primitives, FloatDType::from(dtype)).into_iter();
+    let primitives: Vec<_> = params
+        .matrices
+        .iter()
+        .map(|p| {
+            ember_backend_ext::ordered_after(p.val(), after)
+                .into_primitive()
+                .tensor()
+        })
+        .chain(params.vectors.iter().map(|p| {
+            ember_backend_ext::ordered_after(p.val(), after)
+                .into_primitive()
+                .tensor()
+        }))
+        .collect();
+    let values = if together && dtype != DType::F32 {
+        B::cast_multi_tensor(primitives, FloatDType::from(dtype))
+    } else {
+        primitives
+    };
+    let matrices = params.matrices.len();
     let mut copies: HashMap<ParamId, Box<dyn Any>> = HashMap::new();
-    for (id, _) in weights {
-        let w = cast.next().expect("a copy per weight");
-        let w: Tensor<B, 2> = Tensor::from_primitive(TensorPrimitive::Float(w));
-        copies.insert(id, Box::new(w));
-    }
-    for (id, _) in biases {
-        let b = cast.next().expect("a copy per bias");
-        let b: Tensor<B, 1> = Tensor::from_primitive(TensorPrimitive::Float(b));
-        copies.insert(id, Box::new(b));
+    for (i, (id, value)) in ids.into_iter().zip(values).enumerate() {
+        let value = TensorPrimitive::Float(value);
+        let copy: Box<dyn Any> = if i < matrices {
+            Box::new(Tensor::<B, 2>::from_primitive(value))
+        } else {
+            Box::new(Tensor::<B, 1>::from_primitive(value))
+        };
+        copies.insert(id, copy);
     }
     SCOPES.with(|scopes| scopes.borrow_mut().push(copies));
-    CastScope { open: true }
+    CastScope
 }
 
-/// `param`'s value in `dtype`: the copy [`cast_together`] made in the innermost open scope, or
-/// else a cast of its own ([`cast_to`]: `param` itself in its own dtype).
+/// `param`'s value in `dtype`: what [`layer_scope`] holds for it in the innermost open scope
+/// (cast where it is not in `dtype`), or else a cast of its own ([`cast_to`]: `param` itself
+/// in its own dtype).
 pub(crate) fn param_as<B: Backend, const D: usize>(
     param: &Param<Tensor<B, D>>,
     dtype: DType,
 ) -> Tensor<B, D> {
-    let copy = SCOPES.with(|scopes| {
+    let held = SCOPES.with(|scopes| {
         scopes
             .borrow()
             .last()
             .and_then(|copies| copies.get(&param.id))
             .and_then(|copy| copy.downcast_ref::<Tensor<B, D>>())
-            .filter(|copy| copy.dtype() == dtype)
             .cloned()
     });
-    copy.unwrap_or_else(|| cast_to(param.val(), dtype))
+    cast_to(held.unwrap_or_else(|| param.val()), dtype)
 }

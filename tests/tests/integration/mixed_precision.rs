@@ -182,3 +182,60 @@ fn bf16_device_buckets_on_wgpu_are_refused_naming_the_setting() {
         "{error}"
     );
 }
+
+/// Note [Parameters ordered after their layer's input] (`ember_model`'s `weight_casts.rs`):
+/// each encoder layer's weights reach it through a cast under a half precision (Note
+/// [Autocast]) and the packed Q, K and V weights through a concatenation (Note [Packed QKV];
+/// lavapipe packs), and the gradient hook at the layer's input must still see their final
+/// gradients, so that their buckets' allreduce overlaps the rest of backward. The probe the
+/// trainer runs (`ready_order`) must find every parameter but the embeddings' hooked, in fp16
+/// as in f32. (Before: none in fp16; in f32 all but the embeddings' and Q, K, V's.)
+#[test]
+fn fp16_hooks_deliver_the_same_gradients_as_f32() {
+    use ember_trainer::grads::named_params;
+    use ember_trainer::parallel::ready_order;
+    let device = WgpuDevice::DefaultDevice;
+    let train = config(Path::new("unused"), Precision::F32);
+    let mut model = ember_trainer::initial_model::<B>(&train, 30522, &device).unwrap();
+    let loader = ember_data::InstanceLoader::new(data().eval.clone(), 2, 64, 0, "eval").unwrap();
+    let batch = loader
+        .sequential_batches()
+        .next()
+        .unwrap()
+        .to_device::<B>(&device);
+    let names: std::collections::HashMap<_, _> = named_params::<B, _>(&model)
+        .into_iter()
+        .map(|(name, id)| (id, name))
+        .collect();
+    let mut expected: Vec<String> = names
+        .values()
+        .filter(|name| !name.starts_with("bert.embeddings."))
+        .cloned()
+        .collect();
+    expected.sort();
+    assert!(
+        expected
+            .iter()
+            .any(|n| n == "bert.encoder.layer.1.attention.self_attention.query.weight"),
+        "{expected:?}"
+    );
+    let hooked = |model: &ember_model::BertForPreTraining<B>| {
+        let order = ready_order(model, batch.clone(), None);
+        let mut hooked: Vec<String> = order
+            .hooked_set()
+            .iter()
+            .map(|id| names[id].clone())
+            .collect();
+        hooked.sort();
+        hooked
+    };
+    assert_eq!(hooked(&model), expected, "hooked in f32");
+    model.set_precision(Precision::Fp16);
+    assert_eq!(hooked(&model), expected, "hooked in fp16");
+    model.bert.set_cast_weights_together(false);
+    assert_eq!(
+        hooked(&model),
+        expected,
+        "hooked in fp16, each weight cast where used"
+    );
+}

@@ -236,7 +236,10 @@ pub fn hook_group(path: &str, num_layers: usize) -> usize {
 /// direct parents; the MLM output bias until the decoder became one `FusedOps::dense`
 /// op with the bias as a direct parent) sits
 /// behind a depth-1 node, whose backward runs at the very end: at the layer's hook its
-/// gradient does not exist yet. [`ready_order`] finds out which parameters a hook can
+/// gradient does not exist yet. So did, until the model held each layer's parameters
+/// ordered after the layer's input (Note [Parameters ordered after their layer's input] in
+/// `ember_model`'s `weight_casts.rs`), every parameter under a half precision (behind its
+/// cast) and the packed Q, K and V weights (behind their concatenation). [`ready_order`] finds out which parameters a hook can
 /// deliver by running one backward and comparing every hooked gradient with the final one;
 /// the rest are delivered after backward, with the embeddings (PyTorch DDP likewise rebuilds
 /// its buckets from the order gradients became ready in the first iteration).
