@@ -95,11 +95,13 @@ fn dense_no_bias<B: FusedOps>(x: Tensor<B, 3>, linear: &Linear<B>) -> Tensor<B, 
     ember_backend_ext::dense(x, param_as(&linear.weight, dtype), None)
 }
 
-impl<B: Backend> BertLayer<B> {
+impl<B: FusedOps> BertLayer<B> {
     /// The parameters a forward takes through the layer's scope (`weight_casts.rs`): the six
-    /// dense layers' weights and biases, the two LayerNorms' γ and β.
+    /// dense layers' weights and biases, and the two LayerNorms' γ and β where the fused op
+    /// takes them (the reference path's Burn `LayerNorm` reads its own).
     pub(crate) fn params(&self) -> LayerParams<'_, B> {
         let attention = &self.attention.self_attention;
+        let norms = [&self.attention.output.layer_norm, &self.output.layer_norm];
         LayerParams::of(
             &[
                 &attention.query,
@@ -109,12 +111,14 @@ impl<B: Backend> BertLayer<B> {
                 &self.intermediate.dense,
                 &self.output.dense,
             ],
-            &[&self.attention.output.layer_norm, &self.output.layer_norm],
+            if self.kernels.fused::<B>() {
+                &norms
+            } else {
+                &[]
+            },
         )
     }
-}
 
-impl<B: FusedOps> BertLayer<B> {
     /// The layer through the fused ops of `ember-backend-ext` when [`Kernels::fused`] says so
     /// for this backend, else through the module-by-module composition.
     ///

@@ -155,12 +155,15 @@ impl<B: FusedOps> BertForPreTraining<B> {
             .forward_hooked(input_ids, segment_ids, input_mask, hook);
         let predictions = &self.cls.predictions;
         let dtype = out.sequence_output.dtype();
+        let fused = self.bert.encoder.kernels().fused::<B>();
         // The heads' parameters ordered after their hooked input, cast together (Note
-        // [Parameters ordered after their layer's input] in `weight_casts.rs`).
+        // [Parameters ordered after their layer's input] in `weight_casts.rs`); the transform's
+        // γ and β where the fused LayerNorm takes them.
+        let norm = [&predictions.transform.layer_norm];
         let _scope = layer_scope(
             LayerParams::of(
                 &[&predictions.transform.dense, &self.cls.seq_relationship],
-                &[&predictions.transform.layer_norm],
+                if fused { &norm } else { &[] },
             )
             .and_vector(&predictions.bias),
             &out.sequence_output,
@@ -173,7 +176,7 @@ impl<B: FusedOps> BertForPreTraining<B> {
                 .select(0, masked_lm_flat_positions); // [N, H]
 
         let transform = &predictions.transform;
-        let transformed = if self.bert.encoder.kernels().fused::<B>() {
+        let transformed = if fused {
             // GELU(x·W + b) and LayerNorm as the encoder's fused ops (zero bias and residual,
             // no dropout inside: LayerNorm(0 + (h + 0)) is LayerNorm(h)).
             let hidden = ember_backend_ext::bias_gelu(

@@ -188,10 +188,14 @@ fn bf16_device_buckets_on_wgpu_are_refused_naming_the_setting() {
 /// [Autocast]) and the packed Q, K and V weights through a concatenation (Note [Packed QKV];
 /// lavapipe packs), and the gradient hook at the layer's input must still see their final
 /// gradients, so that their buckets' allreduce overlaps the rest of backward. The probe the
-/// trainer runs (`ready_order`) must find every parameter but the embeddings' hooked, in fp16
-/// as in f32. (Before: none in fp16; in f32 all but the embeddings' and Q, K, V's.)
+/// trainer runs (`ready_order`, which compares each hooked gradient with the final one, bit
+/// for bit) must find every parameter but the embeddings' hooked, in fp16 as in f32, with the
+/// weights cast together or each where used, and with Q, K and V packed or apart. (Before:
+/// none in fp16; in f32 all but the embeddings' and the packed Q, K, V's.) That the values
+/// are right is the other tests' business: the fused path against Hugging Face's gradients
+/// (`hf_parity.rs`), fp16 training against f32 (above).
 #[test]
-fn fp16_hooks_deliver_the_same_gradients_as_f32() {
+fn fp16_hooks_deliver_the_parameters_f32_hooks_do() {
     use ember_trainer::grads::named_params;
     use ember_trainer::parallel::ready_order;
     let device = WgpuDevice::DefaultDevice;
@@ -238,4 +242,10 @@ fn fp16_hooks_deliver_the_same_gradients_as_f32() {
         expected,
         "hooked in fp16, each weight cast where used"
     );
+    model.bert.set_cast_weights_together(true);
+    model
+        .bert
+        .encoder
+        .set_qkv_projections(ember_model::QkvProjections::Separate);
+    assert_eq!(hooked(&model), expected, "hooked in fp16, Q, K, V apart");
 }
