@@ -235,6 +235,24 @@ impl BucketPlan {
         )
     }
 
+    /// `"N parameters, X of Y MiB"`: how much of the planned gradient is final only when
+    /// backward returns (`late`, from [`super::hooks::ready_order`]), so that its allreduce
+    /// cannot overlap backward (Note [Late gradients]). The tied table's rows, when split, are
+    /// not counted: their size depends on the batch.
+    pub fn after_backward(&self, late: &[ParamId]) -> String {
+        let (count, numel) = self
+            .buckets
+            .iter()
+            .flat_map(|b| &b.params)
+            .filter(|p| late.contains(&p.id))
+            .fold((0, 0), |(count, numel), p| (count + 1, numel + p.numel()));
+        format!(
+            "{count} parameters, {:.2} of {:.2} MiB",
+            (numel * 4) as f64 / MB,
+            (self.numel() * 4) as f64 / MB
+        )
+    }
+
     /// Total number of gradient elements.
     pub fn numel(&self) -> usize {
         self.buckets.iter().map(|b| b.numel).sum()
@@ -317,4 +335,26 @@ pub fn bucket_plan<B: Backend, M: Module<B>>(
     let mut plan = BucketPlan::new(&params, first_bucket_mb, bucket_cap_mb);
     plan.tied = tied;
     plan
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The late share counts the late parameters' f32 bytes against the whole plan's.
+    #[test]
+    fn after_backward_counts_the_late_parameters_bytes() {
+        let ids: Vec<ParamId> = (0..3).map(|_| ParamId::new()).collect();
+        let params = vec![
+            ("a".to_string(), ids[0], vec![512, 1024]), // 2 MiB
+            ("b".to_string(), ids[1], vec![1024]),
+            ("c".to_string(), ids[2], vec![256, 1024]), // 1 MiB
+        ];
+        let plan = BucketPlan::new(&params, 1.0, 25.0);
+        assert_eq!(
+            plan.after_backward(&[ids[2]]),
+            "1 parameters, 1.00 of 3.00 MiB"
+        );
+        assert_eq!(plan.after_backward(&[]), "0 parameters, 0.00 of 3.00 MiB");
+    }
 }

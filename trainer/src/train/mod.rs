@@ -526,6 +526,7 @@ fn start_run<B: GradHookBackend>(
         buckets = %buckets,
         bucket_storage = storage,
         bucket_plan_hash = format!("{:016x}", plan.fingerprint()),
+        reduced_after_backward = %plan.after_backward(&trainer.late),
         clip = %config.parallel.clip,
         "rank ready"
     );
