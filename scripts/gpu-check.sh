@@ -15,7 +15,9 @@
 # Parts:
 #   launch         the launch path of a fresh machine: `ember gpu-libs` (where the driver, NVRTC
 #                  and NCCL were found, by the names pip's wheels ship, with no links made by
-#                  hand), a 2-step training run (its log names the GPU's UUID and bus id), and
+#                  hand), a 2-step training run (its log names the GPU's UUID and bus id, and
+#                  in bf16, CUDA's default, `reduced_after_backward`: only the embeddings'
+#                  parameters should be left for after backward), and
 #                  real torchrun with 2 ranks exchanging a blob through the agent's store
 #                  (`comm-check --rendezvous`; no GPU needed) when the machine's Python has torch.
 #   embed          `xtask bench embed --device cuda`: sentence embeddings of all-MiniLM-L6-v2's and
@@ -164,7 +166,7 @@ run)
             echo "== launch: GPU libraries found by ember, the GPU named, torchrun's store"
             "$dir/xtask" gpu-libs 2>&1 | tee "$out/gpu-libs.txt" || status=$?
             timeout 120 "$dir/xtask" train --device cuda --steps 2 --eval-every 2 --eval-samples 16 \
-                --no-progress --out "$out/launch-run" 2>&1 | grep -E "GPU [0-9]+ of|cudarc opens|starting again|error|ember:" \
+                --no-progress --out "$out/launch-run" 2>&1 | grep -E "GPU [0-9]+ of|cudarc opens|starting again|reduced_after_backward|error|ember:" \
                 | tee "$out/launch.txt" || status=$?
             torchrun="$(dirname "${torch_python:-/nonexistent}")/torchrun"
             if [ -x "$torchrun" ]; then
