@@ -43,6 +43,7 @@ macro_rules! register_sum {
 }
 
 mod attention;
+mod dense;
 
 /// A reshape: parent x; state x's shape. Both ways through [`FusedOps::reshape_contiguous`],
 /// so that NdArray moves neither a contiguous activation nor its gradient (Burn's autodiff
@@ -253,51 +254,6 @@ impl<B: FusedOps> Backward<B, 2> for OrderedAfterBackward {
     }
 }
 
-/// `x · weight + bias`: parents x, weight, bias; state x and weight.
-#[derive(Debug)]
-struct LinearBackward;
-
-impl<B: FusedOps> Backward<B, 3> for LinearBackward {
-    type State = (FloatTensor<B>, FloatTensor<B>);
-
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_x, node_weight, node_bias] = ops.parents;
-        let grad = grads.consume::<B>(&ops.node);
-        let (x, weight) = ops.state;
-        let (dx, dweight, dbias) = B::dense_backward(x, weight, grad, node_bias.is_some());
-        if let Some(node) = node_x {
-            register_sum!(grads, &node, dx);
-        }
-        if let Some(node) = node_weight {
-            register_sum!(grads, &node, dweight);
-        }
-        if let (Some(node), Some(dbias)) = (node_bias, dbias) {
-            register_sum!(grads, &node, dbias);
-        }
-    }
-}
-
-/// `x · weight`: parents x, weight.
-#[derive(Debug)]
-struct LinearNoBiasBackward;
-
-impl<B: FusedOps> Backward<B, 2> for LinearNoBiasBackward {
-    type State = (FloatTensor<B>, FloatTensor<B>);
-
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_x, node_weight] = ops.parents;
-        let grad = grads.consume::<B>(&ops.node);
-        let (x, weight) = ops.state;
-        let (dx, dweight, _) = B::dense_backward(x, weight, grad, false);
-        if let Some(node) = node_x {
-            register_sum!(grads, &node, dx);
-        }
-        if let Some(node) = node_weight {
-            register_sum!(grads, &node, dweight);
-        }
-    }
-}
-
 /// Cross-entropy: parent the logits; state the logits, labels and log-sum-exp.
 #[derive(Debug)]
 struct CrossEntropyBackward;
@@ -436,40 +392,28 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         weight: FloatTensor<Self>,
         bias: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
-        let Some(bias) = bias else {
-            return match LinearNoBiasBackward
-                .prepare::<C>([x.node.clone(), weight.node.clone()])
-                .compute_bound()
-                .stateful()
-            {
-                OpsKind::Tracked(prep) => {
-                    let output = B::dense(x.primitive.clone(), weight.primitive.clone(), None);
-                    prep.finish((x.primitive, weight.primitive), output)
-                }
-                OpsKind::UnTracked(prep) => {
-                    prep.finish(B::dense(x.primitive, weight.primitive, None))
-                }
-            };
-        };
-        match LinearBackward
-            .prepare::<C>([x.node.clone(), weight.node.clone(), bias.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let output = B::dense(
-                    x.primitive.clone(),
-                    weight.primitive.clone(),
-                    Some(bias.primitive),
-                );
-                prep.finish((x.primitive, weight.primitive), output)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::dense(
-                x.primitive,
-                weight.primitive,
-                Some(bias.primitive),
-            )),
-        }
+        let used = weight.primitive.clone();
+        dense::dense::<B, C>(
+            x,
+            (weight, used),
+            bias.map(|b| {
+                let used = b.primitive.clone();
+                (b, used)
+            }),
+        )
+    }
+
+    fn dense_of_masters(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        weight_half: FloatTensor<Self>,
+        bias: Option<(FloatTensor<Self>, FloatTensor<Self>)>,
+    ) -> FloatTensor<Self> {
+        dense::dense::<B, C>(
+            x,
+            (weight, weight_half.primitive),
+            bias.map(|(b, half)| (b, half.primitive)),
+        )
     }
 
     fn bias_gelu(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {

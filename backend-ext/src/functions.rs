@@ -19,6 +19,27 @@ pub fn dense<B: FusedOps, const D: usize>(
     float(B::dense(prim(x), prim(weight), bias.map(prim)))
 }
 
+/// [`dense`] of `weight_half` and `bias_half`, the copies in `x`'s (half) dtype of the master
+/// parameters `weight` and `bias`, through [`FusedOps::dense_of_masters`]: the same output;
+/// under autodiff the masters get the gradients, in their dtype (Note [Weight gradients in
+/// f32] in `linear.rs`).
+///
+/// # Shapes
+/// `x` `[.., I]`, `weight` and `weight_half` `[I, O]`, `bias` pair `[O]` → `[.., O]`
+pub fn dense_of_masters<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    weight: Tensor<B, 2>,
+    weight_half: Tensor<B, 2>,
+    bias: Option<(Tensor<B, 1>, Tensor<B, 1>)>,
+) -> Tensor<B, D> {
+    float(B::dense_of_masters(
+        prim(x),
+        prim(weight),
+        prim(weight_half),
+        bias.map(|(b, half)| (prim(b), prim(half))),
+    ))
+}
+
 /// `x` reshaped to `shape` through [`FusedOps::reshape_contiguous`] (and under autodiff its
 /// gradient reshaped back the same way): Burn's `reshape`, without NdArray's copy of a
 /// contiguous tensor (the attention's head split and merge).
@@ -66,8 +87,14 @@ pub fn tied_decoder_weight<B: FusedOps>(table: Tensor<B, 2>, after: &Tensor<B, 2
 }
 
 /// `x` through [`FusedOps::ordered_after`]: the same values; under autodiff its gradient
-/// reaches `x` before the backward of `after`'s producer runs (a layer's parameters ordered
-/// after the layer's hooked input: Note [Late gradients] in `ember_trainer`).
+/// reaches `x` before the backward of `after`'s producer runs. Burn runs backward by graph
+/// depth, a node one deeper than its deepest parent, so a parameter reaching a layer through
+/// this op with the layer's (hooked) input as `after` has its gradient final before the hook
+/// at that input runs: without it a parameter cast to a half type, or packed with others
+/// (Note [Packed QKV]), sits behind a node of depth 1 or 2, whose backward runs at the very
+/// end of backward (Note [Late gradients] in `ember_trainer`'s `parallel/hooks.rs`; Note
+/// [Parameters ordered after their layer's input] in `ember_model`'s `weight_casts.rs`). No
+/// kernel: the primitive is passed through; `after` gets no gradient.
 ///
 /// # Shapes
 /// `x` any, `after` any → `x`'s

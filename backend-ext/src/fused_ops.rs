@@ -1,58 +1,11 @@
-//! The [`FusedOps`] trait (the crate's docs say what it adds to a Burn backend) and what its
-//! methods return.
+//! The [`FusedOps`] trait (the crate's docs say what it adds to a Burn backend); what its
+//! methods return is in `fused_outputs.rs`.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorMetadata, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorMetadata};
 
 use crate::*;
-
-/// What [`FusedOps::bias_dropout_add_layer_norm`] returns: the output and what backward needs.
-#[derive(Debug, Clone)]
-pub struct LayerNormForward<B: Backend> {
-    /// `LayerNorm(residual + dropout(x + bias))`, `[R, N]`.
-    pub output: FloatTensor<B>,
-    /// `residual + dropout(x + bias)`, the LayerNorm input, `[R, N]`.
-    pub pre_norm: FloatTensor<B>,
-    /// Mean of each row of `pre_norm`, `[R]`.
-    pub mean: FloatTensor<B>,
-    /// `1 / sqrt(var + eps)` of each row (biased variance), `[R]`.
-    pub rstd: FloatTensor<B>,
-}
-
-/// What [`FusedOps::bias_dropout_add_layer_norm_backward`] returns.
-#[derive(Debug, Clone)]
-pub struct LayerNormBackward<B: Backend> {
-    /// Gradient of the LayerNorm input (= of `residual`), `[R, N]`.
-    pub grad_pre_norm: FloatTensor<B>,
-    /// Gradient of `x` (and, summed over rows, of `bias`): `grad_pre_norm` through the dropout
-    /// mask, `[R, N]`.
-    pub grad_x: FloatTensor<B>,
-    /// `grad · x̂` per element; summed over rows it is the gradient of `gamma`, `[R, N]`.
-    pub grad_x_hat: FloatTensor<B>,
-}
-
-/// What [`FusedOps::masked_softmax_dropout`] returns.
-#[derive(Debug, Clone)]
-pub struct SoftmaxForward<B: Backend> {
-    /// `softmax(scores · scale + mask_bias)` over the last dim, `[B, nh, S, S]`.
-    pub probs: FloatTensor<B>,
-    /// `probs` after dropout (kept values scaled by `1 / (1 − p)`), `[B, nh, S, S]`.
-    pub dropped: FloatTensor<B>,
-}
-
-/// [`FusedOps::dense_backward`]'s gradients: `(dx, dweight, dbias)`, `dbias` when asked for.
-pub type DenseGrads<B> = (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>);
-
-/// A primitive float tensor as a `Tensor` of rank `D`.
-pub(crate) fn float<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
-    Tensor::from_primitive(TensorPrimitive::Float(x))
-}
-
-/// A `Tensor`'s float primitive.
-pub(crate) fn prim<B: Backend, const D: usize>(x: Tensor<B, D>) -> FloatTensor<B> {
-    x.into_primitive().tensor()
-}
 
 /// The fused ops of BERT, added to a Burn backend. Every method has a default body, the
 /// [`reference`] composition; backends with kernels override them.
@@ -144,6 +97,32 @@ pub trait FusedOps: Backend {
                 None,
             )
         })
+    }
+
+    /// [`FusedOps::dense`] of `weight_half` and `bias_half`, the half copies of the f32
+    /// masters `weight` and `bias`: the same output; under autodiff the masters get the
+    /// gradients, in their dtype ([`FusedOps::dense_backward_as`]), and the copies none (Note
+    /// [Weight gradients in f32] in `linear.rs`).
+    fn dense_of_masters(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        weight_half: FloatTensor<Self>,
+        bias: Option<(FloatTensor<Self>, FloatTensor<Self>)>,
+    ) -> FloatTensor<Self> {
+        let _ = weight;
+        Self::dense(x, weight_half, bias.map(|(_, half)| half))
+    }
+
+    /// [`FusedOps::dense_backward`] with `dweight` and `dbias` in `dtype`, `dx` in `x`'s. The
+    /// default casts the products; CubeCL's GEMMs write `dweight` in `dtype`.
+    fn dense_backward_as(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        with_bias: bool,
+        dtype: FloatDType,
+    ) -> DenseGrads<Self> {
+        linear::grads_as::<Self>(Self::dense_backward(x, weight, grad, with_bias), dtype)
     }
 
     /// The precision this backend's GEMMs give f32 operands on `device`: exact f32 on NdArray
@@ -518,17 +497,8 @@ pub trait FusedOps: Backend {
         Self::float_swap_dims(table, 0, 1)
     }
 
-    /// `x` itself; under autodiff an identity whose backward runs before that of `after`'s
-    /// producer: `after` is a parent only for that order (it gets no gradient). Burn runs
-    /// backward by graph depth, a node one deeper than its deepest parent, so a parameter
-    /// reaching a layer through this op with the layer's (hooked) input as `after` has its
-    /// gradient final before the hook at that input runs: without it a parameter cast to a
-    /// half type, or packed with others (Note [Packed QKV]), sits behind a node of depth 1,
-    /// whose backward runs at the very end of backward (Note [Late gradients] in
-    /// `ember_trainer`'s `parallel/hooks.rs`). No kernel: the primitive is passed through.
-    ///
-    /// # Shapes
-    /// `x` any, `after` any → `x`'s
+    /// `x` itself; under autodiff an identity with `after` as a parent for the order of
+    /// backward only ([`crate::ordered_after`] says why).
     fn ordered_after(x: FloatTensor<Self>, after: FloatTensor<Self>) -> FloatTensor<Self> {
         let _ = after;
         x

@@ -38,6 +38,7 @@ mod cube;
 mod dropout;
 mod functions;
 mod fused_ops;
+mod fused_outputs;
 mod gemm;
 pub mod gemm_layout;
 mod host;
@@ -86,11 +87,12 @@ pub use cross_entropy::CrossEntropyForward;
 pub use dropout::{DropoutScope, DropoutSpec, keep_mask, reseed_dropout};
 pub use functions::{
     attention, attention_qkv, bias_dropout_add_layer_norm, bias_gelu, concat_columns,
-    cross_entropy, dense, dense_module, dropout, embedding, lamb_multi_tensor, ordered_after,
-    reshape, sum_ordered, sum_squares, tied_decoder_weight,
+    cross_entropy, dense, dense_module, dense_of_masters, dropout, embedding, lamb_multi_tensor,
+    ordered_after, reshape, sum_ordered, sum_squares, tied_decoder_weight,
 };
-pub use fused_ops::{DenseGrads, FusedOps, LayerNormBackward, LayerNormForward, SoftmaxForward};
-use fused_ops::{float, prim};
+pub use fused_ops::FusedOps;
+pub use fused_outputs::{DenseGrads, LayerNormBackward, LayerNormForward, SoftmaxForward};
+use fused_outputs::{float, prim};
 pub use gemm::{
     AUTOTUNE_BUILT, CUBLASLT_BUILT, CublasltSync, Gemm, GemmPrecision, cublaslt_sync, gpu_gemm,
     set_cublaslt_sync, set_gpu_gemm,

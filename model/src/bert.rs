@@ -12,7 +12,7 @@ use ember_backend_ext::{DropoutSpec, FusedOps, Kernels, QkvProjections};
 
 use crate::hook::{ForwardHook, NoHook};
 use crate::precision::{Precision, cast_to, dense_as, layer_norm_f32, softmax_f32};
-use crate::weight_casts::{LayerParams, layer_scope, param_as};
+use crate::weight_casts::{LayerParams, layer_scope, param_as, param_pair};
 
 use crate::BertConfig;
 use crate::layer::BertLayer;
@@ -240,30 +240,52 @@ impl<B: Backend> BertSelfAttention<B> {
 impl<B: FusedOps> BertSelfAttention<B> {
     /// The query, key and value projections as one dense layer (Note [Packed QKV] in
     /// `ember-backend-ext`'s `qkv.rs`: NVIDIA's and Samsung's MLPerf BERT's fused QKV): the
-    /// three weights side by side and the three biases likewise, in `dtype` (each weight's
-    /// copy from the cast-together scope under a half precision). Under autodiff each
-    /// parameter's gradient is its slice of the packed gradient (`ember_backend_ext::concat_columns`:
-    /// one launch each way on CubeCL).
+    /// three weights side by side and the three biases likewise, each as `(parameters, their
+    /// copy in dtype)` for [`ember_backend_ext::dense_of_masters`] (the copies from the layer's
+    /// scope; the same tensor where `dtype` is the parameters'; Note [Weight gradients in f32]
+    /// in `ember-backend-ext`'s `linear.rs`). Under autodiff each parameter's gradient is its
+    /// slice of the packed gradient (`ember_backend_ext::concat_columns`: one launch each way
+    /// on CubeCL; a half precision concatenates the copies too, one launch more).
     ///
     /// # Shapes
     /// weight `[H, 3·H]` (columns: query's, key's, value's), bias `[3·H]` (zeros for a
     /// projection without bias)
-    pub fn packed_qkv(&self, dtype: DType) -> (Tensor<B, 2>, Tensor<B, 1>) {
+    #[allow(clippy::type_complexity)]
+    pub fn packed_qkv(
+        &self,
+        dtype: DType,
+    ) -> ((Tensor<B, 2>, Tensor<B, 2>), (Tensor<B, 1>, Tensor<B, 1>)) {
         let projections = [&self.query, &self.key, &self.value];
-        let weight = ember_backend_ext::concat_columns(
-            projections
-                .iter()
-                .map(|linear| param_as(&linear.weight, dtype))
-                .collect(),
-        );
-        let bias = ember_backend_ext::concat_columns(
-            projections
-                .iter()
-                .map(|linear| bias_of(linear, dtype))
-                .collect(),
-        );
-        (weight, bias)
+        let (weights, weight_copies): (Vec<_>, Vec<_>) = projections
+            .iter()
+            .map(|linear| param_pair(&linear.weight, dtype))
+            .unzip();
+        let (biases, bias_copies): (Vec<_>, Vec<_>) = projections
+            .iter()
+            .map(|linear| bias_pair(linear, dtype))
+            .unzip();
+        (
+            packed_pair(weights, weight_copies, dtype),
+            packed_pair(biases, bias_copies, dtype),
+        )
     }
+}
+
+/// The parameters `masters` side by side, and their `copies` in `dtype` side by side (the
+/// same tensor where the masters are in `dtype`).
+fn packed_pair<B: FusedOps, const D: usize>(
+    masters: Vec<Tensor<B, D>>,
+    copies: Vec<Tensor<B, D>>,
+    dtype: DType,
+) -> (Tensor<B, D>, Tensor<B, D>) {
+    let same = masters.first().is_some_and(|m| m.dtype() == dtype);
+    let master = ember_backend_ext::concat_columns(masters);
+    let copy = if same {
+        master.clone()
+    } else {
+        ember_backend_ext::concat_columns(copies)
+    };
+    (master, copy)
 }
 
 impl<B: FusedOps> BertSelfAttention<B> {
@@ -325,6 +347,20 @@ impl<B: FusedOps> BertSelfOutput<B> {
     pub fn forward(&self, hidden_states: Tensor<B, 3>, input: Tensor<B, 3>) -> Tensor<B, 3> {
         let x = reference_dropout(dense_as(&self.dense, hidden_states), &self.dropout);
         layer_norm_f32(&self.layer_norm, x + input)
+    }
+}
+
+/// The bias of `linear` (zeros without one) and its copy in `dtype` ([`param_pair`]).
+pub(crate) fn bias_pair<B: Backend>(
+    linear: &Linear<B>,
+    dtype: DType,
+) -> (Tensor<B, 1>, Tensor<B, 1>) {
+    match &linear.bias {
+        Some(bias) => param_pair(bias, dtype),
+        None => {
+            let zeros = Tensor::zeros([linear.weight.dims()[1]], &linear.weight.device());
+            (zeros.clone(), cast_to(zeros, dtype))
+        }
     }
 }
 

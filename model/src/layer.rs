@@ -14,8 +14,8 @@ use crate::bert::{
     BertSelfAttention, BertSelfOutput, bias_of, dense, gamma_beta, gelu, layer_norm,
     reference_dropout, training,
 };
-use crate::precision::{dense_as, layer_norm_f32};
-use crate::weight_casts::{LayerParams, param_as};
+use crate::precision::{dense_as, dense_parts, layer_norm_f32};
+use crate::weight_casts::LayerParams;
 
 /// Self-attention and its output block. Mirrors Hugging Face `BertAttention`.
 #[derive(Module, Debug)]
@@ -91,8 +91,7 @@ impl<B: Backend> BertLayer<B> {
 /// The input, without bias, of a dense layer whose bias goes into a fused op; the weight in
 /// `x`'s dtype (Note [Autocast]).
 fn dense_no_bias<B: FusedOps>(x: Tensor<B, 3>, linear: &Linear<B>) -> Tensor<B, 3> {
-    let dtype = x.dtype();
-    ember_backend_ext::dense(x, param_as(&linear.weight, dtype), None)
+    dense_parts(x, &linear.weight, None)
 }
 
 impl<B: FusedOps> BertLayer<B> {
@@ -161,8 +160,17 @@ impl<B: FusedOps> BertLayer<B> {
         let attention_dropout = dropout(self_attention.dropout.prob);
         let context = if self.qkv_projections.packed::<B>() {
             // One dense layer, [B, S, 3·H], read by the attention op as Q, K and V.
-            let (weight, bias) = self_attention.packed_qkv(dtype);
-            let qkv = ember_backend_ext::dense(hidden_states.clone(), weight, Some(bias));
+            let ((weight, weight_copy), bias) = self_attention.packed_qkv(dtype);
+            let qkv = if weight.dtype() == dtype {
+                ember_backend_ext::dense(hidden_states.clone(), weight_copy, Some(bias.1))
+            } else {
+                ember_backend_ext::dense_of_masters(
+                    hidden_states.clone(),
+                    weight,
+                    weight_copy,
+                    Some(bias),
+                )
+            };
             ember_backend_ext::attention_qkv(qkv, heads, mask_bias, scale, attention_dropout)
         } else {
             let q = split_heads(dense_as(&self_attention.query, hidden_states.clone()));

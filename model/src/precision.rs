@@ -13,20 +13,23 @@
 //! `crate`'s user is the trainer's `loss_scale`), chosen over a half copy of the model
 //! refreshed after each step (apex O2, NVIDIA's MLPerf BERT) because the model, its
 //! checkpoints, the gradient hooks, buckets and optimizers all stay f32 and generic over the
-//! backend: the cost is one cast of each weight per micro-batch and of its gradient back,
-//! a few percent of a step's memory traffic for BERT-large (weights 1.3 GB against
-//! activations many times that).
+//! backend: the cost is one cast of each weight per micro-batch and of the biases', γ's and
+//! β's gradients back, a few percent of a step's memory traffic for BERT-large (weights 1.3 GB
+//! against activations many times that). The dense weights' gradients are written in f32 by
+//! the GEMM itself ([`dense_as`]: Note [Weight gradients in f32] in `ember-backend-ext`'s
+//! `linear.rs`).
 //!
 //! Backends without the half type (NdArray has neither f16 nor bf16; WGSL has no bf16) refuse
 //! it before training (`Backend::supports_dtype`).
 
+use burn::module::Param;
 use burn::nn::{LayerNorm, Linear};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor};
 use ember_backend_ext::FusedOps;
 use serde::{Deserialize, Serialize};
 
-use crate::weight_casts::param_as;
+use crate::weight_casts::param_pair;
 
 /// The dtype BERT computes in (`train.precision`; Note [Autocast]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -106,18 +109,32 @@ pub fn cast_to<B: Backend, const D: usize>(x: Tensor<B, D>, dtype: DType) -> Ten
     x.cast(FloatDType::from(dtype))
 }
 
-/// `x · Wᵀ + b` with the weights cast to `x`'s dtype (Note [Autocast]; the copies cast
-/// together where a scope holds them, Note [Weights cast together] in `weight_casts.rs`).
+/// `x · W + b` with the weights cast to `x`'s dtype (Note [Autocast]; the copies cast
+/// together where a scope holds them, Note [Weights cast together] in `weight_casts.rs`), the
+/// parameters' gradients in their own dtype (Note [Weight gradients in f32] in
+/// `ember-backend-ext`'s `linear.rs`).
 ///
 /// # Shapes
 /// - `x`: `[..., in]`; output `[..., out]`
 pub fn dense_as<B: FusedOps, const D: usize>(linear: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
+    dense_parts(x, &linear.weight, linear.bias.as_ref())
+}
+
+/// [`dense_as`] of a weight and an optional bias: [`ember_backend_ext::dense`] where they are
+/// in `x`'s dtype, else [`ember_backend_ext::dense_of_masters`] of them and their copies.
+pub(crate) fn dense_parts<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    weight: &Param<Tensor<B, 2>>,
+    bias: Option<&Param<Tensor<B, 1>>>,
+) -> Tensor<B, D> {
     let dtype = x.dtype();
-    ember_backend_ext::dense(
-        x,
-        param_as(&linear.weight, dtype),
-        linear.bias.as_ref().map(|b| param_as(b, dtype)),
-    )
+    let (weight, weight_copy) = param_pair(weight, dtype);
+    let bias = bias.map(|b| param_pair(b, dtype));
+    if weight.dtype() == dtype {
+        ember_backend_ext::dense(x, weight_copy, bias.map(|(_, copy)| copy))
+    } else {
+        ember_backend_ext::dense_of_masters(x, weight, weight_copy, bias)
+    }
 }
 
 /// LayerNorm with its statistics, γ and β in f32, the result in `x`'s dtype.

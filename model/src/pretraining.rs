@@ -12,8 +12,8 @@ use ember_backend_ext::{DropoutSpec, FusedOps, Kernels};
 use crate::BertConfig;
 use crate::bert::{BertModel, bias_of, dense, gamma_beta, gelu, layer_norm};
 use crate::hook::{ForwardHook, NoHook};
-use crate::precision::{Precision, cast_to, dense_as, layer_norm_f32};
-use crate::weight_casts::{LayerParams, layer_scope, param_as};
+use crate::precision::{Precision, cast_to, dense_as, dense_parts, layer_norm_f32};
+use crate::weight_casts::{LayerParams, layer_scope, param_pair};
 
 /// Dense + GELU + LayerNorm before the vocabulary projection.
 /// Mirrors Hugging Face `BertPredictionHeadTransform`.
@@ -180,11 +180,7 @@ impl<B: FusedOps> BertForPreTraining<B> {
             // GELU(x·W + b) and LayerNorm as the encoder's fused ops (zero bias and residual,
             // no dropout inside: LayerNorm(0 + (h + 0)) is LayerNorm(h)).
             let hidden = ember_backend_ext::bias_gelu(
-                ember_backend_ext::dense(
-                    masked_states,
-                    param_as(&transform.dense.weight, dtype),
-                    None,
-                ),
+                dense_parts(masked_states, &transform.dense.weight, None),
                 bias_of(&transform.dense, dtype),
             );
             let (gamma, beta) = gamma_beta(&transform.layer_norm, dtype);
@@ -203,16 +199,21 @@ impl<B: FusedOps> BertForPreTraining<B> {
                 gelu(dense_as(&transform.dense, masked_states)),
             )
         };
-        // [H, V]: the word embeddings (tied), transposed; in the heads' dtype after the hook.
-        let decoder = cast_to(
-            hook.decoder_weight(
-                self.bert.embeddings.word_embeddings.weight.val(),
-                &transformed,
-            ),
-            dtype,
+        // [H, V]: the word embeddings (tied), transposed; cast to the heads' dtype after the
+        // hook.
+        let decoder = hook.decoder_weight(
+            self.bert.embeddings.word_embeddings.weight.val(),
+            &transformed,
         );
-        let bias = param_as(&predictions.bias, dtype);
-        let mlm_logits = ember_backend_ext::dense(transformed, decoder, Some(bias)); // [N, V]
+        let bias = param_pair(&predictions.bias, dtype);
+        // [N, V]; the decoder's gradient (the tied table's share) in f32 (Note [Weight
+        // gradients in f32] in `ember-backend-ext`'s `linear.rs`).
+        let mlm_logits = if decoder.dtype() == dtype {
+            ember_backend_ext::dense(transformed, decoder, Some(bias.1))
+        } else {
+            let copy = cast_to(decoder.clone(), dtype);
+            ember_backend_ext::dense_of_masters(transformed, decoder, copy, Some(bias))
+        };
 
         // The logits in f32, for the losses and accuracy (Note [Autocast]).
         PreTrainingOutput {

@@ -8,8 +8,10 @@
 //! refreshes its half copy of the model), and so do the pooler and the pre-training heads;
 //! the layers take their copy from this scope ([`param_as`], used by `dense_as` and the fused
 //! layer's biases, γ and β) instead of casting again. The values are the same bits: the kernel
-//! rounds as Burn's cast. Each copy's backward still casts its gradient back to f32, a launch
-//! per weight, when the gradient arrives.
+//! rounds as Burn's cast. The biases', γ's and β's copies cast their gradients back to f32, a
+//! launch each, when the gradient arrives; the dense weights' copies get no gradient: the
+//! dense op hands it to the f32 parameter, written in f32 by the GEMM ([`param_pair`]; Note
+//! [Weight gradients in f32] in `ember-backend-ext`'s `linear.rs`).
 //!
 //! Where ember differs from NVIDIA's recipe: apex O2 (and the GPU-speed issue's item 3) keeps
 //! the half copy between steps, written by the optimizer beside the f32 master. ember casts at
@@ -175,6 +177,28 @@ impl<B: Backend, const D: usize> Held<B, D> {
             _ => cast_to(self.ordered.clone(), dtype),
         }
     }
+}
+
+/// `param` as this forward uses it (ordered after the layer's input where [`layer_scope`]
+/// holds it, else its value) and its copy in `dtype` (the same tensor where `param` is in
+/// `dtype`): what [`ember_backend_ext::dense_of_masters`] takes (Note [Weight gradients in
+/// f32] in `ember-backend-ext`'s `linear.rs`).
+pub(crate) fn param_pair<B: Backend, const D: usize>(
+    param: &Param<Tensor<B, D>>,
+    dtype: DType,
+) -> (Tensor<B, D>, Tensor<B, D>) {
+    let held = SCOPES.with(|scopes| {
+        scopes
+            .borrow()
+            .last()
+            .and_then(|copies| copies.get(&param.id))
+            .and_then(|copy| copy.downcast_ref::<Held<B, D>>())
+            .map(|held| (held.ordered.clone(), held.as_dtype(dtype)))
+    });
+    held.unwrap_or_else(|| {
+        let value = param.val();
+        (value.clone(), cast_to(value, dtype))
+    })
 }
 
 /// `param`'s value in `dtype`: what [`layer_scope`] holds for it in the innermost open scope

@@ -77,6 +77,20 @@ pub(crate) fn dense_backward_products<R: CubeRuntime>(
     x_t: CubeTensor<R>,
     with_bias: bool,
 ) -> (CubeTensor<R>, CubeTensor<R>, Option<CubeTensor<R>>) {
+    let dtype = g2.dtype;
+    dense_backward_products_as(g2, weight_t, x_t, with_bias, dtype)
+}
+
+/// [`dense_backward_products`] with `dW` written in `dweight_dtype` by CubeCL's kernels (f32
+/// from half operands: their accumulator's precision, Note [Weight gradients in f32] in
+/// `linear.rs`); cuBLASLt's products stay in the operands' dtype, for the caller to cast.
+pub(crate) fn dense_backward_products_as<R: CubeRuntime>(
+    g2: CubeTensor<R>,
+    weight_t: CubeTensor<R>,
+    x_t: CubeTensor<R>,
+    with_bias: bool,
+    dweight_dtype: burn::tensor::DType,
+) -> (CubeTensor<R>, CubeTensor<R>, Option<CubeTensor<R>>) {
     #[cfg(feature = "cuda")]
     if gpu_gemm() == Gemm::Cublaslt {
         use super::cublaslt::With;
@@ -100,7 +114,15 @@ pub(crate) fn dense_backward_products<R: CubeRuntime>(
         );
     }
     let _ = with_bias;
-    let (dx, dweight) = matmul_pair(g2.clone(), weight_t, x_t, g2);
+    if dweight_dtype == g2.dtype {
+        let (dx, dweight) = matmul_pair(g2.clone(), weight_t, x_t, g2);
+        return (dx, dweight, None);
+    }
+    let dx = matmul(g2.clone(), weight_t);
+    // A kernel choice without a kernel for the mixed types writes the operands' dtype, which
+    // the caller casts (the kernel tests check that f32 is what CubeCL wrote).
+    let dweight = cube_matmul(x_t.clone(), g2.clone(), None, strategy(), dweight_dtype)
+        .unwrap_or_else(|_| matmul(x_t, g2));
     (dx, dweight, None)
 }
 

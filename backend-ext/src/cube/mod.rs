@@ -157,6 +157,25 @@ where
         )
     }
 
+    fn dense_backward_as(
+        x: CubeTensor<R>,
+        weight: CubeTensor<R>,
+        grad: CubeTensor<R>,
+        with_bias: bool,
+        dtype: burn::tensor::FloatDType,
+    ) -> crate::DenseGrads<Self> {
+        let grads = crate::linear::flattened_linear_backward::<Self>(
+            x,
+            weight,
+            grad,
+            with_bias,
+            |g, weight_t, x_t, with_bias| {
+                gemm::dense_backward_products_as(g, weight_t, x_t, with_bias, dtype.into())
+            },
+        );
+        crate::linear::grads_as::<Self>(grads, dtype)
+    }
+
     fn batched_matmul(a: CubeTensor<R>, b: CubeTensor<R>) -> CubeTensor<R> {
         gemm::matmul(a, b)
     }

@@ -42,24 +42,38 @@ fn check_half_precision<H: FusedOps>(device: &H::Device, dtype: DType, scale: f3
     let (b, bh) = pair(&[300]);
     assert_close(
         "bias_gelu, half precision",
-        to_f32(ember_backend_ext::bias_gelu(xh.clone(), bh.clone()).reshape([231 * 300])),
-        reference::bias_gelu(x.clone(), b.clone()).reshape([231 * 300]),
+        to_f32(ember_backend_ext::bias_gelu(xh, bh).reshape([231 * 300])),
+        reference::bias_gelu(x, b).reshape([231 * 300]),
         tol,
     );
 
-    let (r, rh) = pair(&[231, 300]);
-    let (r, rh) = (r.reshape([231, 300]), rh.reshape([231, 300]));
-    let (g, gh) = pair(&[300]);
     let dropout = DropoutSpec::new(0.1, 3);
-    let fused =
-        ember_backend_ext::bias_dropout_add_layer_norm(xh, bh.clone(), rh, gh, bh, dropout, 1e-5);
-    let expected = reference::bias_dropout_add_layer_norm(x, b.clone(), r, g, b, dropout, 1e-5);
-    assert_close(
-        "bias_dropout_add_layer_norm, half precision",
-        to_f32(fused.reshape([231 * 300])),
-        expected.reshape([231 * 300]),
-        (3.0 * tol.0, tol.1),
-    );
+    // Rows of 300 (in registers) and of 4,100 (past the registers' 4,096: the streaming form,
+    // Note [Softmax rows in registers]).
+    for (rows, width) in [(231, 300), (7, 4100)] {
+        let (x, xh) = pair(&[rows, width]);
+        let (x, xh) = (x.reshape([rows, width]), xh.reshape([rows, width]));
+        let (b, bh) = pair(&[width]);
+        let (r, rh) = pair(&[rows, width]);
+        let (r, rh) = (r.reshape([rows, width]), rh.reshape([rows, width]));
+        let (g, gh) = pair(&[width]);
+        let fused = ember_backend_ext::bias_dropout_add_layer_norm(
+            xh,
+            bh.clone(),
+            rh,
+            gh,
+            bh,
+            dropout,
+            1e-5,
+        );
+        let expected = reference::bias_dropout_add_layer_norm(x, b.clone(), r, g, b, dropout, 1e-5);
+        assert_close(
+            &format!("bias_dropout_add_layer_norm, half precision, rows of {width}"),
+            to_f32(fused.reshape([rows * width])),
+            expected.reshape([rows * width]),
+            (3.0 * tol.0, tol.1),
+        );
+    }
 
     let n = 2 * 4 * 33 * 16;
     let (q, qh) = pair(&[n]);

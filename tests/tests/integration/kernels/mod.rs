@@ -437,6 +437,15 @@ mod wgpu {
         );
     }
 
+    /// Note [Weight gradients in f32]: in f16 (WGSL has no bf16).
+    #[test]
+    fn dense_of_masters_writes_f32_weight_gradients() {
+        super::dense::check_dense_of_masters::<Autodiff<crate::Wgpu>>(
+            &device(),
+            burn::tensor::DType::F16,
+        );
+    }
+
     #[test]
     fn layer_norm_column_sums_take_two_launches() {
         super::column_sums::check_column_sums_launch();
@@ -484,6 +493,15 @@ mod cuda {
     #[test]
     fn bf16_kernels_match_the_f32_reference() {
         super::half_precision::check_bf16::<Backend>(&device());
+    }
+
+    /// Note [Weight gradients in f32]: in bf16, the default `model.gemm` (CubeCL's kernels);
+    /// cuBLASLt's products are cast (launches counted by the counting runtime).
+    #[test]
+    fn dense_of_masters_writes_f32_weight_gradients() {
+        super::dense::check_dense_of_masters::<
+            burn::backend::Autodiff<ember_backend_ext::CountingCuda>,
+        >(&device(), burn::tensor::DType::BF16);
     }
 
     #[test]
