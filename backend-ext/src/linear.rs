@@ -29,8 +29,9 @@ use crate::{DenseGrads, FusedOps};
 /// before it reached the f32 buckets. [`FusedOps::dense_of_masters`] gives the dense op the
 /// f32 masters as its parents and the half copies to multiply, and its backward
 /// ([`FusedOps::dense_backward_as`]) has CubeCL's GEMM write `dW` in f32 from its f32
-/// accumulator: Megatron-LM's `gradient_accumulation_fusion` (its `wgrad_gemm_accum_fp32`
-/// writes the weight gradient into the f32 `main_grad`), the GPU-speed issue's "gradients
+/// accumulator, as Megatron-LM's `gradient_accumulation_fusion` does (its
+/// `wgrad_gemm_accum_fp32` accumulates the weight gradient into a kept f32 `main_grad`; ember
+/// writes a new f32 tensor, summed where the hooks take it), the GPU-speed issue's "gradients
 /// reach the f32 buckets without a separate cast pass where the GEMM can write f32". The
 /// bias gradient is the column sum of the half gradient, cast (one small launch). A
 /// deliberate difference from `torch.autocast`, whose weight gradients are rounded to the

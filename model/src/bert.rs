@@ -264,28 +264,37 @@ impl<B: FusedOps> BertSelfAttention<B> {
             .iter()
             .map(|linear| bias_pair(linear, dtype))
             .unzip();
+        // Whether the parameters take gradients (an intermediate autodiff tensor, as the
+        // scope's, reports none of its own).
+        let tracked = self.query.weight.val().is_require_grad();
         (
-            packed_pair(weights, weight_copies, dtype),
-            packed_pair(biases, bias_copies, dtype),
+            packed_pair(weights, weight_copies, dtype, tracked),
+            packed_pair(biases, bias_copies, dtype, tracked),
         )
     }
 }
 
-/// The parameters `masters` side by side, and their `copies` in `dtype` side by side (the
-/// same tensor where the masters are in `dtype`).
+/// The parameters `masters` side by side, and their `copies` in `dtype` side by side: the
+/// same tensor where the masters are in `dtype`, or take no gradient (not `tracked`: the
+/// masters' f32 concatenation would serve nothing but their gradients).
 fn packed_pair<B: FusedOps, const D: usize>(
     masters: Vec<Tensor<B, D>>,
     copies: Vec<Tensor<B, D>>,
     dtype: DType,
+    tracked: bool,
 ) -> (Tensor<B, D>, Tensor<B, D>) {
-    let same = masters.first().is_some_and(|m| m.dtype() == dtype);
-    let master = ember_backend_ext::concat_columns(masters);
-    let copy = if same {
-        master.clone()
-    } else {
-        ember_backend_ext::concat_columns(copies)
-    };
-    (master, copy)
+    if masters.first().is_some_and(|m| m.dtype() == dtype) {
+        let master = ember_backend_ext::concat_columns(masters);
+        return (master.clone(), master);
+    }
+    if !tracked {
+        let copy = ember_backend_ext::concat_columns(copies);
+        return (copy.clone(), copy);
+    }
+    (
+        ember_backend_ext::concat_columns(masters),
+        ember_backend_ext::concat_columns(copies),
+    )
 }
 
 impl<B: FusedOps> BertSelfAttention<B> {

@@ -119,10 +119,13 @@ pub(crate) fn dense_backward_products_as<R: CubeRuntime>(
         return (dx, dweight, None);
     }
     let dx = matmul(g2.clone(), weight_t);
-    // A kernel choice without a kernel for the mixed types writes the operands' dtype, which
-    // the caller casts (the kernel tests check that f32 is what CubeCL wrote).
-    let dweight = cube_matmul(x_t.clone(), g2.clone(), None, strategy(), dweight_dtype)
-        .unwrap_or_else(|_| matmul(x_t, g2));
+    // cubek's `MatmulElems` take half operands with an f32 output (its accumulator's type);
+    // cubek panics inside (Auto's unit kernel, autotune's "all operations failed") rather than
+    // return an error where no kernel takes them, so there is no fallback to offer here.
+    let operands = g2.dtype;
+    let dweight = cube_matmul(x_t, g2, None, strategy(), dweight_dtype).unwrap_or_else(|e| {
+        panic!("the weight gradient in {dweight_dtype:?} from {operands:?} operands: {e:?}")
+    });
     (dx, dweight, None)
 }
 

@@ -108,8 +108,11 @@ fn fp16_with_loss_scaling_trains_as_f32() {
 /// What runs in half and what in f32 (Note [Autocast]): with fp16 the encoder's output is
 /// f16, the logits f32, the parameters and their gradients f32; the loss is near the f32
 /// model's on the same weights and batch (fp16 rounds to 11 significant bits: within 1e-2
-/// relative). The model comes from `initial_model`, which draws its weights while no other
-/// test's run initialises (the device's generator is shared).
+/// relative). The dense layers' weight gradients are written in f32 by the GEMM (Note [Weight
+/// gradients in f32] in backend-ext's `linear.rs`): the packed Q weight's, a plain dense
+/// layer's and the tied decoder's (the word embeddings') carry bits f16 has not. The model
+/// comes from `initial_model`, which draws its weights while no other test's run initialises
+/// (the device's generator is shared).
 #[test]
 fn fp16_computes_the_encoder_in_half_and_the_logits_and_gradients_in_f32() {
     use burn::tensor::{DType, Int, Tensor};
@@ -144,13 +147,29 @@ fn fp16_computes_the_encoder_in_half_and_the_logits_and_gradients_in_f32() {
     let (logits_dtype, half) = loss_of(&model);
     assert_eq!(logits_dtype, DType::F32);
     let grads = half.clone().backward();
-    let weight = &model.bert.encoder.layer[0]
-        .attention
-        .self_attention
-        .query
-        .weight;
-    assert_eq!(weight.val().dtype(), DType::F32);
-    assert_eq!(weight.grad(&grads).unwrap().dtype(), DType::F32);
+    let layer = &model.bert.encoder.layer[0];
+    for (name, weight) in [
+        ("query", &layer.attention.self_attention.query.weight),
+        ("output", &layer.output.dense.weight),
+        (
+            "word embeddings",
+            &model.bert.embeddings.word_embeddings.weight,
+        ),
+    ] {
+        assert_eq!(weight.val().dtype(), DType::F32, "{name}");
+        let grad = weight.grad(&grads).unwrap();
+        assert_eq!(grad.dtype(), DType::F32, "{name}");
+        let values = grad.into_data().to_vec::<f32>().unwrap();
+        let nonzero = values.iter().filter(|v| **v != 0.0).count();
+        let beyond_f16 = values
+            .iter()
+            .filter(|v| burn::tensor::f16::from_f32(**v).to_f32() != **v)
+            .count();
+        assert!(
+            nonzero > 0 && beyond_f16 * 2 > nonzero,
+            "{name}: {beyond_f16} of {nonzero} nonzero gradients carry bits f16 has not"
+        );
+    }
     let (full, half) = (full.into_scalar(), half.into_scalar());
     assert!(
         ((full - half) / full).abs() < 1e-2,

@@ -108,6 +108,7 @@ pub fn check_dense_of_masters<A: AutodiffBackend + FusedOps>(
         };
         assert_eq!(y.dtype(), dtype, "the output in the half type");
         let loss = (y.cast(DType::F32) * Tensor::from_inner(probe.clone())).sum();
+        A::sync(device).unwrap(); // the forward's launches counted before the mark
         let forward_done = HostSyncs::now();
         let grads = loss.backward();
         let (dx, dw, db) = (
