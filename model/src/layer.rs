@@ -10,12 +10,11 @@ use burn::tensor::backend::Backend;
 use ember_backend_ext::{DropoutSpec, FusedOps, Kernels, QkvProjections};
 
 use crate::BertConfig;
-use crate::bert::{
-    BertSelfAttention, BertSelfOutput, bias_of, dense, gamma_beta, gelu, layer_norm,
-    reference_dropout, training,
-};
+use crate::attention::{BertSelfAttention, BertSelfOutput};
+use crate::bert::{dense, gelu, layer_norm, reference_dropout, training};
 use crate::precision::{dense_as, dense_parts, layer_norm_f32};
 use crate::weight_casts::LayerParams;
+use crate::weight_casts::{bias_of, gamma_beta};
 
 /// Self-attention and its output block. Mirrors Hugging Face `BertAttention`.
 #[derive(Module, Debug)]

@@ -30,6 +30,7 @@
 //! let sentence = ember_model::mean_pool(out.sequence_output, input_mask); // [1, 128]
 //! ```
 
+mod attention;
 mod bert;
 pub mod checkpoint;
 mod config;
@@ -43,9 +44,9 @@ mod pretrained;
 mod pretraining;
 mod weight_casts;
 
+pub use attention::{BertSelfAttention, BertSelfOutput};
 pub use bert::{
-    BertEmbeddings, BertEncoder, BertModel, BertModelOutput, BertPooler, BertSelfAttention,
-    BertSelfOutput, gelu, mean_pool,
+    BertEmbeddings, BertEncoder, BertModel, BertModelOutput, BertPooler, gelu, mean_pool,
 };
 pub use config::{BertConfig, Preset};
 pub use embed::{Activation, Embedder, Hit, Pooling, cos_sim, normalize, semantic_search};

@@ -10,10 +10,11 @@ use burn::tensor::{DType, Int, Tensor};
 use ember_backend_ext::{DropoutSpec, FusedOps, Kernels};
 
 use crate::BertConfig;
-use crate::bert::{BertModel, bias_of, dense, gamma_beta, gelu, layer_norm};
+use crate::bert::{BertModel, dense, gelu, layer_norm};
 use crate::hook::{ForwardHook, NoHook};
 use crate::precision::{Precision, cast_to, dense_as, dense_parts, layer_norm_f32};
 use crate::weight_casts::{LayerParams, layer_scope, param_pair};
+use crate::weight_casts::{bias_of, gamma_beta};
 
 /// Dense + GELU + LayerNorm before the vocabulary projection.
 /// Mirrors Hugging Face `BertPredictionHeadTransform`.

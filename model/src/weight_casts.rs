@@ -218,3 +218,42 @@ pub(crate) fn param_as<B: Backend, const D: usize>(
     });
     held.unwrap_or_else(|| cast_to(param.val(), dtype))
 }
+
+/// The bias of `linear` (zeros without one) and its copy in `dtype` ([`param_pair`]).
+pub(crate) fn bias_pair<B: Backend>(
+    linear: &Linear<B>,
+    dtype: DType,
+) -> (Tensor<B, 1>, Tensor<B, 1>) {
+    match &linear.bias {
+        Some(bias) => param_pair(bias, dtype),
+        None => {
+            let zeros = Tensor::zeros([linear.weight.dims()[1]], &linear.weight.device());
+            (zeros.clone(), cast_to(zeros, dtype))
+        }
+    }
+}
+
+/// The bias of `linear` (zeros without one), in `dtype`.
+pub(crate) fn bias_of<B: Backend>(linear: &Linear<B>, dtype: DType) -> Tensor<B, 1> {
+    match &linear.bias {
+        Some(bias) => param_as(bias, dtype),
+        None => cast_to(
+            Tensor::zeros([linear.weight.dims()[1]], &linear.weight.device()),
+            dtype,
+        ),
+    }
+}
+
+/// γ and β of `norm` (β zeros without one), in `dtype`: the fused LayerNorm takes them in its
+/// input's storage type and accumulates in f32.
+pub(crate) fn gamma_beta<B: Backend>(
+    norm: &LayerNorm<B>,
+    dtype: DType,
+) -> (Tensor<B, 1>, Tensor<B, 1>) {
+    let gamma = param_as(&norm.gamma, dtype);
+    let beta = match &norm.beta {
+        Some(beta) => param_as(beta, dtype),
+        None => gamma.zeros_like(),
+    };
+    (gamma, beta)
+}
