@@ -22,7 +22,7 @@ pub fn dense<B: FusedOps, const D: usize>(
 /// [`dense`] of `weight_half` and `bias_half`, the copies in `x`'s (half) dtype of the master
 /// parameters `weight` and `bias`, through [`FusedOps::dense_of_masters`]: the same output;
 /// under autodiff the masters get the gradients, in their dtype (Note [Weight gradients in
-/// f32] in `linear.rs`).
+/// f32] in `linear.rs`). Given the same tensor as master and copy, it is [`dense`].
 ///
 /// # Shapes
 /// `x` `[.., I]`, `weight` and `weight_half` `[I, O]`, `bias` pair `[O]` → `[.., O]`

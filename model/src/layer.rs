@@ -160,16 +160,12 @@ impl<B: FusedOps> BertLayer<B> {
         let context = if self.qkv_projections.packed::<B>() {
             // One dense layer, [B, S, 3·H], read by the attention op as Q, K and V.
             let ((weight, weight_copy), bias) = self_attention.packed_qkv(dtype);
-            let qkv = if weight.dtype() == dtype {
-                ember_backend_ext::dense(hidden_states.clone(), weight_copy, Some(bias.1))
-            } else {
-                ember_backend_ext::dense_of_masters(
-                    hidden_states.clone(),
-                    weight,
-                    weight_copy,
-                    Some(bias),
-                )
-            };
+            let qkv = ember_backend_ext::dense_of_masters(
+                hidden_states.clone(),
+                weight,
+                weight_copy,
+                Some(bias),
+            );
             ember_backend_ext::attention_qkv(qkv, heads, mask_bias, scale, attention_dropout)
         } else {
             let q = split_heads(dense_as(&self_attention.query, hidden_states.clone()));

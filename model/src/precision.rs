@@ -120,8 +120,9 @@ pub fn dense_as<B: FusedOps, const D: usize>(linear: &Linear<B>, x: Tensor<B, D>
     dense_parts(x, &linear.weight, linear.bias.as_ref())
 }
 
-/// [`dense_as`] of a weight and an optional bias: [`ember_backend_ext::dense`] where they are
-/// in `x`'s dtype, else [`ember_backend_ext::dense_of_masters`] of them and their copies.
+/// [`dense_as`] of a weight and an optional bias: [`ember_backend_ext::dense_of_masters`] of
+/// them and their copies in `x`'s dtype (where they are in it, the op is
+/// [`ember_backend_ext::dense`] of them).
 pub(crate) fn dense_parts<B: FusedOps, const D: usize>(
     x: Tensor<B, D>,
     weight: &Param<Tensor<B, 2>>,
@@ -130,11 +131,7 @@ pub(crate) fn dense_parts<B: FusedOps, const D: usize>(
     let dtype = x.dtype();
     let (weight, weight_copy) = param_pair(weight, dtype);
     let bias = bias.map(|b| param_pair(b, dtype));
-    if weight.dtype() == dtype {
-        ember_backend_ext::dense(x, weight_copy, bias.map(|(_, copy)| copy))
-    } else {
-        ember_backend_ext::dense_of_masters(x, weight, weight_copy, bias)
-    }
+    ember_backend_ext::dense_of_masters(x, weight, weight_copy, bias)
 }
 
 /// LayerNorm with its statistics, γ and β in f32, the result in `x`'s dtype.

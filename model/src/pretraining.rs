@@ -209,12 +209,9 @@ impl<B: FusedOps> BertForPreTraining<B> {
         let bias = param_pair(&predictions.bias, dtype);
         // [N, V]; the decoder's gradient (the tied table's share) in f32 (Note [Weight
         // gradients in f32] in `ember-backend-ext`'s `linear.rs`).
-        let mlm_logits = if decoder.dtype() == dtype {
-            ember_backend_ext::dense(transformed, decoder, Some(bias.1))
-        } else {
-            let copy = cast_to(decoder.clone(), dtype);
-            ember_backend_ext::dense_of_masters(transformed, decoder, copy, Some(bias))
-        };
+        let copy = cast_to(decoder.clone(), dtype);
+        let mlm_logits =
+            ember_backend_ext::dense_of_masters(transformed, decoder, copy, Some(bias));
 
         // The logits in f32, for the losses and accuracy (Note [Autocast]).
         PreTrainingOutput {

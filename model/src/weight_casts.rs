@@ -208,15 +208,7 @@ pub(crate) fn param_as<B: Backend, const D: usize>(
     param: &Param<Tensor<B, D>>,
     dtype: DType,
 ) -> Tensor<B, D> {
-    let held = SCOPES.with(|scopes| {
-        scopes
-            .borrow()
-            .last()
-            .and_then(|copies| copies.get(&param.id))
-            .and_then(|copy| copy.downcast_ref::<Held<B, D>>())
-            .map(|held| held.as_dtype(dtype))
-    });
-    held.unwrap_or_else(|| cast_to(param.val(), dtype))
+    param_pair(param, dtype).1
 }
 
 /// The bias of `linear` (zeros without one) and its copy in `dtype` ([`param_pair`]).
@@ -235,13 +227,7 @@ pub(crate) fn bias_pair<B: Backend>(
 
 /// The bias of `linear` (zeros without one), in `dtype`.
 pub(crate) fn bias_of<B: Backend>(linear: &Linear<B>, dtype: DType) -> Tensor<B, 1> {
-    match &linear.bias {
-        Some(bias) => param_as(bias, dtype),
-        None => cast_to(
-            Tensor::zeros([linear.weight.dims()[1]], &linear.weight.device()),
-            dtype,
-        ),
-    }
+    bias_pair(linear, dtype).1
 }
 
 /// γ and β of `norm` (β zeros without one), in `dtype`: the fused LayerNorm takes them in its
