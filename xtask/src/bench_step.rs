@@ -78,6 +78,14 @@ pub struct StepArgs {
     /// dense layer) or separate (three), to compare
     #[arg(long, default_value = "auto")]
     qkv_projections: ember_model::QkvProjections,
+    /// Compute precision (`train.precision`): f32, bf16 or fp16; unset, the device's default
+    /// (bf16 on cuda, f32 elsewhere)
+    #[arg(long)]
+    precision: Option<ember_model::Precision>,
+    /// Loss scaling (`loss_scale.mode`): auto (dynamic in fp16), none or dynamic. fp16 with
+    /// none launches what bf16 does, on backends without bf16 (wgpu)
+    #[arg(long, default_value = "auto")]
+    loss_scale: ember_trainer::config::LossScaleMode,
 }
 
 pub fn run(args: StepArgs) -> Result<()> {
@@ -173,6 +181,8 @@ fn config(
     config.model.gemm = args.gemm;
     config.model.cublaslt_sync = args.cublaslt_sync;
     config.model.qkv_projections = args.qkv_projections;
+    config.train.precision = args.precision;
+    config.loss_scale.mode = args.loss_scale;
     config
 }
 
