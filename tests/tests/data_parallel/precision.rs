@@ -287,3 +287,109 @@ fn an_overflow_on_a_re_checked_step_is_skipped() {
         assert_eq!((summary.steps, summary.skipped_steps), (2, 1));
     }
 }
+
+/// Note [Unscaled per bucket] (trainer's `parallel/buckets.rs`): with a loss scale S, the
+/// gradients of S·loss reach the buckets divided by S once per flattened bucket and
+/// micro-batch, before accumulation: each bucket holds, bit for bit, `Σ_mb (S·g_mb)·(1/S)` in
+/// f32, on host and device buckets, over two micro-batches. S = 3000 is not a power of two,
+/// so `(S·g)·(1/S)` is not `g` and a division missed, repeated or moved after the
+/// accumulation changes bits.
+#[test]
+fn loss_scaled_gradients_are_divided_once_per_bucket_before_accumulation() {
+    let _serial = serial();
+    let model = tiny_model(1);
+    let micro_grads: Vec<HashMap<ParamId, Vec<f32>>> = batches(2, 2)
+        .into_iter()
+        .map(|b| plain_gradients(&model, b))
+        .collect();
+    let order: Vec<ParamId> = named_params::<B, _>(&model)
+        .into_iter()
+        .rev()
+        .map(|(_, id)| id)
+        .collect();
+    let plan = bucket_plan::<B, _>(&model, &order, None, 0.25, 0.5);
+    let k = plan.buckets.len();
+    assert!(k >= 2, "{}", plan.summary());
+    let scale = 3000.0f32;
+    let inv = (1.0 / f64::from(scale)) as f32;
+    let expected: Vec<Vec<f32>> = plan
+        .buckets
+        .iter()
+        .map(|b| {
+            b.params
+                .iter()
+                .flat_map(|p| {
+                    let (first, second) = (&micro_grads[0][&p.id], &micro_grads[1][&p.id]);
+                    first
+                        .iter()
+                        .zip(second)
+                        .map(|(a, b)| (a * scale) * inv + (b * scale) * inv)
+                        .collect::<Vec<_>>()
+                })
+                .collect()
+        })
+        .collect();
+    let unchanged = expected
+        .iter()
+        .flatten()
+        .zip(plan.buckets.iter().flat_map(|b| {
+            b.params.iter().flat_map(|p| {
+                micro_grads[0][&p.id]
+                    .iter()
+                    .zip(&micro_grads[1][&p.id])
+                    .map(|(a, b)| a + b)
+            })
+        }))
+        .filter(|(e, plain)| **e != *plain)
+        .count();
+    assert!(
+        unchanged > 0,
+        "S = {scale} changes no bit: the test cannot fail"
+    );
+    for on_device in [false, true] {
+        let buckets = on_ranks(1, Duration::from_secs(60), |_, comm| {
+            let comm = Arc::new(CommThread::spawn(if on_device {
+                Communicator::<NdArray>::Device(Box::new(comm))
+            } else {
+                Communicator::Host(Box::new(comm))
+            }));
+            let reducer = Reducer::new(plan.clone(), ClipMode::None, 1.0, on_device, comm);
+            reducer.set_loss_scale(f64::from(scale));
+            for (mb, grads) in micro_grads.iter().enumerate() {
+                reducer.prepare_backward(mb == 0, mb == 1);
+                let scaled = plan
+                    .buckets
+                    .iter()
+                    .flat_map(|b| &b.params)
+                    .map(|p| {
+                        let values = grads[&p.id].iter().map(|g| g * scale).collect::<Vec<_>>();
+                        let data = TensorData::new(values, p.shape.clone());
+                        (
+                            p.id,
+                            <NdArray as FloatTensorOps<NdArray>>::float_from_data(
+                                data,
+                                &Default::default(),
+                            ),
+                        )
+                    })
+                    .collect::<Vec<_>>();
+                reducer.mark_params_ready(scaled);
+            }
+            reducer.finalize_backward().unwrap();
+            (0..k).map(|b| reducer.bucket_values(b)).collect::<Vec<_>>()
+        });
+        for (b, (actual, expected)) in buckets[0].iter().zip(&expected).enumerate() {
+            let differ = actual
+                .iter()
+                .zip(expected)
+                .filter(|(a, e)| a.to_bits() != e.to_bits())
+                .count();
+            assert_eq!(
+                differ,
+                0,
+                "device buckets {on_device}, bucket {b}: {differ} of {} values differ",
+                expected.len()
+            );
+        }
+    }
+}

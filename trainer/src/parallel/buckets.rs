@@ -208,6 +208,28 @@ impl<B: FusedOps> Buffer<B> {
         }
     }
 
+    /// `self · inv_loss_scale`: a flattened bucket's gradients divided by the loss scale, one
+    /// launch per bucket (nothing where the loss is not scaled).
+    ///
+    /// Note [Unscaled per bucket]: the gradients of a scaled loss are divided by the scale
+    /// after their bucket is flattened, not one by one as they arrive: the same f32 product of
+    /// each element (bit for bit), one kernel launch per bucket instead of one per parameter
+    /// (16 per BERT encoder layer), as apex's `amp` unscales with one `multi_tensor_scale`
+    /// over all gradients and PyTorch's `GradScaler.unscale_` with one
+    /// `_amp_foreach_non_finite_check_and_unscale_` per device and dtype.
+    pub(crate) fn unscale(self, inv_loss_scale: f32) -> Self {
+        if inv_loss_scale == 1.0 {
+            return self;
+        }
+        match self {
+            Buffer::Host(mut values) => {
+                values.iter_mut().for_each(|x| *x *= inv_loss_scale);
+                Buffer::Host(values)
+            }
+            Buffer::Device(t) => Buffer::Device(t.mul_scalar(inv_loss_scale)),
+        }
+    }
+
     /// `self · coefficient`.
     pub(crate) fn scale(self, coefficient: &Scalar<B>) -> Self {
         match (self, coefficient) {

@@ -247,8 +247,9 @@ impl<B: FusedOps> Reducer<B> {
         self
     }
 
-    /// Divides every gradient of the next step by `scale` as it arrives (the loss scale;
-    /// `crate::loss_scale`), before accumulation, clipping and the allreduce.
+    /// Divides every gradient of the next step by `scale` (the loss scale;
+    /// `crate::loss_scale`), once per flattened bucket and micro-batch (Note [Unscaled per
+    /// bucket] in `buckets.rs`), before accumulation, clipping and the allreduce.
     pub fn set_loss_scale(&self, scale: f64) {
         self.lock().inv_loss_scale = (1.0 / scale) as f32;
     }

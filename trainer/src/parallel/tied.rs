@@ -133,6 +133,7 @@ impl<B: FusedOps> TiedRows<B> {
         grad: FloatTensor<B>,
         on_device: bool,
         first: bool,
+        inv_loss_scale: f32,
     ) -> Result<(), String> {
         if self.arrived {
             return Err(format!(
@@ -142,7 +143,8 @@ impl<B: FusedOps> TiedRows<B> {
         let grad = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(grad));
         let (_, rows) = self.rows(&grad.device())?;
         let gathered = grad.select(0, rows); // [n, H]
-        let flat = Buffer::flatten(on_device, vec![gathered.into_primitive().tensor()]);
+        let flat = Buffer::flatten(on_device, vec![gathered.into_primitive().tensor()])
+            .unscale(inv_loss_scale);
         self.buffer = Some(match self.buffer.take() {
             Some(earlier) if !first => earlier.add(flat),
             _ => flat,

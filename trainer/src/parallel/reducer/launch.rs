@@ -1,5 +1,5 @@
 //! The reducer's launch side, run by the gradient hooks' callback during backward: gradients
-//! reach their buckets (divided by the loss scale), a complete bucket is flattened, clipped in
+//! reach their buckets, a complete bucket is flattened (and divided by the loss scale), clipped in
 //! `bucket` mode and handed to the communication thread, in bucket order, the tied table's
 //! rows last; and the scaling of every bucket that the clip modes needing all of them apply.
 
@@ -19,17 +19,9 @@ impl<B: FusedOps> Shared<B> {
     /// last micro-batch, launches complete buckets in order.
     pub(super) fn mark_params_ready(&self, state: &mut StepState<B>, grads: HookGradients<B>) {
         for (id, grad) in grads {
-            let grad = if state.inv_loss_scale == 1.0 {
-                grad
-            } else {
-                B::float_mul_scalar(
-                    grad,
-                    burn::tensor::Scalar::Float(state.inv_loss_scale.into()),
-                )
-            };
             if let Some(tied) = state.tied.as_mut().filter(|t| t.table == id) {
                 let first = state.first_micro_batch;
-                if let Err(e) = tied.add(grad, self.on_device, first) {
+                if let Err(e) = tied.add(grad, self.on_device, first, state.inv_loss_scale) {
                     state.error.get_or_insert(e);
                 }
                 continue;
@@ -74,7 +66,8 @@ impl<B: FusedOps> Shared<B> {
             .iter_mut()
             .map(|g| g.take().expect("the bucket is complete"))
             .collect();
-        let flat = Buffer::flatten(self.on_device, grads);
+        // Divided by the loss scale once per flattened bucket (Note [Unscaled per bucket]).
+        let flat = Buffer::flatten(self.on_device, grads).unscale(state.inv_loss_scale);
         let buffer = match state.buffers[k].take() {
             Some(earlier) if !state.first_micro_batch => earlier.add(flat),
             _ => flat,
