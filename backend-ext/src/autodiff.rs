@@ -44,6 +44,7 @@ macro_rules! register_sum {
 
 mod attention;
 mod dense;
+mod layer_ops;
 
 /// A reshape: parent x; state x's shape. Both ways through [`FusedOps::reshape_contiguous`],
 /// so that NdArray moves neither a contiguous activation nor its gradient (Burn's autodiff
@@ -64,26 +65,6 @@ impl<B: FusedOps> Backward<B, 1> for ReshapeBackward {
 }
 
 #[derive(Debug)]
-struct BiasGeluBackward;
-
-impl<B: FusedOps> Backward<B, 2> for BiasGeluBackward {
-    type State = (FloatTensor<B>, FloatTensor<B>);
-
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_x, node_bias] = ops.parents;
-        let grad = grads.consume::<B>(&ops.node);
-        let (x, bias) = ops.state;
-        let grad_z = B::bias_gelu_backward(x, bias, grad);
-        if let Some(node) = node_bias {
-            register_sum!(grads, &node, B::sum_rows(grad_z.clone()));
-        }
-        if let Some(node) = node_x {
-            register_sum!(grads, &node, grad_z);
-        }
-    }
-}
-
-#[derive(Debug)]
 struct DropoutBackward;
 
 impl<B: FusedOps> Backward<B, 1> for DropoutBackward {
@@ -95,59 +76,6 @@ impl<B: FusedOps> Backward<B, 1> for DropoutBackward {
         if let Some(node) = node_x {
             // y = x · mask  ⇒  dx = grad · mask: dropout with the same key.
             register_sum!(grads, &node, B::dropout(grad, ops.state));
-        }
-    }
-}
-
-/// What the LayerNorm backward needs: pre-norm sum, mean, rstd, gamma, dropout.
-type LayerNormState<B> = (
-    FloatTensor<B>,
-    FloatTensor<B>,
-    FloatTensor<B>,
-    FloatTensor<B>,
-    DropoutSpec,
-);
-
-#[derive(Debug)]
-struct LayerNormBackwardOp;
-
-impl<B: FusedOps> Backward<B, 5> for LayerNormBackwardOp {
-    type State = LayerNormState<B>;
-
-    fn backward(self, ops: Ops<Self::State, 5>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_x, node_bias, node_residual, node_gamma, node_beta] = ops.parents;
-        let grad = grads.consume::<B>(&ops.node);
-        let (pre_norm, mean, rstd, gamma, dropout) = ops.state;
-        let back = B::bias_dropout_add_layer_norm_backward(
-            grad.clone(),
-            pre_norm,
-            mean,
-            rstd,
-            gamma,
-            dropout,
-        );
-        // β's, γ's and the bias's gradients: column sums of the same rows, taken together
-        // (FusedOps::sum_rows_many: two launches for the three on CubeCL).
-        let mut sums = Vec::new();
-        let mut sum_nodes = Vec::new();
-        for (node, rows) in [
-            (node_beta, grad),
-            (node_gamma, back.grad_x_hat),
-            (node_bias, back.grad_x.clone()),
-        ] {
-            if let Some(node) = node {
-                sum_nodes.push(node);
-                sums.push(rows);
-            }
-        }
-        for (node, sum) in sum_nodes.into_iter().zip(B::sum_rows_many(sums)) {
-            register_sum!(grads, &node, sum);
-        }
-        if let Some(node) = node_x {
-            register_sum!(grads, &node, back.grad_x);
-        }
-        if let Some(node) = node_residual {
-            register_sum!(grads, &node, back.grad_pre_norm);
         }
     }
 }
@@ -403,31 +331,9 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         )
     }
 
-    fn dense_of_masters(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        weight_half: FloatTensor<Self>,
-        bias: Option<(FloatTensor<Self>, FloatTensor<Self>)>,
-    ) -> FloatTensor<Self> {
-        dense::dense::<B, C>(
-            x,
-            (weight, weight_half.primitive),
-            bias.map(|(b, half)| (b, half.primitive)),
-        )
-    }
-
     fn bias_gelu(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
-        match BiasGeluBackward
-            .prepare::<C>([x.node.clone(), bias.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let output = B::bias_gelu(x.primitive.clone(), bias.primitive.clone());
-                prep.finish((x.primitive, bias.primitive), output)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::bias_gelu(x.primitive, bias.primitive)),
-        }
+        let used = bias.primitive.clone();
+        layer_ops::bias_gelu::<B, C>(x, (bias, used))
     }
 
     fn dropout(x: FloatTensor<Self>, dropout: DropoutSpec) -> FloatTensor<Self> {
@@ -453,44 +359,8 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         dropout: DropoutSpec,
         eps: f64,
     ) -> LayerNormForward<Self> {
-        let prepared = LayerNormBackwardOp
-            .prepare::<C>([
-                x.node.clone(),
-                bias.node.clone(),
-                residual.node.clone(),
-                gamma.node.clone(),
-                beta.node.clone(),
-            ])
-            .compute_bound()
-            .stateful();
-        let forward = B::bias_dropout_add_layer_norm(
-            x.primitive,
-            bias.primitive,
-            residual.primitive,
-            gamma.primitive.clone(),
-            beta.primitive,
-            dropout,
-            eps,
-        );
-        let output = match prepared {
-            OpsKind::Tracked(prep) => {
-                let state = (
-                    forward.pre_norm.clone(),
-                    forward.mean.clone(),
-                    forward.rstd.clone(),
-                    gamma.primitive,
-                    dropout,
-                );
-                prep.finish(state, forward.output)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(forward.output),
-        };
-        LayerNormForward {
-            output,
-            pre_norm: untracked::<B, C>(forward.pre_norm),
-            mean: untracked::<B, C>(forward.mean),
-            rstd: untracked::<B, C>(forward.rstd),
-        }
+        let copies = [&bias, &gamma, &beta].map(|t| t.primitive.clone());
+        layer_ops::layer_norm::<B, C>(x, residual, [bias, gamma, beta], copies, dropout, eps)
     }
 
     fn attention_core(

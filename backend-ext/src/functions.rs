@@ -20,7 +20,7 @@ pub fn dense<B: FusedOps, const D: usize>(
 }
 
 /// [`dense`] of `weight_half` and `bias_half`, the copies in `x`'s (half) dtype of the master
-/// parameters `weight` and `bias`, through [`FusedOps::dense_of_masters`]: the same output;
+/// parameters `weight` and `bias`, through [`MasterOps::dense_of_masters`](crate::MasterOps::dense_of_masters): the same output;
 /// under autodiff the masters get the gradients, in their dtype (Note [Weight gradients in
 /// f32] in `linear.rs`). Given the same tensor as master and copy, it is [`dense`].
 ///
@@ -150,6 +150,23 @@ pub fn bias_gelu<B: FusedOps, const D: usize>(x: Tensor<B, D>, bias: Tensor<B, 1
     reshape(float::<B, 2>(B::bias_gelu(prim(x), prim(bias))), dims)
 }
 
+/// [`bias_gelu`] of `bias_half`, the copy in `x`'s (half) dtype of the master `bias`, through
+/// [`crate::MasterOps::bias_gelu_of_master`]: the same output; under autodiff the master gets the
+/// gradient, in its dtype (Note [Parameter gradients in f32] in `masters.rs`). Given the
+/// same tensor twice, it is [`bias_gelu`].
+///
+/// # Shapes
+/// `x` `[.., N]`, `bias` and `bias_half` `[N]` → the shape of `x`
+pub fn bias_gelu_of_master<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    bias: Tensor<B, 1>,
+    bias_half: Tensor<B, 1>,
+) -> Tensor<B, D> {
+    let (x, dims) = rows(x);
+    let out = B::bias_gelu_of_master(prim(x), prim(bias), prim(bias_half));
+    reshape(float::<B, 2>(out), dims)
+}
+
 /// `LayerNorm(residual + dropout(x + bias))` through [`FusedOps::bias_dropout_add_layer_norm`].
 ///
 /// # Shapes
@@ -178,6 +195,41 @@ pub fn bias_dropout_add_layer_norm<B: FusedOps, const D: usize>(
         prim(residual),
         prim(gamma),
         prim(beta),
+        dropout,
+        eps,
+    );
+    reshape(float::<B, 2>(forward.output), dims)
+}
+
+/// [`bias_dropout_add_layer_norm`] of the copies in `x`'s (half) dtype of the master bias, γ
+/// and β (each pair `(master, copy)`), through
+/// [`crate::MasterOps::bias_dropout_add_layer_norm_of_masters`]: the same output; under autodiff the
+/// masters get the gradients, in their dtype (Note [Parameter gradients in f32] in
+/// `masters.rs`). Given the same tensors as masters and copies, it is
+/// [`bias_dropout_add_layer_norm`].
+///
+/// # Shapes
+/// `x`, `residual` `[.., N]`; each of the pairs `[N]` → the shape of `x`
+pub fn bias_dropout_add_layer_norm_of_masters<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    bias: (Tensor<B, 1>, Tensor<B, 1>),
+    residual: Tensor<B, D>,
+    (gamma, beta): ((Tensor<B, 1>, Tensor<B, 1>), (Tensor<B, 1>, Tensor<B, 1>)),
+    dropout: DropoutSpec,
+    eps: f64,
+) -> Tensor<B, D> {
+    let (x, dims) = rows(x);
+    let (residual, _) = rows(residual);
+    let dropout = if D >= 3 {
+        dropout.with_seq_len(dims[1..D - 1].iter().product())
+    } else {
+        dropout
+    };
+    let forward = B::bias_dropout_add_layer_norm_of_masters(
+        prim(x),
+        prim(residual),
+        [bias.0, gamma.0, beta.0].map(prim),
+        [bias.1, gamma.1, beta.1].map(prim),
         dropout,
         eps,
     );

@@ -1,7 +1,7 @@
 //! The [`FusedOps`] trait (the crate's docs say what it adds to a Burn backend); what its
-//! methods return is in `fused_outputs.rs`.
+//! methods return is in `fused_outputs.rs`, the ops of autocast's f32 masters and half copies
+//! in `masters.rs` (its supertrait [`MasterOps`]).
 
-use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorMetadata};
 
@@ -12,7 +12,7 @@ use crate::*;
 ///
 /// Inputs may have any strides; outputs are contiguous. Float inputs are f32 or bf16
 /// (kernels accumulate in f32).
-pub trait FusedOps: Backend {
+pub trait FusedOps: MasterOps {
     /// Whether this backend implements the ops with its own kernels (what [`Kernels::Auto`]
     /// picks).
     const HAS_KERNELS: bool = false;
@@ -97,32 +97,6 @@ pub trait FusedOps: Backend {
                 None,
             )
         })
-    }
-
-    /// [`FusedOps::dense`] of `weight_half` and `bias_half`, the half copies of the f32
-    /// masters `weight` and `bias`: the same output; under autodiff the masters get the
-    /// gradients, in their dtype ([`FusedOps::dense_backward_as`]), and the copies none (Note
-    /// [Weight gradients in f32] in `linear.rs`).
-    fn dense_of_masters(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        weight_half: FloatTensor<Self>,
-        bias: Option<(FloatTensor<Self>, FloatTensor<Self>)>,
-    ) -> FloatTensor<Self> {
-        let _ = weight;
-        Self::dense(x, weight_half, bias.map(|(_, half)| half))
-    }
-
-    /// [`FusedOps::dense_backward`] with `dweight` and `dbias` in `dtype`, `dx` in `x`'s. The
-    /// default casts the products; CubeCL's GEMMs write `dweight` in `dtype`.
-    fn dense_backward_as(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        grad: FloatTensor<Self>,
-        with_bias: bool,
-        dtype: FloatDType,
-    ) -> DenseGrads<Self> {
-        linear::grads_as::<Self>(Self::dense_backward(x, weight, grad, with_bias), dtype)
     }
 
     /// The precision this backend's GEMMs give f32 operands on `device`: exact f32 on NdArray

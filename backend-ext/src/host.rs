@@ -10,9 +10,20 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 
 use crate::{
     AdamHyper, AdamKind, AdamOutput, AdamTensors, CrossEntropyForward, DropoutSpec, FusedOps,
-    LayerNormBackward, LayerNormForward, SoftmaxForward, cross_entropy, float, host_adam,
-    host_embedding, host_layer, host_matmul, host_sum, linear, prim, qkv, reference,
+    LayerNormBackward, LayerNormForward, MasterOps, SoftmaxForward, cross_entropy, float,
+    host_adam, host_embedding, host_layer, host_matmul, host_sum, linear, prim, qkv, reference,
 };
+
+/// The default bodies: NdArray's fused ops run in f32, where masters and copies are one.
+impl<E, I, Q> MasterOps for burn_ndarray::NdArray<E, I, Q>
+where
+    E: burn_ndarray::FloatNdArrayElement,
+    I: burn_ndarray::IntNdArrayElement,
+    Q: burn_ndarray::QuantElement,
+    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<E>>,
+    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<I>>,
+{
+}
 
 impl<E, I, Q> FusedOps for burn_ndarray::NdArray<E, I, Q>
 where

@@ -53,6 +53,7 @@ pub mod host_norm;
 mod host_sum;
 mod kernels_choice;
 mod linear;
+mod masters;
 mod qkv;
 pub mod reference;
 
@@ -86,9 +87,10 @@ pub use adam::{AdamHyper, AdamKind, AdamOutput, AdamTensors};
 pub use cross_entropy::CrossEntropyForward;
 pub use dropout::{DropoutScope, DropoutSpec, keep_mask, reseed_dropout};
 pub use functions::{
-    attention, attention_qkv, bias_dropout_add_layer_norm, bias_gelu, concat_columns,
-    cross_entropy, dense, dense_module, dense_of_masters, dropout, embedding, lamb_multi_tensor,
-    ordered_after, reshape, sum_ordered, sum_squares, tied_decoder_weight,
+    attention, attention_qkv, bias_dropout_add_layer_norm, bias_dropout_add_layer_norm_of_masters,
+    bias_gelu, bias_gelu_of_master, concat_columns, cross_entropy, dense, dense_module,
+    dense_of_masters, dropout, embedding, lamb_multi_tensor, ordered_after, reshape, sum_ordered,
+    sum_squares, tied_decoder_weight,
 };
 pub use fused_ops::FusedOps;
 pub use fused_outputs::{DenseGrads, LayerNormBackward, LayerNormForward, SoftmaxForward};
@@ -101,3 +103,4 @@ pub use host_gemm::{gemm_parts, set_gemm_parts};
 pub use kernels_choice::{
     Kernels, QkvProjections, RowReductions, row_reductions, set_row_reductions,
 };
+pub use masters::MasterOps;

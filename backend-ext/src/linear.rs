@@ -22,37 +22,44 @@ use burn::tensor::{Shape, TensorMetadata};
 use crate::host_gemm::product;
 use crate::{DenseGrads, FusedOps};
 
-/// Note [Weight gradients in f32]: under autocast (Note [Autocast] in `ember_model`'s
-/// `precision.rs`) a weight's gradient came out of the weight-gradient GEMM in the half type
-/// and was cast back to f32 by the copy's cast: a launch per weight, a write and a read of
-/// the half gradient, and the gradient rounded to 8 (bf16) or 11 (fp16) significant bits
-/// before it reached the f32 buckets. [`FusedOps::dense_of_masters`] gives the dense op the
-/// f32 masters as its parents and the half copies to multiply, and its backward
-/// ([`FusedOps::dense_backward_as`]) has CubeCL's GEMM write `dW` in f32 from its f32
-/// accumulator, as Megatron-LM's `gradient_accumulation_fusion` does (its
-/// `wgrad_gemm_accum_fp32` accumulates the weight gradient into a kept f32 `main_grad`; ember
-/// writes a new f32 tensor, summed where the hooks take it), the GPU-speed issue's "gradients
-/// reach the f32 buckets without a separate cast pass where the GEMM can write f32". The
-/// bias gradient is the column sum of the half gradient, cast (one small launch). A
-/// deliberate difference from `torch.autocast`, whose weight gradients are rounded to the
-/// half type: ember's are more precise, not equal. cuBLASLt's products (`model.gemm =
-/// "cublaslt"`) still write the half type and are cast: an f32 `D` beside bf16 operands is a
-/// cuBLASLt kind ember does not make yet.
+// Note [Weight gradients in f32]: under autocast (Note [Autocast] in `ember_model`'s
+// `precision.rs`) a weight's gradient came out of the weight-gradient GEMM in the half type
+// and was cast back to f32 by the copy's cast: a launch per weight, a write and a read of
+// the half gradient, and the gradient rounded to 8 (bf16) or 11 (fp16) significant bits
+// before it reached the f32 buckets. `MasterOps::dense_of_masters` gives the dense op the f32
+// masters as its parents and the half copies to multiply, and its backward
+// (`MasterOps::dense_backward_as`) has CubeCL's GEMM write `dW` in f32 from its f32
+// accumulator, as Megatron-LM's `gradient_accumulation_fusion` does (its
+// `wgrad_gemm_accum_fp32` accumulates the weight gradient into a kept f32 `main_grad`; ember
+// writes a new f32 tensor, summed where the hooks take it), the GPU-speed issue's "gradients
+// reach the f32 buckets without a separate cast pass where the GEMM can write f32". The bias
+// gradient is the column sum written in f32 from its f32 partial sums (Note [Parameter
+// gradients in f32] in `masters.rs`; the default body casts it). A deliberate difference
+// from `torch.autocast`, whose weight gradients are rounded to the half type: ember's are
+// more precise, not equal. cuBLASLt's products (`model.gemm = "cublaslt"`) still write the
+// half type and are cast: an f32 `D` beside bf16 operands is a cuBLASLt kind ember does not
+// make yet.
 
 /// `(dx, dweight, dbias)` with `dweight` and `dbias` in `dtype` (cast where they are not):
-/// the default body of [`FusedOps::dense_backward_as`].
+/// the default body of [`MasterOps::dense_backward_as`](crate::MasterOps::dense_backward_as).
 pub(crate) fn grads_as<B: FusedOps>(
     (dx, dweight, dbias): DenseGrads<B>,
     dtype: burn::tensor::FloatDType,
 ) -> DenseGrads<B> {
-    let cast = |t: FloatTensor<B>| {
-        if t.dtype() == burn::tensor::DType::from(dtype) {
-            t
-        } else {
-            B::float_cast(t, dtype)
-        }
-    };
+    let cast = |t| cast_to::<B>(t, dtype);
     (dx, cast(dweight), dbias.map(cast))
+}
+
+/// `t` in `dtype`: itself where it is, else Burn's cast.
+pub(crate) fn cast_to<B: FusedOps>(
+    t: FloatTensor<B>,
+    dtype: burn::tensor::FloatDType,
+) -> FloatTensor<B> {
+    if t.dtype() == burn::tensor::DType::from(dtype) {
+        t
+    } else {
+        B::float_cast(t, dtype)
+    }
 }
 
 /// Burn's composition: the default body of [`FusedOps::dense`].

@@ -12,7 +12,7 @@ use ember_backend_ext::{DropoutSpec, FusedOps, Kernels, QkvProjections};
 
 use crate::hook::{ForwardHook, NoHook};
 use crate::precision::{Precision, cast_to, dense_as};
-use crate::weight_casts::{LayerParams, gamma_beta, layer_scope};
+use crate::weight_casts::{LayerParams, gamma_beta_pairs, layer_scope};
 
 use crate::BertConfig;
 use crate::layer::BertLayer;
@@ -171,13 +171,13 @@ impl<B: FusedOps> BertEmbeddings<B> {
             + lookup(&self.position_embeddings, position_ids); // [1, S, H], broadcast over B
         let token_types = lookup(&self.token_type_embeddings, segment_ids);
         let embedded = if kernels.fused::<B>() {
-            let (gamma, beta) = gamma_beta(&self.layer_norm, words.dtype());
-            ember_backend_ext::bias_dropout_add_layer_norm(
+            let (gamma, beta) = gamma_beta_pairs(&self.layer_norm, words.dtype());
+            let zero_bias = (gamma.0.zeros_like(), gamma.1.zeros_like());
+            ember_backend_ext::bias_dropout_add_layer_norm_of_masters(
                 words,
-                gamma.zeros_like(),
+                zero_bias,
                 token_types,
-                gamma,
-                beta,
+                (gamma, beta),
                 DropoutSpec::NONE,
                 self.layer_norm_eps,
             )

@@ -14,7 +14,7 @@ use crate::attention::{BertSelfAttention, BertSelfOutput};
 use crate::bert::{dense, gelu, layer_norm, reference_dropout, training};
 use crate::precision::{dense_as, dense_parts, layer_norm_f32};
 use crate::weight_casts::LayerParams;
-use crate::weight_casts::{bias_of, gamma_beta};
+use crate::weight_casts::{bias_pair, gamma_beta_pairs};
 
 /// Self-attention and its output block. Mirrors Hugging Face `BertAttention`.
 #[derive(Module, Debug)]
@@ -176,30 +176,31 @@ impl<B: FusedOps> BertLayer<B> {
         .swap_dims(1, 2);
         let context = ember_backend_ext::reshape(context, [batch, seq_len, hidden]);
 
+        // The biases, γ and β as f32 masters beside their copies in `dtype`: their gradients
+        // come out of the fused ops' backward in f32 (Note [Parameter gradients in f32] in
+        // `ember-backend-ext`'s `masters.rs`).
         let output = &self.attention.output;
-        let (gamma, beta) = gamma_beta(&output.layer_norm, dtype);
-        let attention_output = ember_backend_ext::bias_dropout_add_layer_norm(
+        let attention_output = ember_backend_ext::bias_dropout_add_layer_norm_of_masters(
             dense_no_bias(context, &output.dense),
-            bias_of(&output.dense, dtype),
+            bias_pair(&output.dense, dtype),
             hidden_states,
-            gamma,
-            beta,
+            gamma_beta_pairs(&output.layer_norm, dtype),
             dropout(output.dropout.prob),
             self.layer_norm_eps,
         );
 
         let dense = &self.intermediate.dense;
-        let intermediate = ember_backend_ext::bias_gelu(
+        let (bias, bias_copy) = bias_pair(dense, dtype);
+        let intermediate = ember_backend_ext::bias_gelu_of_master(
             dense_no_bias(attention_output.clone(), dense),
-            bias_of(dense, dtype),
+            bias,
+            bias_copy,
         ); // [B, S, I]
-        let (gamma, beta) = gamma_beta(&self.output.layer_norm, dtype);
-        ember_backend_ext::bias_dropout_add_layer_norm(
+        ember_backend_ext::bias_dropout_add_layer_norm_of_masters(
             dense_no_bias(intermediate, &self.output.dense),
-            bias_of(&self.output.dense, dtype),
+            bias_pair(&self.output.dense, dtype),
             attention_output,
-            gamma,
-            beta,
+            gamma_beta_pairs(&self.output.layer_norm, dtype),
             dropout(self.output.dropout.prob),
             self.layer_norm_eps,
         )

@@ -14,7 +14,7 @@ use crate::bert::{BertModel, dense, gelu, layer_norm};
 use crate::hook::{ForwardHook, NoHook};
 use crate::precision::{Precision, cast_to, dense_as, dense_parts, layer_norm_f32};
 use crate::weight_casts::{LayerParams, layer_scope, param_pair};
-use crate::weight_casts::{bias_of, gamma_beta};
+use crate::weight_casts::{bias_pair, gamma_beta_pairs};
 
 /// Dense + GELU + LayerNorm before the vocabulary projection.
 /// Mirrors Hugging Face `BertPredictionHeadTransform`.
@@ -180,17 +180,21 @@ impl<B: FusedOps> BertForPreTraining<B> {
         let transformed = if fused {
             // GELU(x·W + b) and LayerNorm as the encoder's fused ops (zero bias and residual,
             // no dropout inside: LayerNorm(0 + (h + 0)) is LayerNorm(h)).
-            let hidden = ember_backend_ext::bias_gelu(
+            // The bias, γ and β as masters beside their copies (Note [Parameter gradients in
+            // f32] in `ember-backend-ext`'s `masters.rs`).
+            let (bias, bias_copy) = bias_pair(&transform.dense, dtype);
+            let hidden = ember_backend_ext::bias_gelu_of_master(
                 dense_parts(masked_states, &transform.dense.weight, None),
-                bias_of(&transform.dense, dtype),
+                bias,
+                bias_copy,
             );
-            let (gamma, beta) = gamma_beta(&transform.layer_norm, dtype);
-            ember_backend_ext::bias_dropout_add_layer_norm(
+            let (gamma, beta) = gamma_beta_pairs(&transform.layer_norm, dtype);
+            let zero_bias = (gamma.0.zeros_like(), gamma.1.zeros_like());
+            ember_backend_ext::bias_dropout_add_layer_norm_of_masters(
                 hidden.clone(),
-                gamma.zeros_like(),
+                zero_bias,
                 hidden.zeros_like(),
-                gamma,
-                beta,
+                (gamma, beta),
                 DropoutSpec::NONE,
                 self.bert.embeddings.layer_norm_eps,
             )

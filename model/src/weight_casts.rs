@@ -6,12 +6,12 @@
 //! encoder layer casts its parameters first, in one [`FusedOps::cast_multi_tensor`] (on
 //! CubeCL up to 32 tensors a launch: apex's `multi_tensor_scale`, which is how apex O2
 //! refreshes its half copy of the model), and so do the pooler and the pre-training heads;
-//! the layers take their copy from this scope ([`param_as`], used by `dense_as` and the fused
-//! layer's biases, γ and β) instead of casting again. The values are the same bits: the kernel
-//! rounds as Burn's cast. The biases', γ's and β's copies cast their gradients back to f32, a
-//! launch each, when the gradient arrives; the dense weights' copies get no gradient: the
-//! dense op hands it to the f32 parameter, written in f32 by the GEMM ([`param_pair`]; Note
-//! [Weight gradients in f32] in `ember-backend-ext`'s `linear.rs`).
+//! the layers take their copy from this scope ([`param_pair`], used by `dense_as` and the
+//! fused layer's biases, γ and β) instead of casting again. The values are the same bits: the
+//! kernel rounds as Burn's cast. The copies get no gradient: the ops take the f32 parameter
+//! beside its copy and write its gradient in f32, the GEMM the weights', the column sums the
+//! biases', γ's and β's (Note [Parameter gradients in f32] in `ember-backend-ext`'s
+//! `masters.rs`), where a cast node per copy had cast each gradient back, a launch each.
 //!
 //! Where ember differs from NVIDIA's recipe: apex O2 (and the GPU-speed issue's item 3) keeps
 //! the half copy between steps, written by the optimizer beside the f32 master. ember casts at
@@ -59,7 +59,7 @@ thread_local! {
     static SCOPES: RefCell<Vec<HashMap<ParamId, Box<dyn Any>>>> = const { RefCell::new(Vec::new()) };
 }
 
-/// While alive, the parameters [`layer_scope`] holds are what [`param_as`] starts from.
+/// While alive, the parameters [`layer_scope`] holds are what [`param_pair`] starts from.
 pub(crate) struct CastScope;
 
 impl Drop for CastScope {
@@ -99,11 +99,11 @@ impl<'a, B: Backend> LayerParams<'a, B> {
     }
 }
 
-/// Opens a scope in which [`param_as`] takes `params` as this layer's forward uses them: each
+/// Opens a scope in which [`param_pair`] takes `params` as this layer's forward uses them: each
 /// through [`ember_backend_ext::ordered_after`] `after` (the layer's hooked input; Note
 /// [Parameters ordered after their layer's input]) and, in a half `dtype` with `together`,
 /// cast to it in one [`FusedOps::cast_multi_tensor`] (Note [Weights cast together]); without
-/// `together`, [`param_as`] casts each where it is used.
+/// `together`, [`param_pair`] casts each where it is used.
 pub(crate) fn layer_scope<B: FusedOps, const D: usize>(
     params: LayerParams<'_, B>,
     after: &Tensor<B, D>,
@@ -201,16 +201,6 @@ pub(crate) fn param_pair<B: Backend, const D: usize>(
     })
 }
 
-/// `param`'s value in `dtype`: what [`layer_scope`] holds for it in the innermost open scope
-/// (its copy, or a cast of the ordered parameter where the copy is not in `dtype`), or else a
-/// cast of its own ([`cast_to`]: `param` itself in its own dtype).
-pub(crate) fn param_as<B: Backend, const D: usize>(
-    param: &Param<Tensor<B, D>>,
-    dtype: DType,
-) -> Tensor<B, D> {
-    param_pair(param, dtype).1
-}
-
 /// The bias of `linear` (zeros without one) and its copy in `dtype` ([`param_pair`]).
 pub(crate) fn bias_pair<B: Backend>(
     linear: &Linear<B>,
@@ -225,21 +215,21 @@ pub(crate) fn bias_pair<B: Backend>(
     }
 }
 
-/// The bias of `linear` (zeros without one), in `dtype`.
-pub(crate) fn bias_of<B: Backend>(linear: &Linear<B>, dtype: DType) -> Tensor<B, 1> {
-    bias_pair(linear, dtype).1
-}
+/// A vector parameter as the forward holds it, and its copy in the compute dtype.
+pub(crate) type VectorPair<B> = (Tensor<B, 1>, Tensor<B, 1>);
 
-/// γ and β of `norm` (β zeros without one), in `dtype`: the fused LayerNorm takes them in its
-/// input's storage type and accumulates in f32.
-pub(crate) fn gamma_beta<B: Backend>(
+/// γ and β of `norm` (β zeros without one; the fused LayerNorm takes them in its input's
+/// storage type and accumulates in f32), each with its copy in `dtype` ([`param_pair`]):
+/// what [`ember_backend_ext::bias_dropout_add_layer_norm_of_masters`] takes (Note [Parameter
+/// gradients in f32] in `ember-backend-ext`'s `masters.rs`).
+pub(crate) fn gamma_beta_pairs<B: Backend>(
     norm: &LayerNorm<B>,
     dtype: DType,
-) -> (Tensor<B, 1>, Tensor<B, 1>) {
-    let gamma = param_as(&norm.gamma, dtype);
+) -> (VectorPair<B>, VectorPair<B>) {
+    let gamma = param_pair(&norm.gamma, dtype);
     let beta = match &norm.beta {
-        Some(beta) => param_as(beta, dtype),
-        None => gamma.zeros_like(),
+        Some(beta) => param_pair(beta, dtype),
+        None => (gamma.0.zeros_like(), gamma.1.zeros_like()),
     };
     (gamma, beta)
 }

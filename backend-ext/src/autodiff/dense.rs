@@ -1,8 +1,8 @@
-//! The dense layer under autodiff: one node whose backward runs [`FusedOps::dense_backward_as`]
+//! The dense layer under autodiff: one node whose backward runs [`MasterOps::dense_backward_as`](crate::MasterOps::dense_backward_as)
 //! (the flattened products on CubeCL, NdArray's GEMM on views), its weight and bias gradients
 //! in the dtype of the parameters the node's parents hold: the weight itself for
 //! [`FusedOps::dense`], the f32 masters of the half copies the forward multiplied for
-//! [`FusedOps::dense_of_masters`] (Note [Weight gradients in f32] in `fused_ops.rs`).
+//! [`MasterOps::dense_of_masters`](crate::MasterOps::dense_of_masters) (Note [Weight gradients in f32] in `linear.rs`).
 
 use burn::backend::autodiff::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;

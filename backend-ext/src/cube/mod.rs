@@ -11,6 +11,7 @@ mod gemm;
 pub mod gemm_window;
 pub mod kernel_cache;
 mod kernels;
+mod masters;
 mod multi_tensor;
 mod multi_tensor_kernels;
 mod qkv;
@@ -157,25 +158,6 @@ where
         )
     }
 
-    fn dense_backward_as(
-        x: CubeTensor<R>,
-        weight: CubeTensor<R>,
-        grad: CubeTensor<R>,
-        with_bias: bool,
-        dtype: burn::tensor::FloatDType,
-    ) -> crate::DenseGrads<Self> {
-        let grads = crate::linear::flattened_linear_backward::<Self>(
-            x,
-            weight,
-            grad,
-            with_bias,
-            |g, weight_t, x_t, with_bias| {
-                gemm::dense_backward_products_as(g, weight_t, x_t, with_bias, dtype.into())
-            },
-        );
-        crate::linear::grads_as::<Self>(grads, dtype)
-    }
-
     fn batched_matmul(a: CubeTensor<R>, b: CubeTensor<R>) -> CubeTensor<R> {
         gemm::matmul(a, b)
     }
@@ -201,7 +183,8 @@ where
     }
 
     fn sum_rows_many(xs: Vec<CubeTensor<R>>) -> Vec<CubeTensor<R>> {
-        multi_tensor::column_sums(xs)
+        let dtype = xs.first().map(|x| x.dtype);
+        multi_tensor::column_sums(xs, dtype)
             .unwrap_or_else(|xs| xs.into_iter().map(Self::sum_rows).collect())
     }
 

@@ -268,11 +268,13 @@ const COLUMN_TILE: usize = 32;
 const ROW_PHASES: usize = 8;
 const ROWS_PER_CHUNK: usize = 256;
 
-/// The column sums of `xs` (`[R, N]` each, one shape and dtype): per group the device binds,
-/// two launches (partial sums per chunk of rows, then their fixed-order sum) for the whole
-/// group; `Err(xs)` when they are not all of one 2-d shape and dtype.
+/// The column sums of `xs` (`[R, N]` each, one shape and dtype), in `out_dtype` (the inputs'
+/// where `None`): per group the device binds, two launches (partial sums per chunk of rows in
+/// f32, then their fixed-order sum, written in `out_dtype`) for the whole group; `Err(xs)`
+/// when they are not all of one 2-d shape and dtype.
 pub(super) fn column_sums<R: CubeRuntime>(
     xs: Vec<CubeTensor<R>>,
+    out_dtype: Option<DType>,
 ) -> Result<Vec<CubeTensor<R>>, Vec<CubeTensor<R>>> {
     let same = xs
         .windows(2)
@@ -310,9 +312,17 @@ pub(super) fn column_sums<R: CubeRuntime>(
             ROW_PHASES as u32,
             storage(group[0].dtype),
         );
+        let out_dtype = out_dtype.unwrap_or(group[0].dtype);
         let outs: Vec<_> = group
             .iter()
-            .map(|x| empty_like(x, Shape::new([cols])))
+            .map(|x| {
+                empty_device_contiguous_dtype(
+                    x.client.clone(),
+                    x.device.clone(),
+                    Shape::new([cols]),
+                    out_dtype,
+                )
+            })
             .collect();
         multi_tensor_kernels::multi_column_sums_finish_kernel::launch::<R>(
             &client,
@@ -322,7 +332,7 @@ pub(super) fn column_sums<R: CubeRuntime>(
             outs.iter().map(|x| x.clone().into_tensor_arg()).collect(),
             cols as u32,
             chunks as u32,
-            storage(group[0].dtype),
+            storage(out_dtype),
         );
         sums.extend(outs);
     }

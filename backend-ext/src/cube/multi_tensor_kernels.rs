@@ -354,7 +354,9 @@ pub fn multi_column_partial_sums_kernel<F: Float>(
 
 /// Second pass of the column sums: `outs[t][column]` = the sum of matrix t's `chunks` partial
 /// sums of that column, in chunk order (so the whole sum has a fixed order: the same bits on
-/// every run, as [`sum_rows_ordered_kernel`]). Cube `(c, t)`, a unit per column.
+/// every run, as [`sum_rows_ordered_kernel`]), written in `F`: the inputs' dtype, or f32 for
+/// an f32 master's gradient (Note [Parameter gradients in f32] in `masters.rs`). Cube
+/// `(c, t)`, a unit per column.
 #[cube(launch)]
 pub fn multi_column_sums_finish_kernel<F: Float>(
     partials: &Tensor<f32>,

@@ -105,12 +105,27 @@ fn fp16_with_loss_scaling_trains_as_f32() {
     assert!(relative < 0.01, "weights part: {relative}");
 }
 
+/// Asserts that most of a gradient's nonzero `values` carry bits f16 has not (written in f32,
+/// not rounded to the half type).
+fn assert_beyond_f16(name: &str, values: Vec<f32>) {
+    let nonzero = values.iter().filter(|v| **v != 0.0).count();
+    let beyond_f16 = values
+        .iter()
+        .filter(|v| burn::tensor::f16::from_f32(**v).to_f32() != **v)
+        .count();
+    assert!(
+        nonzero > 0 && beyond_f16 * 2 > nonzero,
+        "{name}: {beyond_f16} of {nonzero} nonzero gradients carry bits f16 has not"
+    );
+}
+
 /// What runs in half and what in f32 (Note [Autocast]): with fp16 the encoder's output is
 /// f16, the logits f32, the parameters and their gradients f32; the loss is near the f32
 /// model's on the same weights and batch (fp16 rounds to 11 significant bits: within 1e-2
 /// relative). The dense layers' weight gradients are written in f32 by the GEMM (Note [Weight
 /// gradients in f32] in backend-ext's `linear.rs`): the packed Q weight's, a plain dense
-/// layer's and the tied decoder's (the word embeddings') carry bits f16 has not. The model
+/// layer's and the tied decoder's (the word embeddings') carry bits f16 has not, and so do the
+/// biases', γ's and β's, summed in f32 by the fused ops' backward. The model
 /// comes from `initial_model`, which draws its weights while no other test's run initialises
 /// (the device's generator is shared).
 #[test]
@@ -159,16 +174,35 @@ fn fp16_computes_the_encoder_in_half_and_the_logits_and_gradients_in_f32() {
         assert_eq!(weight.val().dtype(), DType::F32, "{name}");
         let grad = weight.grad(&grads).unwrap();
         assert_eq!(grad.dtype(), DType::F32, "{name}");
-        let values = grad.into_data().to_vec::<f32>().unwrap();
-        let nonzero = values.iter().filter(|v| **v != 0.0).count();
-        let beyond_f16 = values
-            .iter()
-            .filter(|v| burn::tensor::f16::from_f32(**v).to_f32() != **v)
-            .count();
-        assert!(
-            nonzero > 0 && beyond_f16 * 2 > nonzero,
-            "{name}: {beyond_f16} of {nonzero} nonzero gradients carry bits f16 has not"
-        );
+        assert_beyond_f16(name, grad.into_data().to_vec::<f32>().unwrap());
+    }
+    // The biases', γ's and β's, summed by the fused ops' backward in f32 (Note [Parameter
+    // gradients in f32] in backend-ext's `masters.rs`). Not the Q bias's: without loss
+    // scaling its rows of gradient are f16 subnormals (~1e-6), multiples of 2⁻²⁴ whose sums
+    // under 2⁻¹³ are f16 values whatever the sum's type (the dense op's test checks it).
+    let transform = &model.cls.predictions.transform;
+    for (name, vector) in [
+        (
+            "bias + GELU bias",
+            layer.intermediate.dense.bias.as_ref().unwrap(),
+        ),
+        (
+            "attention output bias",
+            layer.attention.output.dense.bias.as_ref().unwrap(),
+        ),
+        (
+            "attention LayerNorm γ",
+            &layer.attention.output.layer_norm.gamma,
+        ),
+        (
+            "output LayerNorm β",
+            layer.output.layer_norm.beta.as_ref().unwrap(),
+        ),
+        ("MLM transform γ", &transform.layer_norm.gamma),
+    ] {
+        let grad = vector.grad(&grads).unwrap();
+        assert_eq!(grad.dtype(), DType::F32, "{name}");
+        assert_beyond_f16(name, grad.into_data().to_vec::<f32>().unwrap());
     }
     let (full, half) = (full.into_scalar(), half.into_scalar());
     assert!(

@@ -65,7 +65,8 @@ pub fn check_dense<B: AutodiffBackend + FusedOps>(device: &B::Device) {
 /// type and the masters' gradients in f32, `dW` written by the GEMM from its f32 accumulator:
 /// within f32 rounding of the f64 product of the same half inputs (`dW = xᵀ·g`, g the half
 /// gradient of the output), and not rounded to the half type (most entries carry bits the
-/// half type has not); `db` is the half gradient's column sum. Its backward takes at least one
+/// half type has not); `db` is the half gradient's column sum written in f32, within f32
+/// rounding of the f64 sum (Note [Parameter gradients in f32]). Its backward takes at least one
 /// launch fewer than the dense op of cast copies, whose casts' backward cast `dW` and `db`
 /// back (the launches counted by the counting runtime).
 pub fn check_dense_of_masters<A: AutodiffBackend + FusedOps>(
@@ -187,11 +188,9 @@ pub fn check_dense_of_masters<A: AutodiffBackend + FusedOps>(
     let db = host(db.reshape([1, o]));
     let db_scale = db_ref.iter().fold(1.0f64, |m, v| m.max(v.abs()));
     for (c, (a, b)) in db.iter().zip(&db_ref).enumerate() {
-        // Summed from half values in the kernel's order, rounded to the half type.
-        assert!(
-            (a - b).abs() <= 4.0 * half_u * db_scale,
-            "db[{c}]: {a} vs {b}"
-        );
+        // Summed from half values in f32 and written in f32 (Note [Parameter gradients in
+        // f32]), not rounded to the half type.
+        assert!((a - b).abs() <= 1e-5 * db_scale, "db[{c}]: {a} vs {b}");
     }
     assert!(
         launches < launches_copies,

@@ -29,6 +29,7 @@ mod dropout;
 mod flatten;
 mod gemm_window;
 mod half_precision;
+mod layer_masters;
 mod optimizer;
 mod packing;
 mod softmax;
@@ -446,6 +447,15 @@ mod wgpu {
         );
     }
 
+    /// Note [Parameter gradients in f32]: in f16.
+    #[test]
+    fn layer_ops_of_masters_write_f32_parameter_gradients() {
+        super::layer_masters::check_layer_ops_of_masters::<Autodiff<crate::Wgpu>>(
+            &device(),
+            burn::tensor::DType::F16,
+        );
+    }
+
     #[test]
     fn layer_norm_column_sums_take_two_launches() {
         super::column_sums::check_column_sums_launch();
@@ -500,6 +510,14 @@ mod cuda {
     #[test]
     fn dense_of_masters_writes_f32_weight_gradients() {
         super::dense::check_dense_of_masters::<
+            burn::backend::Autodiff<ember_backend_ext::CountingCuda>,
+        >(&device(), burn::tensor::DType::BF16);
+    }
+
+    /// Note [Parameter gradients in f32]: in bf16 (launches counted by the counting runtime).
+    #[test]
+    fn layer_ops_of_masters_write_f32_parameter_gradients() {
+        super::layer_masters::check_layer_ops_of_masters::<
             burn::backend::Autodiff<ember_backend_ext::CountingCuda>,
         >(&device(), burn::tensor::DType::BF16);
     }
