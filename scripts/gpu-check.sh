@@ -57,7 +57,10 @@
 #                  waits and with device-side windows (launches and host syncs counted); the
 #                  window kernel alone (`gemm_window.rs`: released, expired); the masked
 #                  softmax in each of its layouts (`softmax.rs`: a warp per row up to 512 keys,
-#                  a cube per row in registers, the streaming form past 4,096 keys).
+#                  a cube per row in registers, the streaming form past 4,096 keys); the dense
+#                  op and the fused bias + GELU and LayerNorm of f32 masters and bf16 copies
+#                  (`dense.rs`, `layer_masters.rs`: the parameters' gradients written in f32,
+#                  fewer launches than the copies' casts back).
 #   bench-kernels  `xtask bench kernels`, f32 then bf16, then the LayerNorm and softmax rows again
 #                  in bf16 with `--row-reductions tree` (the shared-memory tree the row kernels
 #                  used before; the default reduces within warps first: Note [Row reductions];
