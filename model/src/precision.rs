@@ -3,8 +3,8 @@
 //! Note [Autocast]: the parameters stay f32 (the master weights the optimizer updates, the
 //! checkpoint holds and the reducer's buckets sum); with [`Precision::Bf16`] or
 //! [`Precision::Fp16`] the embeddings' output is cast to the half type, and from there every
-//! layer computes in the dtype of its input: each weight is cast to it where it is used (a
-//! node of the autodiff graph, whose backward casts the weight's gradient back to f32).
+//! layer computes in the dtype of its input: each weight is cast to it where it is used (the
+//! layer's parameters cast together, Note [Weights cast together] in `weight_casts.rs`).
 //! The GEMMs, attention, GELU, dropout, residual adds and the fused kernels run on half
 //! tensors; what needs range or precision runs in f32 and casts its result back:
 //! LayerNorm (statistics, γ and β), the attention softmax, the MLM and NSP logits and so the
@@ -13,11 +13,12 @@
 //! `crate`'s user is the trainer's `loss_scale`), chosen over a half copy of the model
 //! refreshed after each step (apex O2, NVIDIA's MLPerf BERT) because the model, its
 //! checkpoints, the gradient hooks, buckets and optimizers all stay f32 and generic over the
-//! backend: the cost is one cast of each weight per micro-batch and of the biases', γ's and
-//! β's gradients back, a few percent of a step's memory traffic for BERT-large (weights 1.3 GB
-//! against activations many times that). The dense weights' gradients are written in f32 by
-//! the GEMM itself ([`dense_as`]: Note [Weight gradients in f32] in `ember-backend-ext`'s
-//! `linear.rs`).
+//! backend: the cost is one cast of each weight per micro-batch, a few percent of a step's
+//! memory traffic for BERT-large (weights 1.3 GB against activations many times that). No
+//! gradient is cast back: the ops take the f32 parameters beside their copies and write the
+//! parameters' gradients in f32, the dense weights' by the GEMM itself ([`dense_as`]: Note
+//! [Weight gradients in f32] in `ember-backend-ext`'s `linear.rs`), the biases', γ's and β's
+//! by the fused ops' column sums (Note [Parameter gradients in f32] in its `masters.rs`).
 //!
 //! Backends without the half type (NdArray has neither f16 nor bf16; WGSL has no bf16) refuse
 //! it before training (`Backend::supports_dtype`).

@@ -14,8 +14,8 @@
 //! by, a scale that collapsed to 0 (NVIDIA DeepLearningExamples issues #252, #543, #1135).
 //!
 //! Note [Agreeing on an overflow]: every rank must skip the same steps, or their weights part.
-//! The reducer divides each gradient by the scale as it arrives (fused with nothing: one
-//! multiply per gradient) and the check reads the **averaged** buckets: the sum of the ranks'
+//! The reducer divides each flattened bucket by the scale, once per micro-batch (Note
+//! [Unscaled per bucket] in `parallel/buckets.rs`), and the check reads the **averaged** buckets: the sum of the ranks'
 //! buckets is inf or NaN on every rank as soon as it is on one (IEEE: inf + x = inf,
 //! inf − inf = NaN, NaN + x = NaN; bucket clipping by an infinite norm multiplies by 0, which
 //! gives NaN), so the non-finite values are themselves the flag, allreduced with the data,

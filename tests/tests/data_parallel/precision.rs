@@ -289,11 +289,12 @@ fn an_overflow_on_a_re_checked_step_is_skipped() {
 }
 
 /// Note [Unscaled per bucket] (trainer's `parallel/buckets.rs`): with a loss scale S, the
-/// gradients of S·loss reach the buckets divided by S once per flattened bucket and
-/// micro-batch, before accumulation: each bucket holds, bit for bit, `Σ_mb (S·g_mb)·(1/S)` in
-/// f32, on host and device buckets, over two micro-batches. S = 3000 is not a power of two,
-/// so `(S·g)·(1/S)` is not `g` and a division missed, repeated or moved after the
-/// accumulation changes bits.
+/// gradients of S·loss reach the buckets divided by S once per micro-batch, before
+/// accumulation: each bucket holds, bit for bit, `Σ_mb (S·g_mb)·(1/S)` in f32, on host and
+/// device buckets, over two micro-batches. S = 3000 is not a power of two, so a division
+/// missed or moved after the accumulation changes bits (checked here), and one repeated
+/// divides by S² (the values could not pass). A division per gradient, as before, gives the
+/// same bits: the launches it saves are counted by `bench step --top-kernels` (docs).
 #[test]
 fn loss_scaled_gradients_are_divided_once_per_bucket_before_accumulation() {
     let _serial = serial();
@@ -329,23 +330,36 @@ fn loss_scaled_gradients_are_divided_once_per_bucket_before_accumulation() {
                 .collect()
         })
         .collect();
-    let unchanged = expected
-        .iter()
-        .flatten()
-        .zip(plan.buckets.iter().flat_map(|b| {
-            b.params.iter().flat_map(|p| {
+    // What a division missed or moved after the accumulation would give, bucket by bucket:
+    // each must differ from `expected` somewhere, or the test could not see it.
+    let plain_sums = |f: &dyn Fn(f32, f32) -> f32| -> Vec<f32> {
+        plan.buckets
+            .iter()
+            .flat_map(|b| &b.params)
+            .flat_map(|p| {
                 micro_grads[0][&p.id]
                     .iter()
                     .zip(&micro_grads[1][&p.id])
-                    .map(|(a, b)| a + b)
+                    .map(|(&a, &b)| f(a, b))
+                    .collect::<Vec<_>>()
             })
-        }))
-        .filter(|(e, plain)| **e != *plain)
-        .count();
-    assert!(
-        unchanged > 0,
-        "S = {scale} changes no bit: the test cannot fail"
-    );
+            .collect()
+    };
+    for (what, wrong) in [
+        ("no division", plain_sums(&|a, b| a * scale + b * scale)),
+        (
+            "a division after the accumulation",
+            plain_sums(&|a, b| (a * scale + b * scale) * inv),
+        ),
+    ] {
+        let differ = expected
+            .iter()
+            .flatten()
+            .zip(&wrong)
+            .filter(|(e, w)| e.to_bits() != w.to_bits())
+            .count();
+        assert!(differ > 0, "{what} changes no bit: the test cannot see it");
+    }
     for on_device in [false, true] {
         let buckets = on_ranks(1, Duration::from_secs(60), |_, comm| {
             let comm = Arc::new(CommThread::spawn(if on_device {

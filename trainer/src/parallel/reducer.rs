@@ -101,7 +101,8 @@ struct StepState<B: FusedOps> {
     last_launch: Option<Instant>,
     /// The tied table's rows, when its gradient is split (Note [Tied embedding split]).
     tied: Option<TiedRows<B>>,
-    /// Every gradient is multiplied by this as it arrives: 1 / the loss scale.
+    /// Every flattened bucket (and the tied rows) is multiplied by this, once per micro-batch:
+    /// 1 / the loss scale (Note [Unscaled per bucket] in `buckets.rs`).
     inv_loss_scale: f32,
 }
 

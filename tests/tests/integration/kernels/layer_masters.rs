@@ -4,9 +4,9 @@
 //!
 //! - The outputs and the activations' gradients are the same bits (the same kernels read the
 //!   same copies).
-//! - The masters' gradients are f32, within f32 rounding of the f64 column sums of the half
-//!   gradient rows they sum (the bias gradient sums the gradient at the op's input, which is
-//!   `dx` for both ops). Most carry bits the half type has not.
+//! - The masters' gradients are f32, and most carry bits the half type has not. GELU's bias
+//!   gradient is within f32 rounding of the f64 column sums of the half rows it sums (the
+//!   gradient at GELU's input, which is `dx`).
 //! - The LayerNorm's bias, γ and β gradients are those of the copies' path before its
 //!   rounding: the copies' path writes the same f32 sums in the half type, then casts them
 //!   back, so rounding ours to the half type gives its values bit for bit.
