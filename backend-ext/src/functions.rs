@@ -167,6 +167,25 @@ pub fn bias_gelu_of_master<B: FusedOps, const D: usize>(
     reshape(float::<B, 2>(out), dims)
 }
 
+/// The fused LayerNorm's operands as rows: `x` and `residual` `[R, N]`, `x`'s shape, and
+/// `dropout` keyed by the rows' positions (a `[B, S, N]` input's rows are B samples of S
+/// positions, the mask's layout).
+#[allow(clippy::type_complexity)]
+fn layer_norm_rows<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    residual: Tensor<B, D>,
+    dropout: DropoutSpec,
+) -> (Tensor<B, 2>, Tensor<B, 2>, [usize; D], DropoutSpec) {
+    let (x, dims) = rows(x);
+    let (residual, _) = rows(residual);
+    let dropout = if D >= 3 {
+        dropout.with_seq_len(dims[1..D - 1].iter().product())
+    } else {
+        dropout
+    };
+    (x, residual, dims, dropout)
+}
+
 /// `LayerNorm(residual + dropout(x + bias))` through [`FusedOps::bias_dropout_add_layer_norm`].
 ///
 /// # Shapes
@@ -181,14 +200,7 @@ pub fn bias_dropout_add_layer_norm<B: FusedOps, const D: usize>(
     dropout: DropoutSpec,
     eps: f64,
 ) -> Tensor<B, D> {
-    let (x, dims) = rows(x);
-    let (residual, _) = rows(residual);
-    // A `[B, S, N]` input's rows are B samples of S positions (the mask's layout).
-    let dropout = if D >= 3 {
-        dropout.with_seq_len(dims[1..D - 1].iter().product())
-    } else {
-        dropout
-    };
+    let (x, residual, dims, dropout) = layer_norm_rows(x, residual, dropout);
     let forward = B::bias_dropout_add_layer_norm(
         prim(x),
         prim(bias),
@@ -218,13 +230,7 @@ pub fn bias_dropout_add_layer_norm_of_masters<B: FusedOps, const D: usize>(
     dropout: DropoutSpec,
     eps: f64,
 ) -> Tensor<B, D> {
-    let (x, dims) = rows(x);
-    let (residual, _) = rows(residual);
-    let dropout = if D >= 3 {
-        dropout.with_seq_len(dims[1..D - 1].iter().product())
-    } else {
-        dropout
-    };
+    let (x, residual, dims, dropout) = layer_norm_rows(x, residual, dropout);
     let forward = B::bias_dropout_add_layer_norm_of_masters(
         prim(x),
         prim(residual),
