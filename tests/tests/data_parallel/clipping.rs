@@ -41,16 +41,8 @@ fn clipped_mean(
 fn clipping_modes_follow_their_formulas() {
     let _serial = serial();
     let model = tiny_model(2);
-    let rank_batches = batches(2, 4);
-    let rank_grads: Vec<HashMap<ParamId, Vec<f32>>> = rank_batches
-        .into_iter()
-        .map(|b| plain_gradients(&model, b))
-        .collect();
-    let order: Vec<ParamId> = named_params::<B, _>(&model)
-        .into_iter()
-        .rev()
-        .map(|(_, id)| id)
-        .collect();
+    let rank_grads = gradients_of(&model, batches(2, 4));
+    let order = backward_order(&model);
     // Small caps, so the plan has several buckets.
     let plan = bucket_plan::<B, _>(&model, &order, None, 0.25, 0.5);
     let k = plan.buckets.len();

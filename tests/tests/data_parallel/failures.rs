@@ -7,11 +7,7 @@ fn ranks_that_disagree_are_refused_at_start_up() {
     let _serial = serial();
     // Bucket plans: the same model bucketed with different caps.
     let model = tiny_model(2);
-    let order: Vec<ParamId> = named_params::<B, _>(&model)
-        .into_iter()
-        .rev()
-        .map(|(_, id)| id)
-        .collect();
+    let order = backward_order(&model);
     let plans = [
         bucket_plan::<B, _>(&model, &order, None, 1.0, 25.0),
         bucket_plan::<B, _>(&model, &order, None, 0.25, 25.0),

@@ -203,6 +203,27 @@ fn plain_gradients(model: &BertForPreTraining<B>, batch: Batch<B>) -> HashMap<Pa
         .collect()
 }
 
+/// The parameters' ids in the order backward delivers their gradients (the reverse of the
+/// model's), the order the bucket plans of these tests follow.
+fn backward_order(model: &BertForPreTraining<B>) -> Vec<ParamId> {
+    named_params::<B, _>(model)
+        .into_iter()
+        .rev()
+        .map(|(_, id)| id)
+        .collect()
+}
+
+/// [`plain_gradients`] of `model` on each of `batches`.
+fn gradients_of(
+    model: &BertForPreTraining<B>,
+    batches: Vec<Batch<B>>,
+) -> Vec<HashMap<ParamId, Vec<f32>>> {
+    batches
+        .into_iter()
+        .map(|b| plain_gradients(model, b))
+        .collect()
+}
+
 /// A gradient of the inner backend as f32 values on the host.
 fn host(grad: burn::tensor::ops::FloatTensor<NdArray>) -> Vec<f32> {
     burn::tensor::Tensor::<NdArray, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(grad))

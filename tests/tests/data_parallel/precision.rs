@@ -299,15 +299,8 @@ fn an_overflow_on_a_re_checked_step_is_skipped() {
 fn loss_scaled_gradients_are_divided_once_per_bucket_before_accumulation() {
     let _serial = serial();
     let model = tiny_model(1);
-    let micro_grads: Vec<HashMap<ParamId, Vec<f32>>> = batches(2, 2)
-        .into_iter()
-        .map(|b| plain_gradients(&model, b))
-        .collect();
-    let order: Vec<ParamId> = named_params::<B, _>(&model)
-        .into_iter()
-        .rev()
-        .map(|(_, id)| id)
-        .collect();
+    let micro_grads = gradients_of(&model, batches(2, 2));
+    let order = backward_order(&model);
     let plan = bucket_plan::<B, _>(&model, &order, None, 0.25, 0.5);
     let k = plan.buckets.len();
     assert!(k >= 2, "{}", plan.summary());
