@@ -200,6 +200,10 @@ impl<B: FusedOps> Backward<B, 1> for CrossEntropyBackward {
     }
 }
 
+/// The default bodies: a bucket is built from and taken apart into the inner backend's
+/// tensors, never tracked.
+impl<B: FusedOps, C: CheckpointStrategy> crate::BucketOps for Autodiff<B, C> {}
+
 impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
     const HAS_KERNELS: bool = B::HAS_KERNELS;
     const HAS_MULTI_TENSOR: bool = B::HAS_MULTI_TENSOR;

@@ -1,9 +1,10 @@
 //! The [`FusedOps`] trait (the crate's docs say what it adds to a Burn backend); what its
 //! methods return is in `fused_outputs.rs`, the ops of autocast's f32 masters and half copies
-//! in `masters.rs` (its supertrait [`MasterOps`]).
+//! in `masters.rs` (its supertrait [`MasterOps`]), the flat buckets' in `bucket_ops.rs` (its
+//! supertrait [`BucketOps`]).
 
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorMetadata};
+use burn::tensor::{DType, FloatDType, TensorMetadata};
 
 use crate::*;
 
@@ -12,7 +13,7 @@ use crate::*;
 ///
 /// Inputs may have any strides; outputs are contiguous. Float inputs are f32 or bf16
 /// (kernels accumulate in f32).
-pub trait FusedOps: MasterOps {
+pub trait FusedOps: MasterOps + BucketOps {
     /// Whether this backend implements the ops with its own kernels (what [`Kernels::Auto`]
     /// picks).
     const HAS_KERNELS: bool = false;
@@ -271,29 +272,6 @@ pub trait FusedOps: MasterOps {
     /// If `xs` is empty.
     fn sum_squares_multi_tensor(xs: Vec<FloatTensor<Self>>) -> FloatTensor<Self> {
         reference::sum_squares_multi_tensor::<Self>(xs)
-    }
-
-    /// Many tensors flattened into one, back to back: `[Σ n_i]`, tensor i's elements (in
-    /// row-major order) from `Σ_{j<i} n_j` on. What a gradient bucket is made of (PyTorch
-    /// DDP's flat buckets, apex's `multi_tensor_scale` copying gradients into them). The
-    /// default body is Burn's `cat` of the flattened tensors; CubeCL backends copy up to 32
-    /// tensors per launch instead of one per tensor.
-    ///
-    /// # Shapes
-    /// `xs` (not empty, one dtype), any shapes → `[Σ numel(x_i)]`
-    ///
-    /// # Panics
-    /// If `xs` is empty or mixes dtypes.
-    fn flatten_multi_tensor(xs: Vec<FloatTensor<Self>>) -> FloatTensor<Self> {
-        assert!(!xs.is_empty(), "flatten_multi_tensor of no tensors");
-        let flat = xs
-            .into_iter()
-            .map(|x| {
-                let n = x.shape().num_elements();
-                float::<Self, 1>(Self::float_reshape(x, Shape::new([n])))
-            })
-            .collect();
-        prim(Tensor::cat(flat, 0))
     }
 
     /// Tensors side by side along their last dimension (`torch.cat(xs, dim=-1)`): the packed

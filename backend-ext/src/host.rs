@@ -25,6 +25,17 @@ where
 {
 }
 
+/// The default bodies: `cat`, and `slice`'s views.
+impl<E, I, Q> crate::BucketOps for burn_ndarray::NdArray<E, I, Q>
+where
+    E: burn_ndarray::FloatNdArrayElement,
+    I: burn_ndarray::IntNdArrayElement,
+    Q: burn_ndarray::QuantElement,
+    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<E>>,
+    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<I>>,
+{
+}
+
 impl<E, I, Q> FusedOps for burn_ndarray::NdArray<E, I, Q>
 where
     E: burn_ndarray::FloatNdArrayElement,

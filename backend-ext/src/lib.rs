@@ -31,6 +31,7 @@
 
 mod adam;
 mod autodiff;
+mod bucket_ops;
 mod columns;
 mod cross_entropy;
 #[cfg(feature = "cube")]
@@ -84,6 +85,7 @@ pub type CountingCuda<F = f32, I = i32> =
 pub type CountingWgpu<F = f32, I = i32> =
     burn_cubecl::CubeBackend<CountingRuntime<cubecl::wgpu::WgpuRuntime>, F, I, u32>;
 pub use adam::{AdamHyper, AdamKind, AdamOutput, AdamTensors};
+pub use bucket_ops::BucketOps;
 pub use cross_entropy::CrossEntropyForward;
 pub use dropout::{DropoutScope, DropoutSpec, keep_mask, reseed_dropout};
 pub use functions::{

@@ -1,5 +1,6 @@
 //! [`FusedOps`] for `CubeBackend<R, F, I, BT>`: one CubeCL source for CUDA and wgpu.
 
+mod buckets;
 pub mod counting;
 #[cfg(feature = "cuda")]
 pub mod cublaslt;
@@ -509,10 +510,6 @@ where
         }
         // Note [Ranks stay one model]: the partials added in a fixed order.
         sum_rows_ordered(partials)
-    }
-
-    fn flatten_multi_tensor(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
-        multi_tensor::flatten(xs)
     }
 
     fn unpack_qkv_heads(qkv: CubeTensor<R>, heads: usize) -> [CubeTensor<R>; 3] {

@@ -124,7 +124,7 @@ pub(super) fn adam_launch<R: CubeRuntime, F: FloatElement, I: IntElement, BT: Bo
     outputs
 }
 
-/// [`FusedOps::flatten_multi_tensor`]: [`multi_tensor_kernels::multi_flatten_kernel`] per
+/// [`crate::BucketOps::flatten_multi_tensor`]: [`multi_tensor_kernels::multi_flatten_kernel`] per
 /// group of tensors.
 pub(super) fn flatten<R: CubeRuntime>(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
     assert!(!xs.is_empty(), "flatten_multi_tensor of no tensors");

@@ -20,6 +20,8 @@
 //! [`BucketStorage::Auto`] picks device buckets when the communicator reduces device buffers
 //! (NCCL, in-process ranks on a GPU backend), host buckets otherwise.
 
+use std::ops::Range;
+
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{ElementConversion, Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive};
@@ -163,7 +165,7 @@ impl<B: FusedOps> Buffer<B> {
     }
 
     /// The gradients of a bucket's parameters, in bucket order, as one flat buffer: on the
-    /// device by [`FusedOps::flatten_multi_tensor`] (a launch per 32 gradients on CubeCL
+    /// device by [`BucketOps::flatten_multi_tensor`](ember_backend_ext::BucketOps::flatten_multi_tensor) (a launch per 32 gradients on CubeCL
     /// backends, where a `cat` launched one per gradient), or on the host (each gradient read
     /// from the device: the host path's cost, Note [Bucket storage]).
     pub(crate) fn flatten(on_device: bool, grads: Vec<FloatTensor<B>>) -> Self {
@@ -309,12 +311,34 @@ impl<B: FusedOps> Buffer<B> {
         device: &B::Device,
     ) -> Tensor<B, D> {
         let n: usize = shape.iter().product();
+        let [part] = self
+            .parts(&[offset..offset + n], device)
+            .try_into()
+            .expect("one part");
+        part.reshape(shape)
+    }
+
+    /// The parts `ranges` as flat tensors on `device`: of a device buffer by
+    /// [`BucketOps::unflatten_multi_tensor`](ember_backend_ext::BucketOps::unflatten_multi_tensor) (views where the backend can view them, the others
+    /// copied together: Note [Unflattened by views] in ember-backend-ext), or uploads of the
+    /// host values.
+    pub(crate) fn parts(&self, ranges: &[Range<usize>], device: &B::Device) -> Vec<Tensor<B, 1>> {
         match self {
-            Buffer::Host(values) => Tensor::from_data(
-                TensorData::new(values[offset..offset + n].to_vec(), shape),
-                device,
-            ),
-            Buffer::Device(t) => t.clone().slice([offset..offset + n]).reshape(shape),
+            Buffer::Host(values) => ranges
+                .iter()
+                .map(|r| {
+                    Tensor::from_data(
+                        TensorData::new(values[r.clone()].to_vec(), [r.len()]),
+                        device,
+                    )
+                })
+                .collect(),
+            Buffer::Device(t) => {
+                B::unflatten_multi_tensor(t.clone().into_primitive().tensor(), ranges)
+                    .into_iter()
+                    .map(|p| Tensor::from_primitive(TensorPrimitive::Float(p)))
+                    .collect()
+            }
         }
     }
 }

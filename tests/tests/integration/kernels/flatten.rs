@@ -1,4 +1,4 @@
-//! Bucket flattening (`FusedOps::flatten_multi_tensor`): the same elements, in the same order,
+//! Bucket flattening (`BucketOps::flatten_multi_tensor`): the same elements, in the same order,
 //! as Burn's `cat` of the flattened tensors, and on CubeCL a launch per 32 tensors instead of
 //! one per tensor.
 
@@ -97,4 +97,89 @@ pub fn check_flatten_launches() {
     ));
     let by_cat = HostSyncs::now().since(before).launches;
     assert!(by_cat >= 41, "cat launched {by_cat}");
+}
+
+/// A bucket of 4,096 values and its parts: two whose ends are both aligned for any alignment
+/// up to 512 bytes (views), a run of three adjacent parts off every alignment of 8 bytes or
+/// more, a lone misaligned part after a gap, and an aligned part at the end.
+const PARTS: [std::ops::Range<usize>; 7] = [
+    0..512,
+    512..1024,
+    1024..1025,
+    1025..1501,
+    1501..2048,
+    3001..3003,
+    3072..4096,
+];
+
+/// Note [Unflattened by views]: every part of `unflatten_multi_tensor` holds the bucket's
+/// values at its range, bit for bit, whether viewed or copied; and the bucket is unchanged.
+pub fn check_unflatten<B: FusedOps>(device: &B::Device) {
+    let flat = random::<B, 1>([4096], device);
+    let expected = values(flat.clone());
+    let parts = unflatten(&flat, &PARTS);
+    assert_eq!(parts.len(), PARTS.len());
+    for (r, part) in PARTS.iter().zip(parts) {
+        assert_eq!(part.dims(), [r.len()], "part {r:?}");
+        let got = values(part);
+        let same = got
+            .iter()
+            .zip(&expected[r.clone()])
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "part {r:?} differs from the bucket's values");
+    }
+    assert_eq!(values(flat), expected, "the bucket itself changed");
+    // Parts in any order, and one part the whole bucket.
+    let reversed: Vec<_> = PARTS.iter().rev().cloned().collect();
+    let last = unflatten(&random::<B, 1>([4096], device), &reversed)
+        .remove(0)
+        .dims();
+    assert_eq!(last, [1024]);
+    let copy = Tensor::<B, 1>::from_floats(expected.as_slice(), device);
+    let whole = unflatten(&copy, &[0..4096]).remove(0);
+    assert_eq!(values(whole), expected);
+}
+
+pub fn unflatten<B: FusedOps>(
+    flat: &Tensor<B, 1>,
+    parts: &[std::ops::Range<usize>],
+) -> Vec<Tensor<B, 1>> {
+    B::unflatten_multi_tensor(flat.clone().into_primitive().tensor(), parts)
+        .into_iter()
+        .map(|p| Tensor::from_primitive(TensorPrimitive::Float(p)))
+        .collect()
+}
+
+/// On a counting CubeCL runtime: the aligned parts are views (no launch), the run of three
+/// adjacent misaligned parts one launch and the lone one another, where Burn's `slice` of each
+/// part launches a copy per misaligned part (4).
+pub fn check_unflatten_launches<B: FusedOps>(device: &B::Device) {
+    use ember_backend_ext::{HostSyncs, KernelLaunches};
+    let flat = random::<B, 1>([4096], device);
+    // Compile first.
+    let _ = unflatten(&flat, &PARTS).into_iter().map(values).count();
+    let _ = values(flat.clone());
+    KernelLaunches::record(true);
+    let by_kernel_before = KernelLaunches::now();
+    let before = HostSyncs::now();
+    // Launches are counted as they run: the reads make them run.
+    let parts: Vec<_> = unflatten(&flat, &PARTS).into_iter().map(values).collect();
+    let counted = HostSyncs::now().since(before);
+    let by_kernel = KernelLaunches::since(&KernelLaunches::now(), &by_kernel_before);
+    KernelLaunches::record(false);
+    assert_eq!(counted.launches, 2, "{by_kernel:?}");
+    assert!(
+        by_kernel
+            .iter()
+            .all(|(name, _)| name.contains("MultiSplitColumnsKernel")),
+        "{by_kernel:?}"
+    );
+    let before = HostSyncs::now();
+    let sliced: Vec<_> = PARTS
+        .iter()
+        .map(|r| values(flat.clone().slice([r.clone()])))
+        .collect();
+    let by_slice = HostSyncs::now().since(before).launches;
+    assert_eq!(by_slice, 4, "Burn's slice of each part");
+    assert_eq!(parts, sliced);
 }

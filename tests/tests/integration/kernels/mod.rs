@@ -384,6 +384,11 @@ macro_rules! kernel_tests {
         }
 
         #[test]
+        fn unflattened_parts_hold_the_buckets_values() {
+            flatten::check_unflatten::<$backend>(&$device);
+        }
+
+        #[test]
         fn column_concatenation_and_split_equal_cat_and_slices() {
             packing::check_columns::<B>(&$device);
         }
@@ -489,6 +494,12 @@ mod wgpu {
         super::flatten::check_flatten_launches();
     }
 
+    /// Note [Unflattened by views].
+    #[test]
+    fn unflattening_views_aligned_parts_and_copies_adjacent_others_together() {
+        super::flatten::check_unflatten_launches::<crate::Wgpu>(&device());
+    }
+
     pub fn device() -> burn::backend::wgpu::WgpuDevice {
         burn::backend::wgpu::WgpuDevice::DefaultDevice
     }
@@ -520,6 +531,12 @@ mod cuda {
         super::layer_masters::check_layer_ops_of_masters::<
             burn::backend::Autodiff<ember_backend_ext::CountingCuda>,
         >(&device(), burn::tensor::DType::BF16);
+    }
+
+    /// Note [Unflattened by views], at CUDA's 512-byte alignment.
+    #[test]
+    fn unflattening_views_aligned_parts_and_copies_adjacent_others_together() {
+        super::flatten::check_unflatten_launches::<ember_backend_ext::CountingCuda>(&device());
     }
 
     #[test]

@@ -9,14 +9,14 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 use ember_backend_ext::FusedOps;
 
-use super::super::buckets::Buffer;
 use super::super::plan::BucketPlan;
 use super::super::tied::TiedRows;
 use super::Reducer;
 
 impl<B: FusedOps> Reducer<B> {
     /// The averaged (and clipped) gradients of the last [`Reducer::finalize_backward`], as
-    /// Burn gradients of `module`'s parameters on `device`: slices of the device buckets, or
+    /// Burn gradients of `module`'s parameters on `device`: parts of the device buckets (each
+    /// bucket taken apart at once, Note [Unflattened by views] in ember-backend-ext), or
     /// uploads of the host ones.
     pub fn gradients<AB: AutodiffBackend<InnerBackend = B>, M: AutodiffModule<AB>>(
         &self,
@@ -26,19 +26,31 @@ impl<B: FusedOps> Reducer<B> {
         struct WriteBack<'a, B: FusedOps> {
             plan: &'a BucketPlan,
             index: &'a HashMap<ParamId, (usize, usize)>,
-            buffers: &'a [Option<Buffer<B>>],
+            /// Each planned parameter's flat gradient, by `(bucket, offset)`.
+            parts: HashMap<(usize, usize), Tensor<B, 1>>,
             tied: Option<&'a TiedRows<B>>,
             device: &'a B::Device,
             grads: GradientsParams,
+        }
+        impl<B: FusedOps> WriteBack<'_, B> {
+            fn part<const D: usize>(
+                &mut self,
+                place: (usize, usize),
+                shape: [usize; D],
+            ) -> Tensor<B, D> {
+                self.parts
+                    .remove(&place)
+                    .expect("every planned parameter has its part")
+                    .reshape(shape)
+            }
         }
         impl<AB: AutodiffBackend<InnerBackend = B>, B: FusedOps> ModuleVisitor<AB> for WriteBack<'_, B> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
                 if let Some(tied) = self.tied.filter(|t| t.table == param.id) {
                     // The decoder's share, the rows added (Note [Tied embedding split]).
-                    let (k, offset) = self.plan.decoder_place().expect("a split plan");
+                    let place = self.plan.decoder_place().expect("a split plan");
                     let shape: [usize; D] = param.shape().dims();
-                    let buffer = self.buffers[k].as_ref().expect("every bucket was averaged");
-                    let decoder = buffer.part(offset, shape, self.device);
+                    let decoder = self.part(place, shape);
                     self.grads
                         .register(param.id, tied.gradient(decoder, self.device));
                     return;
@@ -48,16 +60,29 @@ impl<B: FusedOps> Reducer<B> {
                 };
                 let p = &self.plan.buckets[k].params[i];
                 let shape: [usize; D] = p.shape.clone().try_into().expect("the plan's shape");
-                let buffer = self.buffers[k].as_ref().expect("every bucket was averaged");
-                self.grads
-                    .register(param.id, buffer.part(p.offset, shape, self.device));
+                let gradient = self.part((k, p.offset), shape);
+                self.grads.register(param.id, gradient);
             }
         }
         let state = self.lock();
+        let mut parts = HashMap::new();
+        for (k, bucket) in self.plan.buckets.iter().enumerate() {
+            let buffer = state.buffers[k]
+                .as_ref()
+                .expect("every bucket was averaged");
+            let ranges: Vec<_> = bucket
+                .params
+                .iter()
+                .map(|p| p.offset..p.offset + p.numel())
+                .collect();
+            for (r, part) in ranges.iter().zip(buffer.parts(&ranges, device)) {
+                parts.insert((k, r.start), part);
+            }
+        }
         let mut write = WriteBack::<B> {
             plan: &self.plan,
             index: &self.index,
-            buffers: &state.buffers,
+            parts,
             tied: state.tied.as_ref(),
             device,
             grads: GradientsParams::new(),

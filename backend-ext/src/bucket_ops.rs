@@ -1,0 +1,76 @@
+//! The [`BucketOps`] trait: the flat gradient buckets of data parallelism, made of many
+//! tensors ([`BucketOps::flatten_multi_tensor`]) and taken apart again
+//! ([`BucketOps::unflatten_multi_tensor`]).
+//!
+//! Note [Unflattened by views]: after the allreduce, each parameter's averaged gradient is a
+//! part of its bucket, and the optimizer reads it as a tensor of its own. On Burn's CubeCL
+//! backends a slice is a view of the bucket's memory only where its start and its distance to
+//! the end are multiples of the device's memory alignment (`burn_cubecl::kernel::slice`; 512
+//! bytes on CUDA); every other slice launches a copy kernel of its own. One odd-sized
+//! parameter shifts the rest of its bucket off the alignment: BERT's MLM output bias (30,522
+//! values) and NSP bias (2) misalign every part of the buckets that hold them. So
+//! [`BucketOps::unflatten_multi_tensor`] gives the aligned parts as views, as `slice` does, and
+//! copies the misaligned ones together, up to 32 per launch: the same values, one launch per
+//! run of up to 32 adjacent misaligned parts instead of one per part. PyTorch's
+//! `_unflatten_dense_tensors` (what apex's DDP uses) returns views of the flat buffer; DDP's
+//! `gradient_as_bucket_view` makes every gradient such a view, which PyTorch's allocator can
+//! afford for any offset. Padding each part to the alignment, as the other way, would change
+//! the bucket's bytes that the 1-bit compressors and the host buckets read.
+
+use std::ops::Range;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Shape, Tensor, TensorMetadata};
+
+use crate::{float, prim};
+
+/// The ops of flat gradient buckets (Note [Bucket storage] in ember-trainer's
+/// `parallel/buckets.rs`); part of [`crate::FusedOps`], whose supertrait it is. The default
+/// bodies are Burn's `cat` and `slice`; CubeCL backends override both.
+pub trait BucketOps: Backend {
+    /// Many tensors flattened into one, back to back: `[Σ n_i]`, tensor i's elements (in
+    /// row-major order) from `Σ_{j<i} n_j` on. What a gradient bucket is made of (PyTorch
+    /// DDP's flat buckets, apex's `multi_tensor_scale` copying gradients into them). The
+    /// default body is Burn's `cat` of the flattened tensors; CubeCL backends copy up to 32
+    /// tensors per launch instead of one per tensor.
+    ///
+    /// # Shapes
+    /// `xs` (not empty, one dtype), any shapes → `[Σ numel(x_i)]`
+    ///
+    /// # Panics
+    /// If `xs` is empty or mixes dtypes.
+    fn flatten_multi_tensor(xs: Vec<FloatTensor<Self>>) -> FloatTensor<Self> {
+        assert!(!xs.is_empty(), "flatten_multi_tensor of no tensors");
+        let flat = xs
+            .into_iter()
+            .map(|x| {
+                let n = x.shape().num_elements();
+                float::<Self, 1>(Self::float_reshape(x, Shape::new([n])))
+            })
+            .collect();
+        prim(Tensor::cat(flat, 0))
+    }
+
+    /// The parts `flat[r]` for each range `r` of `parts`, as flat tensors: each parameter's
+    /// gradient out of its bucket (PyTorch's `_unflatten_dense_tensors`). The default body is
+    /// Burn's `slice` of each part (views on NdArray); CubeCL backends give the parts that
+    /// `slice` can view as views and copy the others, up to 32 adjacent parts per launch
+    /// (Note [Unflattened by views]). The values are the same bits either way.
+    ///
+    /// # Shapes
+    /// `flat` `[n]`, `parts` ranges within `0..n` (any order; may leave gaps) → `[r.len()]` each
+    ///
+    /// # Panics
+    /// If a range is empty or ends past `n`.
+    fn unflatten_multi_tensor(
+        flat: FloatTensor<Self>,
+        parts: &[Range<usize>],
+    ) -> Vec<FloatTensor<Self>> {
+        let flat = float::<Self, 1>(flat);
+        parts
+            .iter()
+            .map(|r| prim(flat.clone().slice([r.clone()])))
+            .collect()
+    }
+}

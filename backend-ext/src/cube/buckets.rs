@@ -1,0 +1,158 @@
+//! [`BucketOps`] for `CubeBackend`: the bucket flattened by `multi_tensor::flatten`, and its
+//! parts as views where Burn's `slice` can view them, else copied together (Note [Unflattened
+//! by views] in `bucket_ops.rs`).
+
+use std::ops::Range;
+
+use burn::tensor::Shape;
+use burn_cubecl::kernel::{into_contiguous, slice};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+
+use super::multi_tensor::{self, multi_launch, tensors_per_launch};
+use super::{empty_like, multi_tensor_kernels, numel, storage};
+use crate::BucketOps;
+
+impl<R, F, I, BT> BucketOps for CubeBackend<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    fn flatten_multi_tensor(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
+        multi_tensor::flatten(xs)
+    }
+
+    fn unflatten_multi_tensor(flat: CubeTensor<R>, parts: &[Range<usize>]) -> Vec<CubeTensor<R>> {
+        unflatten(flat, parts)
+    }
+}
+
+/// Whether Burn's `slice` of `r` out of a contiguous flat tensor of `n` elements of `bytes`
+/// each is a view: its start and its distance to the end are multiples of `alignment` bytes
+/// (the test in `burn_cubecl::kernel::slice`).
+pub(super) fn is_view(r: &Range<usize>, n: usize, bytes: usize, alignment: u64) -> bool {
+    ((r.start * bytes) as u64).is_multiple_of(alignment)
+        && (((n - r.end) * bytes) as u64).is_multiple_of(alignment)
+}
+
+/// Runs of adjacent parts (each part starting where the one before it ends), as indices into
+/// `parts`, of the parts `copied` picks, each run at most `per_launch` long.
+pub(super) fn copy_runs(
+    parts: &[Range<usize>],
+    copied: impl Fn(&Range<usize>) -> bool,
+    per_launch: usize,
+) -> Vec<Vec<usize>> {
+    let mut runs: Vec<Vec<usize>> = Vec::new();
+    for (i, r) in parts.iter().enumerate().filter(|(_, r)| copied(r)) {
+        match runs.last_mut() {
+            Some(run)
+                if run.len() < per_launch
+                    && parts[*run.last().expect("runs are not empty")].end == r.start =>
+            {
+                run.push(i)
+            }
+            _ => runs.push(vec![i]),
+        }
+    }
+    runs
+}
+
+/// [`BucketOps::unflatten_multi_tensor`]: views for the parts `slice` views, one launch of
+/// [`multi_tensor_kernels::multi_split_columns_kernel`] per run of adjacent other parts.
+///
+/// # Panics
+/// If a part is empty or ends past `flat`'s length.
+fn unflatten<R: CubeRuntime>(flat: CubeTensor<R>, parts: &[Range<usize>]) -> Vec<CubeTensor<R>> {
+    let flat = into_contiguous(flat);
+    let n = numel(&flat);
+    for r in parts {
+        assert!(
+            r.start < r.end && r.end <= n,
+            "unflatten_multi_tensor: part {r:?} of a bucket of {n} elements"
+        );
+    }
+    let bytes = flat.dtype.size();
+    let alignment = flat.client.properties().memory.alignment;
+    let mut out: Vec<Option<CubeTensor<R>>> = parts
+        .iter()
+        .map(|r| is_view(r, n, bytes, alignment).then(|| slice(flat.clone(), &[r.clone()])))
+        .collect();
+    let per_launch = tensors_per_launch(&flat, 1, 1);
+    for run in copy_runs(parts, |r| !is_view(r, n, bytes, alignment), per_launch) {
+        let outputs: Vec<_> = run
+            .iter()
+            .map(|&i| empty_like(&flat, Shape::new([parts[i].len()])))
+            .collect();
+        let largest = outputs.iter().map(numel).max().unwrap_or(0);
+        let (count, dim, _) = multi_launch(largest, outputs.len());
+        // One row of `n` columns: part t is columns `first + Σ_{s<t} len_s ..`.
+        multi_tensor_kernels::multi_split_columns_kernel::launch::<R>(
+            &flat.client,
+            count,
+            dim,
+            flat.clone().into_tensor_arg(),
+            outputs
+                .iter()
+                .map(|o| o.clone().into_tensor_arg())
+                .collect(),
+            n,
+            parts[run[0]].start,
+            storage(flat.dtype),
+        );
+        for (&i, o) in run.iter().zip(outputs) {
+            out[i] = Some(o);
+        }
+    }
+    out.into_iter()
+        .map(|t| t.expect("every part is a view or a copy"))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// CUDA's 512-byte alignment, f32: 128 elements.
+    const CUDA: u64 = 512;
+
+    #[test]
+    fn a_part_is_a_view_where_both_its_ends_are_aligned() {
+        assert!(is_view(&(0..128), 256, 4, CUDA));
+        assert!(is_view(&(128..256), 256, 4, CUDA));
+        assert!(is_view(&(0..256), 256, 4, CUDA));
+        // Aligned start, misaligned distance to the end (and the reverse).
+        assert!(!is_view(&(0..128), 258, 4, CUDA));
+        assert!(!is_view(&(2..130), 130, 4, CUDA));
+        // bf16: 256 elements make 512 bytes.
+        assert!(is_view(&(256..512), 512, 2, CUDA));
+        assert!(!is_view(&(128..512), 512, 2, CUDA));
+    }
+
+    #[test]
+    fn adjacent_copied_parts_share_a_launch_up_to_its_limit() {
+        // BERT's NSP bias (2) first: every part after it is off the alignment.
+        let parts = [
+            0..2,
+            2..2050,
+            2050..2178,
+            4096..4100,
+            4100..4104,
+            4104..4108,
+        ];
+        let all = copy_runs(&parts, |_| true, 32);
+        // The gap between 2178 and 4096 breaks the run.
+        assert_eq!(all, vec![vec![0, 1, 2], vec![3, 4, 5]]);
+        assert_eq!(
+            copy_runs(&parts, |_| true, 2),
+            vec![vec![0, 1], vec![2], vec![3, 4], vec![5]]
+        );
+        // A viewed part in between breaks the run too.
+        assert_eq!(
+            copy_runs(&parts, |r| r.start != 2, 32),
+            vec![vec![0], vec![2], vec![3, 4, 5]]
+        );
+        assert!(copy_runs(&parts, |_| false, 32).is_empty());
+    }
+}
