@@ -60,7 +60,9 @@
 #                  a cube per row in registers, the streaming form past 4,096 keys); the dense
 #                  op and the fused bias + GELU and LayerNorm of f32 masters and bf16 copies
 #                  (`dense.rs`, `layer_masters.rs`: the parameters' gradients written in f32,
-#                  fewer launches than the copies' casts back).
+#                  fewer launches than the copies' casts back); the buckets taken apart at
+#                  CUDA's 512-byte alignment (`flatten.rs`: aligned parts as views, adjacent
+#                  misaligned parts copied in one launch; Note [Unflattened by views]).
 #   bench-kernels  `xtask bench kernels`, f32 then bf16, then the LayerNorm and softmax rows again
 #                  in bf16 with `--row-reductions tree` (the shared-memory tree the row kernels
 #                  used before; the default reduces within warps first: Note [Row reductions];
