@@ -200,8 +200,8 @@ impl<B: FusedOps> Backward<B, 1> for CrossEntropyBackward {
     }
 }
 
-/// The default bodies: a bucket is built from and taken apart into the inner backend's
-/// tensors, never tracked.
+/// The default bodies (Burn's `cat` and `slice`, tracked as any other op). The trainer builds
+/// and takes apart its buckets on the inner backend.
 impl<B: FusedOps, C: CheckpointStrategy> crate::BucketOps for Autodiff<B, C> {}
 
 impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {

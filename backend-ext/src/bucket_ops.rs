@@ -13,8 +13,9 @@
 //! copies the misaligned ones together, up to 32 per launch: the same values, one launch per
 //! run of up to 32 adjacent misaligned parts instead of one per part. PyTorch's
 //! `_unflatten_dense_tensors` (what apex's DDP uses) returns views of the flat buffer; DDP's
-//! `gradient_as_bucket_view` makes every gradient such a view, which PyTorch's allocator can
-//! afford for any offset. Padding each part to the alignment, as the other way, would change
+//! `gradient_as_bucket_view` makes every gradient such a view. A PyTorch tensor views its
+//! storage at any element offset (`storage_offset`); a CubeCL tensor's view is a sub-range of
+//! a memory binding, which must start on the device's alignment. Padding each part to the alignment, as the other way, would change
 //! the bucket's bytes that the 1-bit compressors and the host buckets read.
 
 use std::ops::Range;
@@ -59,10 +60,11 @@ pub trait BucketOps: Backend {
     /// (Note [Unflattened by views]). The values are the same bits either way.
     ///
     /// # Shapes
-    /// `flat` `[n]`, `parts` ranges within `0..n` (any order; may leave gaps) → `[r.len()]` each
+    /// `flat` `[n]`, `parts` ranges within `0..n` (any order; may leave gaps; may be empty)
+    /// → `[r.len()]` each
     ///
     /// # Panics
-    /// If a range is empty or ends past `n`.
+    /// If a range ends past `n` or starts after its end.
     fn unflatten_multi_tensor(
         flat: FloatTensor<Self>,
         parts: &[Range<usize>],

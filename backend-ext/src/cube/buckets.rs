@@ -63,24 +63,29 @@ pub(super) fn copy_runs(
 /// [`multi_tensor_kernels::multi_split_columns_kernel`] per run of adjacent other parts.
 ///
 /// # Panics
-/// If a part is empty or ends past `flat`'s length.
+/// If a part ends past `flat`'s length, or starts after its end.
 fn unflatten<R: CubeRuntime>(flat: CubeTensor<R>, parts: &[Range<usize>]) -> Vec<CubeTensor<R>> {
     let flat = into_contiguous(flat);
     let n = numel(&flat);
     for r in parts {
         assert!(
-            r.start < r.end && r.end <= n,
+            r.start <= r.end && r.end <= n,
             "unflatten_multi_tensor: part {r:?} of a bucket of {n} elements"
         );
     }
     let bytes = flat.dtype.size();
     let alignment = flat.client.properties().memory.alignment;
+    // An empty part (a parameter of no elements) is an empty tensor, copied by no launch.
+    let copied = |r: &Range<usize>| !r.is_empty() && !is_view(r, n, bytes, alignment);
     let mut out: Vec<Option<CubeTensor<R>>> = parts
         .iter()
-        .map(|r| is_view(r, n, bytes, alignment).then(|| slice(flat.clone(), &[r.clone()])))
+        .map(|r| match r.is_empty() {
+            true => Some(empty_like(&flat, Shape::new([0]))),
+            false => (!copied(r)).then(|| slice(flat.clone(), &[r.clone()])),
+        })
         .collect();
     let per_launch = tensors_per_launch(&flat, 1, 1);
-    for run in copy_runs(parts, |r| !is_view(r, n, bytes, alignment), per_launch) {
+    for run in copy_runs(parts, copied, per_launch) {
         let outputs: Vec<_> = run
             .iter()
             .map(|&i| empty_like(&flat, Shape::new([parts[i].len()])))

@@ -10,8 +10,9 @@
 //!   (handles, no copy); a complete bucket is concatenated on the device, its norm and clip
 //!   coefficient are computed there ([`FusedOps::sum_squares_multi_tensor`],
 //!   [`super::clip::clip_coefficient_device`]), the allreduce runs on the device buffer (NCCL in
-//!   place; the in-process hub by Burn ops), and each parameter's averaged gradient is a slice
-//!   of the bucket. Nothing reads device memory to the host until the step logs.
+//!   place; the in-process hub by Burn ops), and each parameter's averaged gradient is a part
+//!   of the bucket (a view where the device allows, Note [Unflattened by views] in
+//!   ember-backend-ext). Nothing reads device memory to the host until the step logs.
 //! - **host buckets** ([`BucketStorage::Host`]): gradients are copied into a `Vec<f32>` as they
 //!   arrive and reduced by a host collective (in-process, MPI). This is the CPU's case, where
 //!   the device *is* the host (NdArray: the copy is a memcpy, and MPI needs host memory), and

@@ -26,7 +26,7 @@ impl<B: FusedOps> Reducer<B> {
         struct WriteBack<'a, B: FusedOps> {
             plan: &'a BucketPlan,
             index: &'a HashMap<ParamId, (usize, usize)>,
-            /// Each planned parameter's flat gradient, by `(bucket, offset)`.
+            /// Each planned parameter's flat gradient, by `(bucket, index in bucket)`.
             parts: HashMap<(usize, usize), Tensor<B, 1>>,
             tied: Option<&'a TiedRows<B>>,
             device: &'a B::Device,
@@ -48,7 +48,8 @@ impl<B: FusedOps> Reducer<B> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
                 if let Some(tied) = self.tied.filter(|t| t.table == param.id) {
                     // The decoder's share, the rows added (Note [Tied embedding split]).
-                    let place = self.plan.decoder_place().expect("a split plan");
+                    let decoder = self.plan.tied.as_ref().expect("a split plan").decoder;
+                    let place = self.index[&decoder];
                     let shape: [usize; D] = param.shape().dims();
                     let decoder = self.part(place, shape);
                     self.grads
@@ -60,7 +61,7 @@ impl<B: FusedOps> Reducer<B> {
                 };
                 let p = &self.plan.buckets[k].params[i];
                 let shape: [usize; D] = p.shape.clone().try_into().expect("the plan's shape");
-                let gradient = self.part((k, p.offset), shape);
+                let gradient = self.part((k, i), shape);
                 self.grads.register(param.id, gradient);
             }
         }
@@ -75,8 +76,8 @@ impl<B: FusedOps> Reducer<B> {
                 .iter()
                 .map(|p| p.offset..p.offset + p.numel())
                 .collect();
-            for (r, part) in ranges.iter().zip(buffer.parts(&ranges, device)) {
-                parts.insert((k, r.start), part);
+            for (i, part) in buffer.parts(&ranges, device).into_iter().enumerate() {
+                parts.insert((k, i), part);
             }
         }
         let mut write = WriteBack::<B> {
