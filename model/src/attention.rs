@@ -11,7 +11,7 @@ use ember_backend_ext::FusedOps;
 use crate::BertConfig;
 use crate::bert::{dense, layer_norm, reference_dropout};
 use crate::precision::{dense_as, layer_norm_f32, softmax_f32};
-use crate::weight_casts::{bias_pair, param_pair};
+use crate::weight_casts::{bias_pair, packed_qkv_pair, param_pair};
 
 /// Multi-head scaled dot-product self-attention with a padding mask.
 /// Mirrors Hugging Face `BertSelfAttention` (eager attention).
@@ -47,7 +47,9 @@ impl<B: FusedOps> BertSelfAttention<B> {
     /// scope; the same tensor where `dtype` is the parameters'; Note [Weight gradients in f32]
     /// in `ember-backend-ext`'s `linear.rs`). Under autodiff each parameter's gradient is its
     /// slice of the packed gradient (`ember_backend_ext::concat_columns`: one launch each way
-    /// on CubeCL; a half precision concatenates the copies too, one launch more).
+    /// on CubeCL). Within the layer's scope the concatenations and their copies are the
+    /// scope's (Note [Packed QKV cast once] in `weight_casts.rs`); outside one, a half
+    /// precision concatenates the copies too, one launch more.
     ///
     /// # Shapes
     /// weight `[H, 3·H]` (columns: query's, key's, value's), bias `[3·H]` (zeros for a
@@ -57,6 +59,11 @@ impl<B: FusedOps> BertSelfAttention<B> {
         &self,
         dtype: DType,
     ) -> ((Tensor<B, 2>, Tensor<B, 2>), (Tensor<B, 1>, Tensor<B, 1>)) {
+        // The layer's scope packed and cast them (Note [Packed QKV cast once] in
+        // `weight_casts.rs`).
+        if let Some(pair) = packed_qkv_pair(self.query.weight.id, dtype) {
+            return pair;
+        }
         let projections = [&self.query, &self.key, &self.value];
         let (weights, weight_copies): (Vec<_>, Vec<_>) = projections
             .iter()

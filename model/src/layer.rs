@@ -95,26 +95,29 @@ fn dense_no_bias<B: FusedOps>(x: Tensor<B, 3>, linear: &Linear<B>) -> Tensor<B, 
 
 impl<B: FusedOps> BertLayer<B> {
     /// The parameters a forward takes through the layer's scope (`weight_casts.rs`): the six
-    /// dense layers' weights and biases, and the two LayerNorms' γ and β where the fused op
-    /// takes them (the reference path's Burn `LayerNorm` reads its own).
+    /// dense layers' weights and biases (Q, K and V packed where the fused layer packs them),
+    /// and the two LayerNorms' γ and β where the fused op takes them (the reference path's
+    /// Burn `LayerNorm` reads its own).
     pub(crate) fn params(&self) -> LayerParams<'_, B> {
         let attention = &self.attention.self_attention;
         let norms = [&self.attention.output.layer_norm, &self.output.layer_norm];
-        LayerParams::of(
-            &[
-                &attention.query,
-                &attention.key,
-                &attention.value,
-                &self.attention.output.dense,
-                &self.intermediate.dense,
-                &self.output.dense,
-            ],
-            if self.kernels.fused::<B>() {
-                &norms
-            } else {
-                &[]
-            },
-        )
+        let qkv = [&attention.query, &attention.key, &attention.value];
+        let dense = [
+            &self.attention.output.dense,
+            &self.intermediate.dense,
+            &self.output.dense,
+        ];
+        let norms: &[_] = if self.kernels.fused::<B>() {
+            &norms
+        } else {
+            &[]
+        };
+        // Packed, the scope concatenates Q, K and V and casts the concatenations (Note
+        // [Packed QKV cast once] in `weight_casts.rs`).
+        if self.kernels.fused::<B>() && self.qkv_projections.packed::<B>() {
+            return LayerParams::of(&dense, norms).and_packed_qkv(qkv);
+        }
+        LayerParams::of(&[qkv.as_slice(), &dense].concat(), norms)
     }
 
     /// The layer through the fused ops of `ember-backend-ext` when [`Kernels::fused`] says so

@@ -37,6 +37,19 @@
 //! layer's included. The price: a multi-tensor cast launch per layer (26 for BERT-large,
 //! each with 12 to 16 of its 32 slots used) where one scope for the whole model took 10.
 //!
+//! Note [Packed QKV cast once]: where the query, key and value projections run as one dense
+//! layer (Note [Packed QKV] in `ember-backend-ext`'s `qkv.rs`), a half-precision forward needs
+//! the packed f32 weight and bias (the parents whose gradient is split back to the three
+//! projections) and their half copies (what the GEMM reads). Concatenating the masters and,
+//! again, the scope's half copies took four launches per layer, and the copies of the
+//! separate Q, K and V were read once, by the concatenation. The scope now concatenates the
+//! ordered masters (two launches) and casts the two concatenations in its one multi-tensor
+//! cast beside the layer's other parameters ([`LayerParams::and_packed_qkv`],
+//! [`packed_qkv_pair`]): two launches per layer fewer, and the separate projections are not
+//! cast at all. The copies are the same bits (a cast of a concatenation is the concatenation
+//! of the casts). NVIDIA's MLPerf BERT stores the packed weight and its half copy; ember packs
+//! Hugging Face's three parameters at each forward (Note [Packed QKV]).
+//!
 //! The scope is a stack per thread (a rank's forward runs on one thread), pushed by
 //! [`layer_scope`] and popped when its guard drops; copies are keyed by [`ParamId`] and by
 //! backend type, so a model of another backend (`valid()`'s inner one) never sees them.
@@ -55,8 +68,15 @@ use ember_backend_ext::FusedOps;
 use crate::precision::cast_to;
 
 thread_local! {
-    /// The copies of the scopes open on this thread, innermost last.
-    static SCOPES: RefCell<Vec<HashMap<ParamId, Box<dyn Any>>>> = const { RefCell::new(Vec::new()) };
+    /// The scopes open on this thread, innermost last.
+    static SCOPES: RefCell<Vec<Scope>> = const { RefCell::new(Vec::new()) };
+}
+
+/// What a scope holds: each parameter by id (a `Held<B, D>`), and the packed Q, K, V weight
+/// and bias (a `Held<B, 2>` and a `Held<B, 1>`) by the query weight's id.
+struct Scope {
+    params: HashMap<ParamId, Box<dyn Any>>,
+    packed_qkv: Option<(ParamId, Box<dyn Any>, Box<dyn Any>)>,
 }
 
 /// While alive, the parameters [`layer_scope`] holds are what [`param_pair`] starts from.
@@ -68,10 +88,12 @@ impl Drop for CastScope {
     }
 }
 
-/// The parameters of a layer: its matrices (dense weights) and vectors (biases, γ, β).
+/// The parameters of a layer: its matrices (dense weights) and vectors (biases, γ, β), and
+/// the query, key and value projections where they are packed (Note [Packed QKV]).
 pub(crate) struct LayerParams<'a, B: Backend> {
     matrices: Vec<&'a Param<Tensor<B, 2>>>,
     vectors: Vec<&'a Param<Tensor<B, 1>>>,
+    packed_qkv: Option<[&'a Linear<B>; 3]>,
 }
 
 impl<'a, B: Backend> LayerParams<'a, B> {
@@ -80,6 +102,7 @@ impl<'a, B: Backend> LayerParams<'a, B> {
         let mut params = LayerParams {
             matrices: Vec::new(),
             vectors: Vec::new(),
+            packed_qkv: None,
         };
         for linear in linears {
             params.matrices.push(&linear.weight);
@@ -95,6 +118,14 @@ impl<'a, B: Backend> LayerParams<'a, B> {
     /// These and `vector` (a bias of its own, as the MLM output bias).
     pub(crate) fn and_vector(mut self, vector: &'a Param<Tensor<B, 1>>) -> Self {
         self.vectors.push(vector);
+        self
+    }
+
+    /// These and the query, key and value projections `qkv`, packed: the scope concatenates
+    /// their weights and their biases and casts the two concatenations with the rest (Note
+    /// [Packed QKV cast once]).
+    pub(crate) fn and_packed_qkv(mut self, qkv: [&'a Linear<B>; 3]) -> Self {
+        self.packed_qkv = Some(qkv);
         self
     }
 }
@@ -116,7 +147,7 @@ pub(crate) fn layer_scope<B: FusedOps, const D: usize>(
         .map(|p| p.id)
         .chain(params.vectors.iter().map(|p| p.id))
         .collect();
-    let primitives: Vec<_> = params
+    let mut primitives: Vec<_> = params
         .matrices
         .iter()
         .map(|p| {
@@ -130,7 +161,27 @@ pub(crate) fn layer_scope<B: FusedOps, const D: usize>(
                 .tensor()
         }))
         .collect();
-    let casts: Vec<Option<_>> = if together && dtype != DType::F32 {
+    // Note [Packed QKV cast once]: the f32 weights and biases concatenated, then cast below
+    // with the layer's other parameters.
+    let packed = params.packed_qkv.map(|qkv| {
+        let weights = qkv
+            .iter()
+            .map(|l| ember_backend_ext::ordered_after(l.weight.val(), after))
+            .collect();
+        let biases = qkv
+            .iter()
+            .map(|l| match &l.bias {
+                Some(bias) => ember_backend_ext::ordered_after(bias.val(), after),
+                None => Tensor::zeros([l.weight.dims()[1]], &l.weight.device()),
+            })
+            .collect();
+        let weight = ember_backend_ext::concat_columns(weights);
+        let bias = ember_backend_ext::concat_columns::<B, 1>(biases);
+        primitives.push(weight.clone().into_primitive().tensor());
+        primitives.push(bias.clone().into_primitive().tensor());
+        (qkv[0].weight.id, weight, bias)
+    });
+    let mut casts: Vec<Option<_>> = if together && dtype != DType::F32 {
         B::cast_multi_tensor(primitives.clone(), FloatDType::from(dtype))
             .into_iter()
             .map(Some)
@@ -138,6 +189,18 @@ pub(crate) fn layer_scope<B: FusedOps, const D: usize>(
     } else {
         primitives.iter().map(|_| None).collect()
     };
+    let packed_qkv = packed.map(|(id, weight, bias)| {
+        let bias_cast = casts.pop().expect("the packed bias's slot");
+        let weight_cast = casts.pop().expect("the packed weight's slot");
+        primitives.truncate(primitives.len() - 2);
+        let weight: Box<dyn Any> = Box::new(Held::<B, 2>::new(
+            weight.into_primitive().tensor(),
+            weight_cast,
+        ));
+        let bias: Box<dyn Any> =
+            Box::new(Held::<B, 1>::new(bias.into_primitive().tensor(), bias_cast));
+        (id, weight, bias)
+    });
     let matrices = params.matrices.len();
     let mut copies: HashMap<ParamId, Box<dyn Any>> = HashMap::new();
     for (i, ((id, ordered), cast)) in ids.into_iter().zip(primitives).zip(casts).enumerate() {
@@ -148,7 +211,12 @@ pub(crate) fn layer_scope<B: FusedOps, const D: usize>(
         };
         copies.insert(id, copy);
     }
-    SCOPES.with(|scopes| scopes.borrow_mut().push(copies));
+    SCOPES.with(|scopes| {
+        scopes.borrow_mut().push(Scope {
+            params: copies,
+            packed_qkv,
+        })
+    });
     CastScope
 }
 
@@ -191,13 +259,35 @@ pub(crate) fn param_pair<B: Backend, const D: usize>(
         scopes
             .borrow()
             .last()
-            .and_then(|copies| copies.get(&param.id))
+            .and_then(|scope| scope.params.get(&param.id))
             .and_then(|copy| copy.downcast_ref::<Held<B, D>>())
             .map(|held| (held.ordered.clone(), held.as_dtype(dtype)))
     });
     held.unwrap_or_else(|| {
         let value = param.val();
         (value.clone(), cast_to(value, dtype))
+    })
+}
+
+/// The packed Q, K, V weight and bias of the innermost scope, where it packed the projections
+/// whose query weight is `query` (Note [Packed QKV cast once]): each as the concatenation of
+/// the ordered parameters and its copy in `dtype`.
+#[allow(clippy::type_complexity)]
+pub(crate) fn packed_qkv_pair<B: Backend>(
+    query: ParamId,
+    dtype: DType,
+) -> Option<((Tensor<B, 2>, Tensor<B, 2>), (Tensor<B, 1>, Tensor<B, 1>))> {
+    SCOPES.with(|scopes| {
+        let scopes = scopes.borrow();
+        let (id, weight, bias) = scopes.last()?.packed_qkv.as_ref()?;
+        let weight = weight.downcast_ref::<Held<B, 2>>()?;
+        let bias = bias.downcast_ref::<Held<B, 1>>()?;
+        (*id == query).then(|| {
+            (
+                (weight.ordered.clone(), weight.as_dtype(dtype)),
+                (bias.ordered.clone(), bias.as_dtype(dtype)),
+            )
+        })
     })
 }
 
