@@ -16,8 +16,10 @@
 //! `BertSelfAttention::packed_qkv`: [`FusedOps::concat_columns`]), whose backward hands each
 //! weight its slice of the packed gradient ([`FusedOps::split_columns`]). Where ember differs
 //! from NVIDIA's recipe, which stores the packed weight: the copy per forward (3·H² values
-//! per layer, one launch for all three weights and one for the biases on CubeCL) keeps every
-//! checkpoint and user of the module on Hugging Face's layout.
+//! per layer, one launch for all three weights and one for the biases on CubeCL; a half
+//! precision casts the two concatenations with the layer's other parameters, Note [Packed QKV
+//! cast once] in `ember_model`'s `weight_casts.rs`) keeps every checkpoint and user of the
+//! module on Hugging Face's layout.
 //!
 //! Measured (2026-12-05, 2-core Xeon): on lavapipe 54 → 44 kernel launches per encoder layer
 //! (`bench step --device wgpu`); on NdArray the packed step took 1.04–1.08× the CPU time of
