@@ -282,9 +282,10 @@ fn fp16_weights_cast_together_equal_casts_where_used() {
             "parameter {id}: gradients differ"
         );
     }
-    // Each layer's 16 casts, the pooler's 2 and the heads' 7 in a few launches each (lavapipe
-    // binds up to 15 tensors of two buffers per launch: two launches per layer, one for the
-    // pooler, one for the heads; 41 casts each where used): at least 25 fewer.
+    // Each layer's casts (packed Q, K, V, as `auto` has it on wgpu: the two concatenations
+    // and 8 more, Note [Packed QKV cast once]), the pooler's 2 and the heads' 7 in a launch
+    // each (lavapipe binds up to 15 tensors of two buffers per launch), against a cast where
+    // each is used (10 per layer, 2 for the pooler, 7 for the heads): at least 25 fewer.
     assert!(
         launches_together + 25 <= launches_each,
         "{launches_together} launches with the weights cast together, {launches_each} without"
