@@ -13,7 +13,8 @@
 //!
 //! ember keeps Hugging Face's parameters (`query`, `key`, `value`: checkpoints, names and
 //! weight decay are Hugging Face's) and packs them at each forward (`ember_model`'s
-//! `BertSelfAttention::packed_qkv`: [`FusedOps::concat_columns`]), whose backward hands each
+//! `BertSelfAttention::packed_qkv`, or the layer's cast scope under autodiff in a half
+//! precision: [`FusedOps::concat_columns`]), whose backward hands each
 //! weight its slice of the packed gradient ([`FusedOps::split_columns`]). Where ember differs
 //! from NVIDIA's recipe, which stores the packed weight: the copy per forward (3·H² values
 //! per layer, one launch for all three weights and one for the biases on CubeCL; a half

@@ -112,9 +112,11 @@ impl<B: FusedOps> BertLayer<B> {
         } else {
             &[]
         };
-        // Packed, the scope concatenates Q, K and V and casts the concatenations (Note
-        // [Packed QKV cast once] in `weight_casts.rs`).
-        if self.kernels.fused::<B>() && self.qkv_projections.packed::<B>() {
+        // Packed and taking gradients, the scope concatenates Q, K and V and casts the
+        // concatenations (Note [Packed QKV cast once] in `weight_casts.rs`); without autodiff
+        // `packed_qkv` concatenates the scope's half copies alone (no f32 concatenation).
+        let tracked = attention.query.weight.val().is_require_grad();
+        if self.kernels.fused::<B>() && self.qkv_projections.packed::<B>() && tracked {
             return LayerParams::of(&dense, norms).and_packed_qkv(qkv);
         }
         LayerParams::of(&[qkv.as_slice(), &dense].concat(), norms)

@@ -47,7 +47,9 @@
 //! cast beside the layer's other parameters ([`LayerParams::and_packed_qkv`],
 //! [`packed_qkv_pair`]): two launches per layer fewer, and the separate projections are not
 //! cast at all. The copies are the same bits (a cast of a concatenation is the concatenation
-//! of the casts). NVIDIA's MLPerf BERT stores the packed weight and its half copy; ember packs
+//! of the casts). Only where the parameters take gradients: without autodiff (evaluation, the
+//! embedding model) no f32 concatenation is needed, and `packed_qkv` concatenates the scope's
+//! half copies alone, as before. NVIDIA's MLPerf BERT stores the packed weight and its half copy; ember packs
 //! Hugging Face's three parameters at each forward (Note [Packed QKV]).
 //!
 //! The scope is a stack per thread (a rank's forward runs on one thread), pushed by
