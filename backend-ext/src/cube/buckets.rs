@@ -9,8 +9,8 @@ use burn_cubecl::kernel::{into_contiguous, slice};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
-use super::multi_tensor::{self, multi_launch, tensors_per_launch};
-use super::{empty_like, multi_tensor_kernels, numel, storage};
+use super::multi_tensor::{self, split_columns_launch, tensors_per_launch};
+use super::{empty_like, numel};
 use crate::BucketOps;
 
 impl<R, F, I, BT> BucketOps for CubeBackend<R, F, I, BT>
@@ -60,7 +60,7 @@ pub(super) fn copy_runs(
 }
 
 /// [`BucketOps::unflatten_multi_tensor`]: views for the parts `slice` views, one launch of
-/// [`multi_tensor_kernels::multi_split_columns_kernel`] per run of adjacent other parts.
+/// the column split ([`split_columns_launch`]) per run of adjacent other parts.
 ///
 /// # Panics
 /// If a part ends past `flat`'s length, or starts after its end.
@@ -90,22 +90,8 @@ fn unflatten<R: CubeRuntime>(flat: CubeTensor<R>, parts: &[Range<usize>]) -> Vec
             .iter()
             .map(|&i| empty_like(&flat, Shape::new([parts[i].len()])))
             .collect();
-        let largest = outputs.iter().map(numel).max().unwrap_or(0);
-        let (count, dim, _) = multi_launch(largest, outputs.len());
         // One row of `n` columns: part t is columns `first + Σ_{s<t} len_s ..`.
-        multi_tensor_kernels::multi_split_columns_kernel::launch::<R>(
-            &flat.client,
-            count,
-            dim,
-            flat.clone().into_tensor_arg(),
-            outputs
-                .iter()
-                .map(|o| o.clone().into_tensor_arg())
-                .collect(),
-            n,
-            parts[run[0]].start,
-            storage(flat.dtype),
-        );
+        split_columns_launch(&flat, &outputs, n, parts[run[0]].start);
         for (&i, o) in run.iter().zip(outputs) {
             out[i] = Some(o);
         }

@@ -217,21 +217,36 @@ pub(super) fn split_columns<R: CubeRuntime>(
     let per_launch = tensors_per_launch(&x, 1, 1);
     let mut first = 0;
     for group in outputs.chunks(per_launch) {
-        let largest = group.iter().map(numel).max().unwrap_or(0);
-        let (count, dim, _) = multi_launch(largest, group.len());
-        multi_tensor_kernels::multi_split_columns_kernel::launch::<R>(
-            &x.client,
-            count,
-            dim,
-            x.clone().into_tensor_arg(),
-            group.iter().map(|o| o.clone().into_tensor_arg()).collect(),
-            total,
-            first,
-            storage(x.dtype),
-        );
+        split_columns_launch(&x, group, total, first);
         first += group.iter().map(|o| o.shape()[last]).sum::<usize>();
     }
     outputs
+}
+
+/// One launch of [`multi_tensor_kernels::multi_split_columns_kernel`]: each of `outputs`
+/// (contiguous, `[R, w_t]`) from the columns of `x` (contiguous, `[R, total]`) from column
+/// `first` on, back to back.
+pub(super) fn split_columns_launch<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    outputs: &[CubeTensor<R>],
+    total: usize,
+    first: usize,
+) {
+    let largest = outputs.iter().map(numel).max().unwrap_or(0);
+    let (count, dim, _) = multi_launch(largest, outputs.len());
+    multi_tensor_kernels::multi_split_columns_kernel::launch::<R>(
+        &x.client,
+        count,
+        dim,
+        x.clone().into_tensor_arg(),
+        outputs
+            .iter()
+            .map(|o| o.clone().into_tensor_arg())
+            .collect(),
+        total,
+        first,
+        storage(x.dtype),
+    );
 }
 
 /// The last-dimension widths of the parts of a column concatenation, checked to share a row
