@@ -75,11 +75,15 @@ thread_local! {
 }
 
 /// What a scope holds: each parameter by id (a `Held<B, D>`), and the packed Q, K, V weight
-/// and bias (a `Held<B, 2>` and a `Held<B, 1>`) by the query weight's id.
+/// and bias.
 struct Scope {
     params: HashMap<ParamId, Box<dyn Any>>,
-    packed_qkv: Option<(ParamId, Box<dyn Any>, Box<dyn Any>)>,
+    packed_qkv: Option<PackedHeld>,
 }
+
+/// The packed Q, K, V weight and bias as a scope holds them (a `Held<B, 2>` and a
+/// `Held<B, 1>`), by the query weight's id.
+type PackedHeld = (ParamId, Box<dyn Any>, Box<dyn Any>);
 
 /// While alive, the parameters [`layer_scope`] holds are what [`param_pair`] starts from.
 pub(crate) struct CastScope;

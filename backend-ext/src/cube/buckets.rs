@@ -81,7 +81,7 @@ fn unflatten<R: CubeRuntime>(flat: CubeTensor<R>, parts: &[Range<usize>]) -> Vec
         .iter()
         .map(|r| match r.is_empty() {
             true => Some(empty_like(&flat, Shape::new([0]))),
-            false => (!copied(r)).then(|| slice(flat.clone(), &[r.clone()])),
+            false => (!copied(r)).then(|| slice(flat.clone(), std::slice::from_ref(r))),
         })
         .collect();
     let per_launch = tensors_per_launch(&flat, 1, 1);
