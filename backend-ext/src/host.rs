@@ -14,27 +14,23 @@ use crate::{
     host_adam, host_embedding, host_layer, host_matmul, host_sum, linear, prim, qkv, reference,
 };
 
-/// The default bodies: NdArray's fused ops run in f32, where masters and copies are one.
-impl<E, I, Q> MasterOps for burn_ndarray::NdArray<E, I, Q>
-where
-    E: burn_ndarray::FloatNdArrayElement,
-    I: burn_ndarray::IntNdArrayElement,
-    Q: burn_ndarray::QuantElement,
-    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<E>>,
-    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<I>>,
-{
+/// NdArray takes the default bodies of these supertraits of [`FusedOps`]: [`MasterOps`]'s
+/// (its fused ops run in f32, where masters and copies are one) and [`crate::BucketOps`]'s
+/// (`cat`, and `slice`'s views).
+macro_rules! default_bodies_on_ndarray {
+    ($($op:path),*) => {$(
+        impl<E, I, Q> $op for burn_ndarray::NdArray<E, I, Q>
+        where
+            E: burn_ndarray::FloatNdArrayElement,
+            I: burn_ndarray::IntNdArrayElement,
+            Q: burn_ndarray::QuantElement,
+            burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<E>>,
+            burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<I>>,
+        {
+        }
+    )*};
 }
-
-/// The default bodies: `cat`, and `slice`'s views.
-impl<E, I, Q> crate::BucketOps for burn_ndarray::NdArray<E, I, Q>
-where
-    E: burn_ndarray::FloatNdArrayElement,
-    I: burn_ndarray::IntNdArrayElement,
-    Q: burn_ndarray::QuantElement,
-    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<E>>,
-    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<I>>,
-{
-}
+default_bodies_on_ndarray!(MasterOps, crate::BucketOps);
 
 impl<E, I, Q> FusedOps for burn_ndarray::NdArray<E, I, Q>
 where
