@@ -62,8 +62,12 @@
 #                  (`dense.rs`, `layer_masters.rs`: the parameters' gradients written in f32,
 #                  fewer launches than the copies' casts back); the buckets taken apart at
 #                  CUDA's 512-byte alignment (`flatten.rs`: aligned parts as views, adjacent
-#                  misaligned parts copied in one launch; Note [Unflattened by views]).
-#   bench-kernels  `xtask bench kernels`, f32 then bf16, then the LayerNorm and softmax rows again
+#                  misaligned parts copied in one launch; Note [Unflattened by views]); the
+#                  losses' cross-entropy against the host in f64 (`cross_entropy.rs`: the
+#                  masked-LM width, 65,535 and 70,000 rows; a label out of range gives NaN).
+#   bench-kernels  `xtask bench kernels`, f32 then bf16 (with the masked-LM cross-entropy row: the
+#                  fused loss against Burn's log_softmax + gather + mean, Note [Cross-entropy in
+#                  one pass]), then the LayerNorm and softmax rows again
 #                  in bf16 with `--row-reductions tree` (the shared-memory tree the row kernels
 #                  used before; the default reduces within warps first: Note [Row reductions];
 #                  the softmax then also takes a warp per row, Note [Softmax rows in
@@ -235,7 +239,7 @@ run)
             echo "== kernel benchmark, bf16"
             timeout 90 "$dir/xtask" bench kernels --device cuda --dtype bf16 --iters 10 2>&1 | tee "$out/bench-bf16.md" || status=$?
             echo "== kernel benchmark, bf16, the row kernels reducing by a tree (before: the rows above reduce by warps)"
-            timeout 90 "$dir/xtask" bench kernels --device cuda --dtype bf16 --iters 10 --row-reductions tree 2>&1 \
+            timeout 90 "$dir/xtask" bench kernels --device cuda --dtype bf16 --iters 10 --row-reductions tree --ops layer_norm,attention 2>&1 \
                 | grep -E "^\| (op|bias_dropout|masked_softmax|attention)|rror" | tee "$out/bench-bf16-tree.md" || status=$?
             if [ -n "$torch_python" ]; then
                 echo "== attention against PyTorch's scaled_dot_product_attention, bf16, seq 128 and 512"

@@ -1,5 +1,5 @@
 //! Mean cross-entropy of logits against class labels (`torch.nn.functional.cross_entropy`),
-//! the masked-LM and next-sentence losses, as a [`FusedOps`] op with its own backward.
+//! the masked-LM and next-sentence losses, as a [`FusedOps`](crate::FusedOps) op with its own backward.
 //!
 //! The reference composition (max-shifted log-sum-exp minus the gathered logit) makes about
 //! eight whole-matrix passes forward and as many backward, each single-threaded on NdArray and
@@ -14,14 +14,14 @@ use burn_ndarray::NdArrayTensor;
 use ndarray::{Array1, Array2, Ix1, Ix2};
 use rayon::prelude::*;
 
-use crate::{FusedOps, host_math};
+use crate::host_math;
 
-/// What [`FusedOps::cross_entropy`] returns: the loss and what its backward needs.
+/// What [`FusedOps::cross_entropy`](crate::FusedOps::cross_entropy) returns: the loss and what its backward needs.
 #[derive(Debug, Clone)]
 pub struct CrossEntropyForward<B: burn::tensor::backend::Backend> {
-    /// `mean_i(lse_i − logits[i, label_i])`, `[1]`.
+    /// `mean_i(lse_i − logits[i, label_i])`, `[1]`, f32.
     pub loss: FloatTensor<B>,
-    /// `lse_i = log Σ_j exp(logits[i, j])`, `[N]`.
+    /// `lse_i = log Σ_j exp(logits[i, j])`, `[N]`, f32.
     pub log_sum_exp: FloatTensor<B>,
 }
 
@@ -58,8 +58,11 @@ pub(crate) fn ndarray_forward(
         let max = host_math::max(row);
         *out = host_math::sum_exp(row, max).ln() + max;
     });
-    let total: f32 = (0..n).map(|i| lse[i] - rows[i * c + labels[i]]).sum();
-    let loss = Array1::from(vec![total / n as f32]);
+    // Summed in f64: a serial f32 sum of 70,000 rows drifts by 3e-5 relative.
+    let total: f64 = (0..n)
+        .map(|i| f64::from(lse[i] - rows[i * c + labels[i]]))
+        .sum();
+    let loss = Array1::from(vec![(total / n as f64) as f32]);
     Some((
         NdArrayTensor::from(loss.into_dyn().into_shared()),
         NdArrayTensor::from(Array1::from(lse).into_dyn().into_shared()),
@@ -99,13 +102,18 @@ pub(crate) fn ndarray_backward(
     Some(NdArrayTensor::from(out.into_dyn().into_shared()))
 }
 
-/// The default bodies: the reference composition, forward with the log-sum-exp kept.
-pub(crate) fn reference_forward<B: FusedOps>(
+/// The reference composition, forward with the log-sum-exp kept (the trait's default body).
+///
+/// # Shapes
+/// `logits` `[N, C]`, `labels` `[N]` (values in `0..C`) → loss `[1]`, log-sum-exp `[N]`, both
+/// f32 (half logits are cast to f32 first: `torch.autocast` runs `cross_entropy` in f32)
+pub fn reference_forward<B: burn::tensor::backend::Backend>(
     logits: FloatTensor<B>,
     labels: IntTensor<B>,
 ) -> CrossEntropyForward<B> {
-    use burn::tensor::{Int, Tensor, TensorPrimitive};
-    let logits = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(logits));
+    use burn::tensor::{FloatDType, Int, Tensor, TensorPrimitive};
+    let logits =
+        Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(logits)).cast(FloatDType::F32);
     let labels = Tensor::<B, 1, Int>::from_primitive(labels);
     let [n, _] = logits.dims();
     let max = logits.clone().max_dim(1); // [N, 1]
@@ -118,18 +126,25 @@ pub(crate) fn reference_forward<B: FusedOps>(
     }
 }
 
-/// The reference backward: `(exp(logits − lse) − onehot) · grad / N`.
-pub(crate) fn reference_backward<B: FusedOps>(
+/// The reference backward, `(exp(logits − lse) − onehot) · grad / N` (the trait's default
+/// body).
+///
+/// # Shapes
+/// `logits` `[N, C]`, `labels` `[N]`, `log_sum_exp` `[N]`, `grad` `[1]` → `[N, C]`, computed
+/// in f32 and returned in the logits' dtype
+pub fn reference_backward<B: burn::tensor::backend::Backend>(
     logits: FloatTensor<B>,
     labels: IntTensor<B>,
     log_sum_exp: FloatTensor<B>,
     grad: FloatTensor<B>,
 ) -> FloatTensor<B> {
-    use burn::tensor::{Int, Tensor, TensorPrimitive};
+    use burn::tensor::{FloatDType, Int, Tensor, TensorPrimitive};
+    let f32 = |t| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t)).cast(FloatDType::F32);
     let logits = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(logits));
+    let dtype = logits.dtype();
+    let logits = logits.cast(FloatDType::F32);
     let labels = Tensor::<B, 1, Int>::from_primitive(labels);
-    let lse = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(log_sum_exp));
-    let grad = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(grad));
+    let (lse, grad) = (f32(log_sum_exp), f32(grad));
     let [n, c] = logits.dims();
     let device = logits.device();
     let probs = (logits - lse.reshape([n, 1])).exp();
@@ -140,6 +155,7 @@ pub(crate) fn reference_backward<B: FusedOps>(
         .expand([n, c]);
     let onehot = labels.reshape([n, 1]).expand([n, c]).equal(classes).float();
     ((probs - onehot) * grad.reshape([1, 1]).div_scalar(n as f64))
+        .cast(dtype)
         .into_primitive()
         .tensor()
 }

@@ -43,7 +43,10 @@ pub trait FusedOps: MasterOps + BucketOps {
 
     /// Mean cross-entropy `mean_i(lse_i − logits[i, label_i])` with `lse_i = log Σ_j
     /// exp(logits[i, j])` (`torch.nn.functional.cross_entropy`), and the log-sum-exp for the
-    /// backward. The reference is max-shifted; NdArray runs one fused pass per row.
+    /// backward. The reference is max-shifted; NdArray runs one fused pass per row; CubeCL one
+    /// row kernel (Note [Cross-entropy in one pass] in `cube/cross_entropy.rs`). Half logits
+    /// are read as they are and computed on in f32 (`torch.autocast` runs `cross_entropy` in
+    /// f32): the loss and the log-sum-exp are f32 whatever the logits' dtype.
     ///
     /// # Shapes
     /// `logits` `[N, C]`, `labels` `[N]` (values in `0..C`) → loss `[1]`, log-sum-exp `[N]`
@@ -55,7 +58,8 @@ pub trait FusedOps: MasterOps + BucketOps {
     }
 
     /// Gradient of [`FusedOps::cross_entropy`]'s loss for the logits, `(exp(logits − lse) −
-    /// onehot(labels)) · grad / N`, from the forward's log-sum-exp and the loss's gradient.
+    /// onehot(labels)) · grad / N`, from the forward's log-sum-exp and the loss's gradient
+    /// (both f32), in the logits' dtype.
     ///
     /// # Shapes
     /// `logits` `[N, C]`, `labels` `[N]`, `log_sum_exp` `[N]`, `grad` `[1]` → `[N, C]`

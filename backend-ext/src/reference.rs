@@ -16,6 +16,10 @@ use crate::{
 
 const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 
+pub use crate::cross_entropy::{
+    reference_backward as cross_entropy_backward, reference_forward as cross_entropy_forward,
+};
+
 /// `GELU_erf(x + bias)`: `z · Φ(z)`, `Φ(z) = ½ (1 + erf(z/√2))`.
 ///
 /// # Shapes

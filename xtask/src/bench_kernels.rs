@@ -50,9 +50,11 @@ pub struct KernelArgs {
     #[arg(long, default_value = "auto")]
     row_reductions: ember_backend_ext::RowReductions,
     /// The rows to time: bias_gelu, layer_norm, attention (the masked softmax and the attention
-    /// core), optimizer (multi-tensor AdamW and LAMB over the shapes' models)
-    #[arg(long, value_delimiter = ',', default_value = "bias_gelu,layer_norm,attention,optimizer",
-          value_parser = ["bias_gelu", "layer_norm", "attention", "optimizer"])]
+    /// core), cross_entropy (the masked-LM loss on 20 predictions a sequence at seq 128, 76 at
+    /// 512), optimizer (multi-tensor AdamW and LAMB over the shapes' models)
+    #[arg(long, value_delimiter = ',',
+          default_value = "bias_gelu,layer_norm,attention,cross_entropy,optimizer",
+          value_parser = ["bias_gelu", "layer_norm", "attention", "cross_entropy", "optimizer"])]
     pub(crate) ops: Vec<String>,
     /// `pytorch`: also time the attention core against PyTorch's
     /// `scaled_dot_product_attention` on the same device (cpu, cuda; a table of its own)
@@ -460,6 +462,13 @@ where
         if args.ops.iter().any(|o| o == "attention") {
             rows.extend(crate::bench_kernels_attention::rows::<B>(
                 device, *shape, b, p, n, &label,
+            )?);
+        }
+
+        // The masked-LM loss on the shape's masked positions.
+        if args.ops.iter().any(|o| o == "cross_entropy") {
+            rows.push(crate::bench_kernels_loss::row::<B>(
+                device, *shape, b, n, &label,
             )?);
         }
     }

@@ -23,6 +23,7 @@ mod bench_gemm_bias;
 pub use bench_data::number_after;
 mod bench_kernels;
 mod bench_kernels_attention;
+mod bench_kernels_loss;
 mod bench_largest_batch;
 #[doc(hidden)]
 pub use bench_largest_batch::{

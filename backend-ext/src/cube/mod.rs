@@ -2,6 +2,7 @@
 
 mod buckets;
 pub mod counting;
+mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub mod cublaslt;
 #[cfg(feature = "cuda")]
@@ -89,12 +90,12 @@ fn numel<R: CubeRuntime>(t: &CubeTensor<R>) -> usize {
 /// ([`multi_tensor_kernels::sum_rows_ordered_kernel`]).
 fn sum_rows_ordered<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
     let [_, cols] = x.shape().dims();
-    sum_chunks_ordered(into_contiguous(x), cols)
+    sum_chunks_ordered(into_contiguous(x), cols, 1.0)
 }
 
 /// The sums of consecutive chunks of `chunk` elements of a contiguous tensor (the last may be
-/// short), each in a fixed order: `[⌈n/chunk⌉]`.
-fn sum_chunks_ordered<R: CubeRuntime>(x: CubeTensor<R>, chunk: usize) -> CubeTensor<R> {
+/// short), each in a fixed order and times `scale`: `[⌈n/chunk⌉]`.
+fn sum_chunks_ordered<R: CubeRuntime>(x: CubeTensor<R>, chunk: usize, scale: f32) -> CubeTensor<R> {
     let n = numel(&x);
     let rows = n.div_ceil(chunk).max(1);
     let out = empty_like(&x, Shape::new([rows]));
@@ -108,6 +109,7 @@ fn sum_chunks_ordered<R: CubeRuntime>(x: CubeTensor<R>, chunk: usize) -> CubeTen
         rows as u32,
         chunk as u32,
         n as u32,
+        scale,
         block as u32,
         storage(x.dtype),
     );
@@ -198,6 +200,35 @@ where
             .memory_usage()
             .ok()
             .map(|usage| usage.bytes_reserved)
+    }
+
+    fn cross_entropy(
+        logits: CubeTensor<R>,
+        labels: CubeTensor<R>,
+    ) -> crate::CrossEntropyForward<Self> {
+        if logits.shape().num_elements() == 0 {
+            return crate::cross_entropy::reference_forward::<Self>(logits, labels);
+        }
+        let (row_loss, log_sum_exp) = cross_entropy::rows(logits, labels);
+        // The mean in a fixed order, by one cube (Note [Cross-entropy in one pass]).
+        let rows = numel(&row_loss);
+        crate::CrossEntropyForward {
+            loss: sum_chunks_ordered(row_loss, rows, 1.0 / rows as f32),
+            log_sum_exp,
+        }
+    }
+
+    fn cross_entropy_backward(
+        logits: CubeTensor<R>,
+        labels: CubeTensor<R>,
+        log_sum_exp: CubeTensor<R>,
+        grad: CubeTensor<R>,
+    ) -> CubeTensor<R> {
+        let f32 = |t: CubeTensor<R>| match t.dtype {
+            DType::F32 => t,
+            _ => Self::float_cast(t, burn::tensor::FloatDType::F32),
+        };
+        cross_entropy::backward(logits, labels, f32(log_sum_exp), f32(grad))
     }
 
     fn bias_gelu(x: CubeTensor<R>, bias: CubeTensor<R>) -> CubeTensor<R> {
@@ -357,40 +388,7 @@ where
         scale: f64,
         dropout: DropoutSpec,
     ) -> SoftmaxForward<Self> {
-        let scores = into_contiguous(scores);
-        let [batch, heads, seq_q, seq_k] = scores.shape().dims::<4>();
-        let rows = batch * heads * seq_q;
-        check_rows(rows * seq_k);
-        let probs = empty_like(&scores, scores.shape());
-        let dropped = empty_like(&scores, scores.shape());
-        let (count, dim, planes, layout) = reductions::softmax_launch(&scores.client, rows, seq_k);
-        let mask = dropout_args(dropout, &[batch, heads, seq_q, seq_k]);
-        let dtype = storage(scores.dtype);
-        softmax_kernels::masked_softmax_dropout_kernel::launch::<R>(
-            &scores.client,
-            count,
-            dim,
-            scores.clone().into_tensor_arg(),
-            into_contiguous(mask_bias).into_tensor_arg(),
-            probs.clone().into_tensor_arg(),
-            dropped.clone().into_tensor_arg(),
-            rows as u32,
-            (heads * seq_q).max(1) as u32,
-            scale as f32,
-            mask.key_lo,
-            mask.key_hi,
-            mask.sample_offset,
-            mask.rows_per_sample,
-            mask.seq,
-            mask.threshold,
-            mask.keep_scale,
-            layout.block as u32,
-            mask.enabled,
-            planes,
-            layout.per_unit as u32,
-            layout.plane_rows,
-            dtype,
-        );
+        let (probs, dropped) = softmax_kernels::forward(scores, mask_bias, scale, dropout);
         SoftmaxForward { probs, dropped }
     }
 
@@ -400,39 +398,7 @@ where
         scale: f64,
         dropout: DropoutSpec,
     ) -> CubeTensor<R> {
-        let grad_dropped = into_contiguous(grad_dropped);
-        let [batch, heads, seq_q, seq_k] = grad_dropped.shape().dims::<4>();
-        let rows = batch * heads * seq_q;
-        check_rows(rows * seq_k);
-        let grad_scores = empty_like(&grad_dropped, grad_dropped.shape());
-        let (count, dim, planes, layout) =
-            reductions::softmax_launch(&grad_dropped.client, rows, seq_k);
-        let mask = dropout_args(dropout, &[batch, heads, seq_q, seq_k]);
-        let dtype = storage(grad_dropped.dtype);
-        softmax_kernels::masked_softmax_dropout_backward_kernel::launch::<R>(
-            &grad_dropped.client,
-            count,
-            dim,
-            grad_dropped.clone().into_tensor_arg(),
-            into_contiguous(probs).into_tensor_arg(),
-            grad_scores.clone().into_tensor_arg(),
-            rows as u32,
-            scale as f32,
-            mask.key_lo,
-            mask.key_hi,
-            mask.sample_offset,
-            mask.rows_per_sample,
-            mask.seq,
-            mask.threshold,
-            mask.keep_scale,
-            layout.block as u32,
-            mask.enabled,
-            planes,
-            layout.per_unit as u32,
-            layout.plane_rows,
-            dtype,
-        );
-        grad_scores
+        softmax_kernels::backward(grad_dropped, probs, scale, dropout)
     }
 
     fn dropout(x: CubeTensor<R>, dropout: DropoutSpec) -> CubeTensor<R> {
@@ -533,12 +499,12 @@ where
         // same fixed order, without one cube reading everything.
         const CHUNK: usize = 1 << 16;
         let n = numel(&x);
-        let partials = sum_chunks_ordered(into_contiguous(x), CHUNK.min(n.max(1)));
+        let partials = sum_chunks_ordered(into_contiguous(x), CHUNK.min(n.max(1)), 1.0);
         let count = numel(&partials);
         if count == 1 {
             return partials;
         }
-        sum_chunks_ordered(partials, count)
+        sum_chunks_ordered(partials, count, 1.0)
     }
 
     fn lamb_apply_multi_tensor(

@@ -261,9 +261,9 @@ pub fn multi_lamb_apply_kernel<F: Float>(
     }
 }
 
-/// `out[r] = Σ x[r·cols .. min((r+1)·cols, len)]` of a contiguous tensor of `len` elements,
-/// one cube per row (the last row may be short): each unit sums its strided columns in order,
-/// then `cube_sum`'s tree. A fixed order, so the same bits on every run and in every process
+/// `out[r] = scale · Σ x[r·cols .. min((r+1)·cols, len)]` of a contiguous tensor of `len`
+/// elements, one cube per row (the last row may be short): each unit sums its strided columns
+/// in order, then `cube_sum`'s tree (`scale` 1: the sum's bits; `1/len`: a mean). A fixed order, so the same bits on every run and in every process
 /// (Note [Ranks stay one model] in ember-trainer's `parallel/consistency.rs`), unlike an
 /// autotuned or atomic reduction.
 #[cube(launch)]
@@ -273,6 +273,7 @@ pub fn sum_rows_ordered_kernel<F: Float>(
     rows: u32,
     cols: u32,
     len: u32,
+    scale: f32,
     #[comptime] block: u32,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -291,7 +292,7 @@ pub fn sum_rows_ordered_kernel<F: Float>(
     }
     let total = cube_sum(&mut shared, sum);
     if unit == 0 {
-        out[row] = F::cast_from(total);
+        out[row] = F::cast_from(total * scale);
     }
 }
 

@@ -1,11 +1,17 @@
-//! The masked softmax + dropout kernels of the attention core, forward and backward
-//! (`FusedOps::masked_softmax_dropout`): a row of scores per cube, or per plane with the row
-//! held in registers (Note [Softmax rows in registers] in `reductions.rs`).
+//! The masked softmax + dropout kernels of the attention core, forward and backward, and their
+//! launches (`FusedOps::masked_softmax_dropout`): a row of scores per cube, or per plane with
+//! the row held in registers (Note [Softmax rows in registers] in `reductions.rs`).
 
+use burn::tensor::TensorMetadata;
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 use super::kernels::{dropout_scale, row_index, row_key};
-use super::reductions::{row_max, row_sum};
+use super::reductions::{self, row_max, row_sum};
+use super::{check_rows, dropout_args, empty_like, storage};
+use crate::DropoutSpec;
 
 /// The row of a softmax kernel's unit, the unit's first column and the stride between its
 /// columns: one cube per row, or with `plane_rows` one plane per row
@@ -306,4 +312,92 @@ pub fn masked_softmax_dropout_backward_kernel<F: Float>(
             j += stride;
         }
     }
+}
+
+/// The forward's launch (`FusedOps::masked_softmax_dropout`): the probabilities and the
+/// dropped probabilities of `[B, nh, Sq, Sk]` scores with a `[B, Sk]` additive mask.
+pub(super) fn forward<R: CubeRuntime>(
+    scores: CubeTensor<R>,
+    mask_bias: CubeTensor<R>,
+    scale: f64,
+    dropout: DropoutSpec,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let scores = into_contiguous(scores);
+    let [batch, heads, seq_q, seq_k] = scores.shape().dims::<4>();
+    let rows = batch * heads * seq_q;
+    check_rows(rows * seq_k);
+    let probs = empty_like(&scores, scores.shape());
+    let dropped = empty_like(&scores, scores.shape());
+    let (count, dim, planes, layout) = reductions::softmax_launch(&scores.client, rows, seq_k);
+    let mask = dropout_args(dropout, &[batch, heads, seq_q, seq_k]);
+    let dtype = storage(scores.dtype);
+    masked_softmax_dropout_kernel::launch::<R>(
+        &scores.client,
+        count,
+        dim,
+        scores.clone().into_tensor_arg(),
+        into_contiguous(mask_bias).into_tensor_arg(),
+        probs.clone().into_tensor_arg(),
+        dropped.clone().into_tensor_arg(),
+        rows as u32,
+        (heads * seq_q).max(1) as u32,
+        scale as f32,
+        mask.key_lo,
+        mask.key_hi,
+        mask.sample_offset,
+        mask.rows_per_sample,
+        mask.seq,
+        mask.threshold,
+        mask.keep_scale,
+        layout.block as u32,
+        mask.enabled,
+        planes,
+        layout.per_unit as u32,
+        layout.plane_rows,
+        dtype,
+    );
+    (probs, dropped)
+}
+
+/// The backward's launch: `d scores` from the gradient of the dropped probabilities and the
+/// probabilities, `[B, nh, Sq, Sk]`.
+pub(super) fn backward<R: CubeRuntime>(
+    grad_dropped: CubeTensor<R>,
+    probs: CubeTensor<R>,
+    scale: f64,
+    dropout: DropoutSpec,
+) -> CubeTensor<R> {
+    let grad_dropped = into_contiguous(grad_dropped);
+    let [batch, heads, seq_q, seq_k] = grad_dropped.shape().dims::<4>();
+    let rows = batch * heads * seq_q;
+    check_rows(rows * seq_k);
+    let grad_scores = empty_like(&grad_dropped, grad_dropped.shape());
+    let (count, dim, planes, layout) =
+        reductions::softmax_launch(&grad_dropped.client, rows, seq_k);
+    let mask = dropout_args(dropout, &[batch, heads, seq_q, seq_k]);
+    let dtype = storage(grad_dropped.dtype);
+    masked_softmax_dropout_backward_kernel::launch::<R>(
+        &grad_dropped.client,
+        count,
+        dim,
+        grad_dropped.clone().into_tensor_arg(),
+        into_contiguous(probs).into_tensor_arg(),
+        grad_scores.clone().into_tensor_arg(),
+        rows as u32,
+        scale as f32,
+        mask.key_lo,
+        mask.key_hi,
+        mask.sample_offset,
+        mask.rows_per_sample,
+        mask.seq,
+        mask.threshold,
+        mask.keep_scale,
+        layout.block as u32,
+        mask.enabled,
+        planes,
+        layout.per_unit as u32,
+        layout.plane_rows,
+        dtype,
+    );
+    grad_scores
 }

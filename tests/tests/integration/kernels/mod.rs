@@ -22,6 +22,7 @@ use ember_backend_ext::{DropoutSpec, FusedOps, GemmPrecision, reference};
 
 mod column_sums;
 mod common;
+mod cross_entropy;
 #[cfg(feature = "cuda")]
 mod cublaslt;
 mod dense;
@@ -364,6 +365,11 @@ macro_rules! kernel_tests {
         }
 
         #[test]
+        fn cross_entropy_matches_the_host_in_f64() {
+            cross_entropy::check_cross_entropy::<B>(&$device);
+        }
+
+        #[test]
         fn dropout_masks_are_the_host_masks() {
             check_dropout_mask::<$backend>(&$device);
         }
@@ -500,6 +506,26 @@ mod wgpu {
         super::flatten::check_unflatten_launches::<crate::Wgpu>(&device());
     }
 
+    /// Note [Cross-entropy in one pass].
+    #[test]
+    fn cross_entropy_takes_two_launches_forward_and_one_backward() {
+        super::cross_entropy::check_cross_entropy_launches();
+    }
+
+    #[test]
+    fn out_of_range_labels_make_the_loss_nan() {
+        super::cross_entropy::check_out_of_range_labels::<crate::Wgpu>(&device());
+    }
+
+    /// WGSL has no bf16: f16.
+    #[test]
+    fn cross_entropy_reads_half_logits_as_their_f32_cast() {
+        super::cross_entropy::check_cross_entropy_of_half_logits::<Autodiff<crate::Wgpu>>(
+            &device(),
+            burn::tensor::FloatDType::F16,
+        );
+    }
+
     pub fn device() -> burn::backend::wgpu::WgpuDevice {
         burn::backend::wgpu::WgpuDevice::DefaultDevice
     }
@@ -510,6 +536,19 @@ mod cuda {
     pub type Backend = burn::backend::Cuda<f32, i32>;
 
     kernel_tests!(Backend, device());
+
+    #[test]
+    fn out_of_range_labels_make_the_loss_nan() {
+        super::cross_entropy::check_out_of_range_labels::<Backend>(&device());
+    }
+
+    #[test]
+    fn cross_entropy_reads_half_logits_as_their_f32_cast() {
+        super::cross_entropy::check_cross_entropy_of_half_logits::<Autodiff<Backend>>(
+            &device(),
+            burn::tensor::FloatDType::BF16,
+        );
+    }
 
     #[test]
     fn bf16_kernels_match_the_f32_reference() {
