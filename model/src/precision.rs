@@ -7,8 +7,10 @@
 //! layer's parameters cast together, Note [Weights cast together] in `weight_casts.rs`).
 //! The GEMMs, attention, GELU, dropout, residual adds and the fused kernels run on half
 //! tensors; what needs range or precision runs in f32 and casts its result back:
-//! LayerNorm (statistics, γ and β), the attention softmax, the MLM and NSP logits and so the
-//! losses (the fused kernels of `ember-backend-ext` accumulate in f32 inside). This is
+//! LayerNorm (statistics, γ and β), the attention softmax, the losses (the fused kernels of
+//! `ember-backend-ext` accumulate in f32 inside). The MLM and NSP logits stay in the half type,
+//! as autocast's linear layers return them; the losses' op reads them as they are and
+//! computes and returns in f32 (Note [Cross-entropy in one pass] in its `cube/cross_entropy.rs`). This is
 //! PyTorch's `torch.autocast` recipe (f32 parameters, a cast per op, `GradScaler` for fp16:
 //! `crate`'s user is the trainer's `loss_scale`), chosen over a half copy of the model
 //! refreshed after each step (apex O2, NVIDIA's MLPerf BERT) because the model, its

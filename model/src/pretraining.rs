@@ -6,7 +6,7 @@
 use burn::module::{Module, Param};
 use burn::nn::{LayerNorm, Linear};
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Int, Tensor};
+use burn::tensor::{Int, Tensor};
 use ember_backend_ext::{DropoutSpec, FusedOps, Kernels};
 
 use crate::BertConfig;
@@ -53,10 +53,12 @@ pub struct BertForPreTraining<B: Backend> {
 /// What [`BertForPreTraining::forward`] returns.
 #[derive(Debug, Clone)]
 pub struct PreTrainingOutput<B: Backend> {
-    /// Vocabulary logits at the packed masked positions, `[N, V]`.
+    /// Vocabulary logits at the packed masked positions, `[N, V]`, in the dtype the heads
+    /// compute in (f32, or the half type under mixed precision, as `torch.autocast` returns
+    /// them; Note [Autocast]).
     pub mlm_logits: Tensor<B, 2>,
-    /// Next-sentence logits, `[B, 2]`; class 1 is "B is a random sentence", as the reference
-    /// `create_pretraining_data.py` labels it.
+    /// Next-sentence logits, `[B, 2]`, in the heads' dtype; class 1 is "B is a random
+    /// sentence", as the reference `create_pretraining_data.py` labels it.
     pub nsp_logits: Tensor<B, 2>,
 }
 
@@ -217,19 +219,18 @@ impl<B: FusedOps> BertForPreTraining<B> {
         let mlm_logits =
             ember_backend_ext::dense_of_masters(transformed, decoder, copy, Some(bias));
 
-        // The logits in f32, for the losses and accuracy (Note [Autocast]).
+        // The logits in the heads' dtype, as `torch.autocast`'s linear layers return them: the
+        // losses read them as they are and compute in f32 (Note [Autocast]).
         PreTrainingOutput {
-            mlm_logits: cast_to(mlm_logits, DType::F32),
-            nsp_logits: cast_to(
-                dense_as(&self.cls.seq_relationship, out.pooled_output),
-                DType::F32,
-            ),
+            mlm_logits,
+            nsp_logits: dense_as(&self.cls.seq_relationship, out.pooled_output),
         }
     }
 
     /// The pre-training loss of an output: masked-LM cross-entropy averaged over the N
     /// predictions, plus next-sentence cross-entropy averaged over the batch (Hugging Face
-    /// `BertForPreTraining`'s `total_loss`; Google's `run_pretraining.py` likewise).
+    /// `BertForPreTraining`'s `total_loss`; Google's `run_pretraining.py` likewise). In f32
+    /// whatever the logits' dtype.
     ///
     /// # Shapes
     /// - `masked_lm_labels`: `[N]`, the original token ids at the packed masked positions

@@ -119,8 +119,9 @@ fn assert_beyond_f16(name: &str, values: Vec<f32>) {
     );
 }
 
-/// What runs in half and what in f32 (Note [Autocast]): with fp16 the encoder's output is
-/// f16, the logits f32, the parameters and their gradients f32; the loss is near the f32
+/// What runs in half and what in f32 (Note [Autocast]): with fp16 the encoder's output and
+/// the logits are f16 (as `torch.autocast` returns them), the loss f32, the parameters and
+/// their gradients f32; the loss is near the f32
 /// model's on the same weights and batch (fp16 rounds to 11 significant bits: within 1e-2
 /// relative). The dense layers' weight gradients are written in f32 by the GEMM (Note [Weight
 /// gradients in f32] in backend-ext's `linear.rs`): the packed Q weight's, a plain dense
@@ -129,7 +130,7 @@ fn assert_beyond_f16(name: &str, values: Vec<f32>) {
 /// comes from `initial_model`, which draws its weights while no other test's run initialises
 /// (the device's generator is shared).
 #[test]
-fn fp16_computes_the_encoder_in_half_and_the_logits_and_gradients_in_f32() {
+fn fp16_computes_the_encoder_and_logits_in_half_and_the_loss_and_gradients_in_f32() {
     use burn::tensor::{DType, Int, Tensor};
     let device = WgpuDevice::DefaultDevice;
     let train = config(Path::new("unused"), Precision::F32);
@@ -160,7 +161,9 @@ fn fp16_computes_the_encoder_in_half_and_the_logits_and_gradients_in_f32() {
         .forward(input_ids.clone(), segment_ids.clone(), input_mask.clone());
     assert_eq!(encoded.sequence_output.dtype(), DType::F16);
     let (logits_dtype, half) = loss_of(&model);
-    assert_eq!(logits_dtype, DType::F32);
+    // The logits in the heads' dtype (as autocast returns them); the loss in f32.
+    assert_eq!(logits_dtype, DType::F16);
+    assert_eq!(half.dtype(), DType::F32);
     let grads = half.clone().backward();
     let layer = &model.bert.encoder.layer[0];
     for (name, weight) in [
