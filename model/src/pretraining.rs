@@ -256,9 +256,9 @@ impl<B: FusedOps> BertForPreTraining<B> {
 /// (`torch.nn.functional.cross_entropy`).
 ///
 /// Through [`ember_backend_ext::cross_entropy`]: its own backward from the saved log-sum-exp;
-/// the reference composition (max-shifted log-sum-exp minus the gathered logit) on GPUs, one
-/// fused pass per row on NdArray, where the `[N, 30522]` masked-LM logits made the composition's
-/// passes a large share of the step.
+/// one row kernel forward and one element-wise kernel backward on GPUs (CubeCL), one fused
+/// pass per row on NdArray, where the `[N, 30522]` masked-LM logits made the composition's
+/// passes a large share of the step. Half logits are read as they are; the loss is f32.
 ///
 /// # Shapes
 /// - `logits`: `[N, C]`

@@ -224,10 +224,8 @@ where
         log_sum_exp: CubeTensor<R>,
         grad: CubeTensor<R>,
     ) -> CubeTensor<R> {
-        let f32 = |t: CubeTensor<R>| match t.dtype {
-            DType::F32 => t,
-            _ => Self::float_cast(t, burn::tensor::FloatDType::F32),
-        };
+        // Burn's cast returns an f32 tensor as it is.
+        let f32 = |t| Self::float_cast(t, burn::tensor::FloatDType::F32);
         cross_entropy::backward(logits, labels, f32(log_sum_exp), f32(grad))
     }
 

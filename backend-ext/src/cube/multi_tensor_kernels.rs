@@ -263,9 +263,9 @@ pub fn multi_lamb_apply_kernel<F: Float>(
 
 /// `out[r] = scale · Σ x[r·cols .. min((r+1)·cols, len)]` of a contiguous tensor of `len`
 /// elements, one cube per row (the last row may be short): each unit sums its strided columns
-/// in order, then `cube_sum`'s tree (`scale` 1: the sum's bits; `1/len`: a mean). A fixed order, so the same bits on every run and in every process
-/// (Note [Ranks stay one model] in ember-trainer's `parallel/consistency.rs`), unlike an
-/// autotuned or atomic reduction.
+/// in order, then `cube_sum`'s tree (`scale` 1: the sum's bits; `1/len`: a mean). A fixed
+/// order, so the same bits on every run and in every process (Note [Ranks stay one model] in
+/// ember-trainer's `parallel/consistency.rs`), unlike an autotuned or atomic reduction.
 #[cube(launch)]
 pub fn sum_rows_ordered_kernel<F: Float>(
     x: &Tensor<F>,

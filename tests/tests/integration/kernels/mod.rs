@@ -302,8 +302,8 @@ fn attention_cases() -> Vec<([usize; 4], Vec<Vec<f32>>)> {
     ]
 }
 
-/// LayerNorm and attention (softmax), forward and backward, on every shape of their tests with
-/// the row kernels' reductions forced to `choice`.
+/// LayerNorm, attention (softmax) and the cross-entropy, forward and backward, on every shape
+/// of their tests with the row kernels' reductions forced to `choice`.
 fn with_row_reductions<A: AutodiffBackend + FusedOps>(
     choice: ember_backend_ext::RowReductions,
     device: &A::Device,
@@ -322,6 +322,7 @@ fn with_row_reductions<A: AutodiffBackend + FusedOps>(
         }
     }
     softmax::check_softmax_rows::<A::InnerBackend>(device);
+    cross_entropy::check_cross_entropy::<A>(device);
     ember_backend_ext::set_row_reductions(ember_backend_ext::RowReductions::Auto);
 }
 
