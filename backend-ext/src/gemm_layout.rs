@@ -201,9 +201,60 @@ pub fn column_major_gemm(
     (fits(batch) && fits(m) && fits(n) && fits(k)).then_some(plan)
 }
 
+/// How cuBLASLt accumulates a product ([`product_compute`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProductCompute {
+    /// f32 operands read as TF32 on the tensor cores (`CUBLAS_COMPUTE_32F_FAST_TF32`), as
+    /// cubek's tensor-core kernels read them.
+    Tf32,
+    /// Half operands multiplied exactly, accumulated in f32 (`CUBLAS_COMPUTE_32F`).
+    F32,
+}
+
+/// The compute type of a product of `operands` written in `output`, or `None` for a pair
+/// ember does not offer cuBLASLt: an output in the operands' dtype (f32, bf16, f16), or f32
+/// from half operands, their accumulator's precision (Note [cuBLASLt's f32 output] in
+/// `cube/cublaslt_call.rs`: the weight gradients under autocast). Never a half output of f32
+/// operands, mixed half operands, or other dtypes.
+pub fn product_compute(
+    operands: burn::tensor::DType,
+    output: burn::tensor::DType,
+) -> Option<ProductCompute> {
+    use burn::tensor::DType::{BF16, F16, F32};
+    match (operands, output) {
+        (F32, F32) => Some(ProductCompute::Tf32),
+        (BF16, BF16 | F32) | (F16, F16 | F32) => Some(ProductCompute::F32),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn half_operands_may_write_f32_and_nothing_writes_a_narrower_type() {
+        use burn::tensor::DType::{BF16, F16, F32, F64};
+        for (operands, output, compute) in [
+            (F32, F32, Some(ProductCompute::Tf32)),
+            (BF16, BF16, Some(ProductCompute::F32)),
+            (F16, F16, Some(ProductCompute::F32)),
+            (BF16, F32, Some(ProductCompute::F32)),
+            (F16, F32, Some(ProductCompute::F32)),
+            (F32, BF16, None),
+            (F32, F16, None),
+            (BF16, F16, None),
+            (F16, BF16, None),
+            (F64, F64, None),
+            (BF16, F64, None),
+        ] {
+            assert_eq!(
+                product_compute(operands, output),
+                compute,
+                "{operands:?} operands written in {output:?}"
+            );
+        }
+    }
 
     /// Element `(r, c)` of a stored matrix of batch `p`, through its layout: every read
     /// inside the layout's `rows × cols` (the plan's layouts describe what is read).

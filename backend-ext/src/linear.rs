@@ -36,9 +36,9 @@ use crate::{DenseGrads, FusedOps};
 // gradient is the column sum written in f32 from its f32 partial sums (Note [Parameter
 // gradients in f32] in `masters.rs`; the default body casts it). A deliberate difference
 // from `torch.autocast`, whose weight gradients are rounded to the half type: ember's are
-// more precise, not equal. cuBLASLt's products (`model.gemm = "cublaslt"`) still write the
-// half type and are cast: an f32 `D` beside bf16 operands is a cuBLASLt kind ember does not
-// make yet.
+// more precise, not equal. cuBLASLt (`model.gemm = "cublaslt"`) writes `dW` in f32 the same
+// way, and its bias-gradient epilogue `db` with it (Note [cuBLASLt's f32 output] in
+// `cube/cublaslt_call.rs`).
 
 /// `(dx, dweight, dbias)` with `dweight` and `dbias` in `dtype` (cast where they are not):
 /// the default body of [`MasterOps::dense_backward_as`](crate::MasterOps::dense_backward_as).

@@ -9,7 +9,10 @@
 //! theirs inside a fused op, `bias_gelu` or `bias_dropout_add_layer_norm`, which also sums its
 //! gradient; the pooler's and NSP's are a few rows): the packed Q, K, V projection on every
 //! token and the MLM decoder on the masked positions. Each is timed as `bench gemm`'s products are: one warm-up, then the mean of
-//! `--iters` calls between two synchronisations.
+//! `--iters` calls between two synchronisations. In bf16 a second row times what autocast's
+//! training runs: `MasterOps::dense_backward_as` with `dW` and `db` written in f32 by the
+//! product and its epilogue (Note [cuBLASLt's f32 output]), against the bf16 products, the
+//! `sum_dim` and the two casts to f32 that it replaces.
 
 use anyhow::Result;
 use ember_model::BertConfig;
@@ -61,10 +64,18 @@ pub(crate) fn cuda_table(
     );
     let mut records = Vec::new();
     let timed = (|| {
-        for dtype in dtypes {
-            let times = match dtype.as_str() {
-                "bf16" => time_layers::<CudaBf16>(&device, layers, iters)?,
-                _ => time_layers::<CudaF32>(&device, layers, iters)?,
+        let runs: Vec<(&str, bool)> = dtypes
+            .iter()
+            .flat_map(|dtype| match dtype.as_str() {
+                "bf16" => vec![("bf16", false), ("bf16, dW and db in f32", true)],
+                _ => vec![("f32", false)],
+            })
+            .collect();
+        for (dtype, f32_grads) in runs {
+            let times = if dtype.starts_with("bf16") {
+                time_layers::<CudaBf16>(&device, layers, iters, f32_grads)?
+            } else {
+                time_layers::<CudaF32>(&device, layers, iters, false)?
             };
             for (&(name, rows, i, o), (fused, unfused, epilogue)) in layers.iter().zip(times) {
                 let fused_cell = if epilogue {
@@ -100,14 +111,16 @@ pub(crate) fn cuda_table(_: &[String], _: &[Layer], _: usize) -> Result<(String,
 /// Seconds per call of each layer's backward, `(dense_backward, products + sum_dim)`, and
 /// whether every `dense_backward` call (the warm-up and the timed ones) had its bias gradient
 /// from the epilogue: otherwise (a refused epilogue) the row says so instead of passing the
-/// fallback off as the epilogue.
+/// fallback off as the epilogue. With `f32_grads`, `dense_backward_as` writing `dW` and `db`
+/// in f32, against the unfused path followed by their casts to f32.
 #[cfg(feature = "cuda")]
 fn time_layers<B: ember_backend_ext::FusedOps>(
     device: &B::Device,
     layers: &[Layer],
     iters: usize,
+    f32_grads: bool,
 ) -> Result<Vec<(f64, f64, bool)>> {
-    use burn::tensor::{Distribution, Tensor};
+    use burn::tensor::{Distribution, FloatDType, Tensor};
     let normal = |shape: [usize; 2]| {
         Tensor::<B, 2>::random(shape, Distribution::Normal(0.0, 1.0), device)
             .into_primitive()
@@ -119,7 +132,12 @@ fn time_layers<B: ember_backend_ext::FusedOps>(
             let (x, w, g) = (normal([rows, i]), normal([i, o]), normal([rows, o]));
             let before = ember_backend_ext::cublaslt::bias_gradients();
             let fused = crate::bench_kernels::time::<B>(device, iters.max(1), || {
-                drop(B::dense_backward(x.clone(), w.clone(), g.clone(), true));
+                let (x, w, g) = (x.clone(), w.clone(), g.clone());
+                if f32_grads {
+                    drop(B::dense_backward_as(x, w, g, true, FloatDType::F32));
+                } else {
+                    drop(B::dense_backward(x, w, g, true));
+                }
             })?;
             // One warm-up and `iters` timed calls.
             let epilogue =
@@ -131,7 +149,13 @@ fn time_layers<B: ember_backend_ext::FusedOps>(
                     B::float_swap_dims(x.clone(), 0, 1),
                     g.clone(),
                 );
-                drop((products, B::float_sum_dim(g.clone(), 0)));
+                let db = B::float_sum_dim(g.clone(), 0);
+                if f32_grads {
+                    drop(B::float_cast(products.1, FloatDType::F32));
+                    drop(B::float_cast(db, FloatDType::F32));
+                } else {
+                    drop((products, db));
+                }
             })?;
             Ok((fused, unfused, epilogue))
         })

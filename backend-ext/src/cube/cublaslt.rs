@@ -31,7 +31,7 @@
 //! column-major GEMM's definition. A layout it has no plan for (a strided slice, batch
 //! dimensions that do not flatten) and a product cuBLASLt refuses run CubeCL's autotuned
 //! matmul instead; the refusals are counted ([`refusals`]), the first is logged, and a refused
-//! kind (a layout, dtype and epilogue) is not offered again; a weight gradient whose
+//! kind (a layout, dtypes and epilogue) is not offered again; a weight gradient whose
 //! bias-gradient epilogue was refused is offered without it. An error reported by either wait is a device fault, not a
 //! refusal: it panics, as CubeCL does on one.
 
@@ -155,8 +155,9 @@ impl<R: CubeRuntime> Clone for With<'_, R> {
 }
 impl<R: CubeRuntime> Copy for With<'_, R> {}
 
-/// One product for [`matmuls`]: `a · b`, and what else it does.
-pub(crate) type Operands<'t, R> = (&'t CubeTensor<R>, &'t CubeTensor<R>, With<'t, R>);
+/// One product for [`matmuls`]: `a · b`, what else it does, and the dtype to write it in (the
+/// operands', or f32 beside half operands: Note [cuBLASLt's f32 output] in `cublaslt_call.rs`).
+pub(crate) type Operands<'t, R> = (&'t CubeTensor<R>, &'t CubeTensor<R>, With<'t, R>, DType);
 
 /// A product computed by cuBLASLt: `a · b` (with the bias, where asked), and `Σ_rows b` where
 /// [`With::BiasGradient`] asked for it.
@@ -169,14 +170,17 @@ pub(crate) struct Product<R: CubeRuntime> {
 /// where one side has 1), plus `bias` `[n]` on every row (cuBLASLt's `CUBLASLT_EPILOGUE_BIAS`:
 /// one kernel where the add would be another; a product without batch only), through cuBLASLt
 /// when `R` is CUDA, the tensors are f32, bf16 or f16 of one dtype, and their layout has a
-/// plan; `None` otherwise, for the caller's CubeCL matmul (and bias add).
+/// plan; written in the operands' dtype; `None` otherwise, for the caller's CubeCL matmul (and bias add).
 pub(crate) fn matmul<R: CubeRuntime>(
     a: &CubeTensor<R>,
     b: &CubeTensor<R>,
     bias: Option<&CubeTensor<R>>,
 ) -> Option<CubeTensor<R>> {
     let with = bias.map_or(With::Nothing, With::Bias);
-    matmuls(&[(a, b, with)]).pop().flatten().map(|p| p.out)
+    matmuls(&[(a, b, with, a.dtype)])
+        .pop()
+        .flatten()
+        .map(|p| p.out)
 }
 
 /// Products that do not read each other's outputs, as [`matmul`] each (with their
@@ -198,13 +202,13 @@ pub(crate) fn matmuls<R: CubeRuntime>(products: &[Operands<'_, R>]) -> Vec<Optio
             t.downcast::<CubeTensor<R>>().ok().map(|t| *t)
         }
         let mut cast_products = Vec::with_capacity(products.len());
-        for &(a, b, with) in products {
+        for &(a, b, with, output) in products {
             let with = match with {
                 With::Nothing => With::Nothing,
                 With::Bias(bias) => With::Bias(cast::<R, C>(bias)?),
                 With::BiasGradient => With::BiasGradient,
             };
-            cast_products.push((cast::<R, C>(a)?, cast::<R, C>(b)?, with));
+            cast_products.push((cast::<R, C>(a)?, cast::<R, C>(b)?, with, output));
         }
         Some(
             cuda_matmuls(&cast_products)
@@ -240,7 +244,7 @@ impl<C> CudaLike for C where
 {
 }
 
-/// The kinds of product (plan, dtype, epilogue) cuBLASLt refused, so that they go to CubeCL's
+/// The kinds of product (plan, dtypes, epilogue) cuBLASLt refused, so that they go to CubeCL's
 /// matmul at once instead of after another host wait.
 fn refused() -> &'static Mutex<HashSet<Kind>> {
     static REFUSED: OnceLock<Mutex<HashSet<Kind>>> = OnceLock::new();
@@ -258,10 +262,10 @@ struct Planned<'t, C: CubeRuntime> {
     kind: Kind,
 }
 
-/// The plan of one product and its outputs, or `None` (no plan, a bias or bias gradient the
-/// epilogue cannot take, a kind refused before).
-fn plan<'t, C: CudaLike>((a, b, with): Operands<'t, C>) -> Option<Planned<'t, C>> {
-    if a.dtype != b.dtype || !matches!(a.dtype, DType::F32 | DType::BF16 | DType::F16) {
+/// The plan of one product and its outputs, or `None` (no plan, dtypes cuBLASLt is not
+/// offered, a bias or bias gradient the epilogue cannot take, a kind refused before).
+fn plan<'t, C: CudaLike>((a, b, with, output): Operands<'t, C>) -> Option<Planned<'t, C>> {
+    if a.dtype != b.dtype || super::cublaslt_call::types(a.dtype, output).is_none() {
         return None;
     }
     let (a_shape, b_shape) = (a.shape(), b.shape());
@@ -287,8 +291,9 @@ fn plan<'t, C: CudaLike>((a, b, with): Operands<'t, C>) -> Option<Planned<'t, C>
     if epilogue == Epilogue::Bias && plan.batch != 1 {
         return None;
     }
+    // The bias has the output's type (cuBLASLt's default `CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE`).
     if let Some(bias) = bias
-        && (bias.dtype != a.dtype
+        && (bias.dtype != output
             || bias.shape().as_slice() != [plan.m]
             || bias.meta.strides()[0] != 1)
     {
@@ -297,10 +302,16 @@ fn plan<'t, C: CudaLike>((a, b, with): Operands<'t, C>) -> Option<Planned<'t, C>
     let refused = refused().lock().unwrap_or_else(|e| e.into_inner());
     // A weight gradient whose bias-gradient epilogue was refused is still a product cuBLASLt
     // may take: without the epilogue (the caller's reduction computes the bias gradient).
-    if epilogue == Epilogue::BiasGradient && refused.contains(&(plan, a.dtype, epilogue)) {
+    let kind_with = |epilogue| Kind {
+        plan,
+        operands: a.dtype,
+        output,
+        epilogue,
+    };
+    if epilogue == Epilogue::BiasGradient && refused.contains(&kind_with(epilogue)) {
         epilogue = Epilogue::None;
     }
-    let kind = (plan, a.dtype, epilogue);
+    let kind = kind_with(epilogue);
     if refused.contains(&kind) {
         return None;
     }
@@ -313,7 +324,7 @@ fn plan<'t, C: CudaLike>((a, b, with): Operands<'t, C>) -> Option<Planned<'t, C>
             a.client.clone(),
             a.device.clone(),
             Shape::from(dims),
-            a.dtype,
+            output,
         )
     };
     let out = empty(out_dims);
@@ -360,13 +371,14 @@ fn cuda_matmuls<C: CudaLike>(products: &[Operands<'_, C>]) -> Vec<Option<Product
                         .insert(planned.kind);
                     if REFUSALS.fetch_add(1, Ordering::Relaxed) == 0 {
                         tracing::warn!(
-                            "cuBLASLt refused a {:?} product of [{:?}]·[{:?}] with epilogue \
-                             {:?} ({reason}): CubeCL's matmul runs it and the products of its \
-                             kind, and the next refusals are only counted",
+                            "cuBLASLt refused a product of {:?} [{:?}]·[{:?}] written in {:?} \
+                             with epilogue {:?} ({reason}): CubeCL's matmul runs it and the \
+                             products of its kind, and the next refusals are only counted",
                             planned.a.dtype,
                             planned.a.shape(),
                             planned.b.shape(),
-                            planned.kind.2
+                            planned.kind.output,
+                            planned.kind.epilogue
                         );
                     }
                     None

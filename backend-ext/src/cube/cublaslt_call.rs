@@ -9,7 +9,7 @@
 //! CubeCL] in `cublaslt.rs`). None of them depends on the operands' addresses (the layouts
 //! hold shapes, the descriptor types, transposes and the epilogue; the algorithm is chosen for
 //! the preference's default 256-byte alignment, which `cublaslt.rs` checks of every pointer),
-//! so here they are made at the first product of a kind (its plan, dtype and epilogue) and
+//! so here they are made at the first product of a kind (its plan, dtypes and epilogue) and
 //! kept with the handle. A product then costs one `cublasLtMatmul` call, and one attribute
 //! write for the bias or bias-gradient pointer. (cuBLASLt keeps its own cache of heuristic
 //! answers, `CUBLASLT_HEURISTICS_CACHE_CAPACITY`; the descriptors' calls are what this saves.)
@@ -32,6 +32,17 @@
 //!   default, `CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE` unset). cuBLASLt does not document the
 //!   sum's accumulation; the CUDA test bounds it as the products are bounded.
 //!
+//! Note [cuBLASLt's f32 output]: a product of bf16 (f16) operands may be written in f32, from
+//! its f32 accumulator (`C'`'s layout in `CUDA_R_32F`, `CUBLAS_COMPUTE_32F`; cuBLASLt's table
+//! of supported types lists it beside the half output; Megatron-LM's `wgrad_gemm_accum_fp32`
+//! and Transformer Engine's weight gradients with `fuse_wgrad_accumulation` write f32 from
+//! half operands the same way). The dense layer's weight gradient under autocast takes it
+//! (Note [Weight gradients in f32] in `linear.rs`): `dW` reaches the f32 masters without a
+//! half rounding and a cast launch, as CubeCL's GEMM writes it. The bias gradient of
+//! `CUBLASLT_EPILOGUE_BGRADA` has the output's type (cuBLAS's documentation of
+//! `CUBLASLT_MATMUL_DESC_BIAS_POINTER`: "the same type as the output elements"), so it is f32
+//! too. A kind cuBLASLt refuses goes to CubeCL as any refused kind.
+//!
 //! bf16 and f16 products add a split-K algorithm's partial products in f32
 //! (`CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK` = `CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE`: what
 //! PyTorch sets when `torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction` is
@@ -50,7 +61,7 @@ use cudarc::cublaslt::sys;
 use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
-use crate::gemm_layout::{ColumnMajorGemm, MatrixLayout};
+use crate::gemm_layout::{ColumnMajorGemm, MatrixLayout, ProductCompute, product_compute};
 
 /// What a product does besides `C' = op(A')·op(B')` (Note [cuBLASLt descriptors kept]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -74,7 +85,16 @@ impl Epilogue {
 }
 
 /// A kind of product: what its descriptors and algorithm depend on.
-pub(super) type Kind = (ColumnMajorGemm, DType, Epilogue);
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct Kind {
+    pub plan: ColumnMajorGemm,
+    /// `A'` and `B'`'s dtype.
+    pub operands: DType,
+    /// `C'`'s dtype (and the epilogue's vector's): the operands', or f32 beside half operands
+    /// ([`types`], Note [cuBLASLt's f32 output]).
+    pub output: DType,
+    pub epilogue: Epilogue,
+}
 
 /// Kinds kept per handle before the cache starts again (Note [cuBLASLt descriptors kept]): a
 /// BERT step has a few dozen.
@@ -88,18 +108,32 @@ pub(super) struct Pointers {
     pub vector: CUdeviceptr,
 }
 
-/// cuBLASLt's element type and compute type for a dtype: f32 as TF32 on the tensor cores
-/// (`CUBLAS_COMPUTE_32F_FAST_TF32`, as cubek's kernels read f32), bf16 and f16 exact with f32
-/// accumulation (`CUBLAS_COMPUTE_32F`); the scale type (α, β) is f32 for all three.
-fn types(dtype: DType) -> Option<(sys::cudaDataType, sys::cublasComputeType_t)> {
+/// cuBLASLt's element types (operands, output) and compute type for a product of `operands`
+/// written in `output`, as [`product_compute`] allows: f32 as TF32
+/// (`CUBLAS_COMPUTE_32F_FAST_TF32`), bf16 and f16 exact with f32 accumulation
+/// (`CUBLAS_COMPUTE_32F`), written in their own dtype or in f32 (Note [cuBLASLt's f32
+/// output]); the scale type (α, β) is f32 for all. `None` for any other pair.
+pub(super) fn types(
+    operands: DType,
+    output: DType,
+) -> Option<(
+    sys::cudaDataType,
+    sys::cudaDataType,
+    sys::cublasComputeType_t,
+)> {
     use sys::cublasComputeType_t::{CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32};
     use sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F};
-    match dtype {
-        DType::F32 => Some((CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32)),
-        DType::BF16 => Some((CUDA_R_16BF, CUBLAS_COMPUTE_32F)),
-        DType::F16 => Some((CUDA_R_16F, CUBLAS_COMPUTE_32F)),
+    let element = |dtype| match dtype {
+        DType::F32 => Some(CUDA_R_32F),
+        DType::BF16 => Some(CUDA_R_16BF),
+        DType::F16 => Some(CUDA_R_16F),
         _ => None,
-    }
+    };
+    let compute = match product_compute(operands, output)? {
+        ProductCompute::Tf32 => CUBLAS_COMPUTE_32F_FAST_TF32,
+        ProductCompute::F32 => CUBLAS_COMPUTE_32F,
+    };
+    Some((element(operands)?, element(output)?, compute))
 }
 
 /// A matrix layout descriptor, destroyed with it.
@@ -279,19 +313,22 @@ impl Lt {
 
     /// The descriptors and the heuristic's first algorithm for `kind`, the epilogue's vector
     /// set to `vector` (the heuristic sees a product as it will run).
-    fn prepare(
-        &self,
-        (plan, dtype, epilogue): &Kind,
-        vector: CUdeviceptr,
-    ) -> Result<Prepared, String> {
-        let (element, compute) =
-            types(*dtype).ok_or_else(|| format!("no cuBLASLt type for {dtype:?}"))?;
+    fn prepare(&self, kind: &Kind, vector: CUdeviceptr) -> Result<Prepared, String> {
+        let Kind {
+            plan,
+            operands,
+            output,
+            epilogue,
+        } = kind;
+        let (element, out_element, compute) = types(*operands, *output).ok_or_else(|| {
+            format!("no cuBLASLt types for {operands:?} operands and a {output:?} output")
+        })?;
         let fail = |what: &'static str| move |e: CublasError| format!("{what}: {e:?}");
         let [la, lb, lc] = plan.layouts();
         let layouts = [
             Layout::new(element, &la).map_err(fail("A's layout"))?,
             Layout::new(element, &lb).map_err(fail("B's layout"))?,
-            Layout::new(element, &lc).map_err(fail("C's layout"))?,
+            Layout::new(out_element, &lc).map_err(fail("C's layout"))?,
         ];
         let desc = Desc(
             result::create_matmul_desc(compute, sys::cudaDataType_t::CUDA_R_32F)
@@ -324,7 +361,7 @@ impl Lt {
             )
         }
         .map_err(fail("the workspace preference"))?;
-        if matches!(dtype, DType::BF16 | DType::F16) {
+        if matches!(operands, DType::BF16 | DType::F16) {
             let mask =
                 sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
             // SAFETY: the mask is a uint32_t.
@@ -382,7 +419,7 @@ impl Lt {
             self.prepared.insert(*kind, prepared);
         }
         let prepared = &self.prepared[kind];
-        if kind.2 != Epilogue::None {
+        if kind.epilogue != Epilogue::None {
             // SAFETY: the attribute is a device address.
             unsafe {
                 prepared.desc.set(

@@ -53,8 +53,10 @@ pub(crate) fn matmul_pair<R: CubeRuntime>(
     #[cfg(feature = "cuda")]
     if gpu_gemm() == Gemm::Cublaslt {
         use super::cublaslt::With;
-        let mut both =
-            super::cublaslt::matmuls(&[(&a1, &b1, With::Nothing), (&a2, &b2, With::Nothing)]);
+        let mut both = super::cublaslt::matmuls(&[
+            (&a1, &b1, With::Nothing, a1.dtype),
+            (&a2, &b2, With::Nothing, a2.dtype),
+        ]);
         let second = both.pop().flatten().map(|p| p.out);
         let first = both.pop().flatten().map(|p| p.out);
         return (
@@ -81,9 +83,9 @@ pub(crate) fn dense_backward_products<R: CubeRuntime>(
     dense_backward_products_as(g2, weight_t, x_t, with_bias, dtype)
 }
 
-/// [`dense_backward_products`] with `dW` written in `dweight_dtype` by CubeCL's kernels (f32
-/// from half operands: their accumulator's precision, Note [Weight gradients in f32] in
-/// `linear.rs`); cuBLASLt's products stay in the operands' dtype, for the caller to cast.
+/// [`dense_backward_products`] with `dW` (and cuBLASLt's `db`) written in `dweight_dtype`: f32
+/// from half operands, their accumulator's precision (Note [Weight gradients in f32] in
+/// `linear.rs`; on cuBLASLt, Note [cuBLASLt's f32 output] in `cublaslt_call.rs`).
 pub(crate) fn dense_backward_products_as<R: CubeRuntime>(
     g2: CubeTensor<R>,
     weight_t: CubeTensor<R>,
@@ -99,13 +101,15 @@ pub(crate) fn dense_backward_products_as<R: CubeRuntime>(
         } else {
             With::Nothing
         };
-        let mut both =
-            super::cublaslt::matmuls(&[(&g2, &weight_t, With::Nothing), (&x_t, &g2, with)]);
+        let mut both = super::cublaslt::matmuls(&[
+            (&g2, &weight_t, With::Nothing, g2.dtype),
+            (&x_t, &g2, with, dweight_dtype),
+        ]);
         let dweight = both.pop().flatten();
         let dx = both.pop().flatten().map(|p| p.out);
         let (dweight, dbias) = match dweight {
             Some(p) => (p.out, p.bias_gradient),
-            None => (cube_only(x_t, g2.clone()), None),
+            None => (weight_gradient(x_t, g2.clone(), dweight_dtype), None),
         };
         return (
             dx.unwrap_or_else(|| cube_only(g2, weight_t)),
@@ -119,14 +123,25 @@ pub(crate) fn dense_backward_products_as<R: CubeRuntime>(
         return (dx, dweight, None);
     }
     let dx = matmul(g2.clone(), weight_t);
-    // cubek's `MatmulElems` take half operands with an f32 output (its accumulator's type);
-    // cubek panics inside (Auto's unit kernel, autotune's "all operations failed") rather than
-    // return an error where no kernel takes them, so there is no fallback to offer here.
+    (dx, weight_gradient(x_t, g2, dweight_dtype), None)
+}
+
+/// `x_t · g2` on CubeCL's kernels, written in `dtype`.
+///
+/// # Panics
+/// Where no kernel takes the operands with that output. cubek's `MatmulElems` take half
+/// operands with an f32 output (its accumulator's type); cubek panics inside (Auto's unit
+/// kernel, autotune's "all operations failed") rather than return an error where no kernel
+/// takes them, so there is no fallback to offer here.
+fn weight_gradient<R: CubeRuntime>(
+    x_t: CubeTensor<R>,
+    g2: CubeTensor<R>,
+    dtype: burn::tensor::DType,
+) -> CubeTensor<R> {
     let operands = g2.dtype;
-    let dweight = cube_matmul(x_t, g2, None, strategy(), dweight_dtype).unwrap_or_else(|e| {
-        panic!("the weight gradient in {dweight_dtype:?} from {operands:?} operands: {e:?}")
-    });
-    (dx, dweight, None)
+    cube_matmul(x_t, g2, None, strategy(), dtype).unwrap_or_else(|e| {
+        panic!("the weight gradient in {dtype:?} from {operands:?} operands: {e:?}")
+    })
 }
 
 /// [`matmul`] on CubeCL's kernel, whatever the choice (a product cuBLASLt did not take).

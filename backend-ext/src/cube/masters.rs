@@ -15,8 +15,9 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    /// `dW` from the weight-gradient GEMM in `dtype` (CubeCL's kernels; cuBLASLt's product is
-    /// cast), `db` by [`multi_tensor::column_sums`] in `dtype` where no epilogue computed it.
+    /// `dW` from the weight-gradient GEMM in `dtype` (CubeCL's kernels, or cuBLASLt's with `db`
+    /// in its epilogue), `db` by [`multi_tensor::column_sums`] in `dtype` where no epilogue
+    /// computed it.
     fn dense_backward_as(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,

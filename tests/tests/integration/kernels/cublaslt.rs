@@ -5,7 +5,7 @@
 //! f64 on the host; each product must have run on cuBLASLt (its counter), not on CubeCL's
 //! matmul.
 
-use burn::tensor::{DType, Tensor, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
 use ember_backend_ext::{CublasltSync, FusedOps, Gemm, GemmPrecision};
 
 use super::common::{random, values};
@@ -42,36 +42,55 @@ fn host_product(
 /// itself, u = 2⁻¹¹, so a product within 4u: 4u·`Σ|a·b|`; bf16 and f16 operands are exact),
 /// f32 accumulation over `k` terms (`(k + 2)·2⁻²⁴·Σ|a·b|`; a split-K algorithm adds its bf16
 /// partial products in f32 too, `cublaslt_call.rs`'s reduction-scheme preference), and the
-/// output's rounding to its dtype (`2⁻⁸|c|` in bf16).
-fn bound(c: f64, scale: f64, k: usize, dtype: DType, f32_gemm: GemmPrecision) -> f64 {
+/// output's rounding to its dtype (`2⁻⁸|c|` in bf16); `(operands, output)`: their dtypes (a
+/// weight gradient of bf16 operands is written in f32).
+fn bound(
+    c: f64,
+    scale: f64,
+    k: usize,
+    (operands, output): (DType, DType),
+    f32_gemm: GemmPrecision,
+) -> f64 {
     let u32 = f64::powi(2.0, -24);
-    let operands = if dtype == DType::F32 {
+    let conversion = if operands == DType::F32 {
         4.0 * f32_gemm.unit_roundoff()
     } else {
         0.0
     };
-    let output = if dtype == DType::BF16 {
+    let rounding = if output == DType::BF16 {
         f64::powi(2.0, -8)
     } else {
         u32
     };
-    (operands + (k as f64 + 2.0) * u32) * scale + output * c.abs()
+    (conversion + (k as f64 + 2.0) * u32) * scale + rounding * c.abs()
 }
 
 /// Asserts each element of `got` within [`bound`] of the host's `(product, Σ|a·b|)`, naming
-/// the worst.
+/// the worst; operands and output in `dtype`.
 fn assert_within(
+    what: &str,
+    got: &[f32],
+    host: &(Vec<f64>, Vec<f64>),
+    k: usize,
+    dtype: DType,
+    f32_gemm: GemmPrecision,
+) {
+    assert_within_as(what, got, host, k, (dtype, dtype), f32_gemm);
+}
+
+/// [`assert_within`] with the operands' and the output's dtypes apart.
+fn assert_within_as(
     what: &str,
     got: &[f32],
     (expected, scale): &(Vec<f64>, Vec<f64>),
     k: usize,
-    dtype: DType,
+    dtypes: (DType, DType),
     f32_gemm: GemmPrecision,
 ) {
     assert_eq!(got.len(), expected.len(), "{what}");
     let mut worst = (0usize, 0.0f64);
     for (i, ((&g, &e), &sc)) in got.iter().zip(expected).zip(scale).enumerate() {
-        let excess = (f64::from(g) - e).abs() / bound(e, sc, k, dtype, f32_gemm);
+        let excess = (f64::from(g) - e).abs() / bound(e, sc, k, dtypes, f32_gemm);
         if !(excess <= worst.1) {
             worst = (i, excess);
         }
@@ -82,7 +101,7 @@ fn assert_within(
         "{what}: element {i} is {} where the host gives {} (bound {:.3e})",
         got[i],
         expected[i],
-        bound(expected[i], scale[i], k, dtype, f32_gemm)
+        bound(expected[i], scale[i], k, dtypes, f32_gemm)
     );
 }
 
@@ -368,39 +387,51 @@ fn transposed(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 
 /// The dense layer's backward on cuBLASLt: `dx = g·Wᵀ` and `dW = xᵀ·g` in one window, and the
 /// bias gradient `db = Σ_rows g` written by `dW`'s epilogue (`CUBLASLT_EPILOGUE_BGRADA`),
-/// against the host in f32 and bf16. At BERT-like sizes (multiples of 64) the epilogue must
-/// have run: two products, one bias gradient, two launches and no reduction of its own. At odd
-/// sizes (rows of 100 bytes in bf16) cuBLASLt may have no BGRADA kernel; the values must hold
-/// either way (the fallback sums `g` with `sum_dim`).
+/// against the host in f32 and bf16, and with bf16 operands `dW` and `db` written in f32
+/// (`MasterOps::dense_backward_as`, autocast's weight gradients: Note [cuBLASLt's f32 output]).
+/// At BERT-like sizes (multiples of 64) the epilogue must have run: two products, one bias
+/// gradient, two launches and no reduction or cast of its own. At odd sizes (rows of 100 bytes
+/// in bf16) cuBLASLt may have no BGRADA kernel; the values must hold either way (the fallback
+/// sums `g` with `sum_dim`).
 fn check_dense_backward<B: FusedOps>(device: &B::Device, counting: bool, f32_gemm: GemmPrecision) {
-    for dtype in [DType::F32, DType::BF16] {
+    // (the operands' dtype, the weight and bias gradients' dtype)
+    for (dtype, grads_dtype) in [
+        (DType::F32, DType::F32),
+        (DType::BF16, DType::BF16),
+        (DType::BF16, DType::F32),
+    ] {
         for ([b, s, i, o], aligned) in [([4, 32, 128, 192], true), ([3, 37, 70, 50], false)] {
             let rows = b * s;
             let x = random::<B, 3>([b, s, i], device).cast(dtype);
             let w = random::<B, 2>([i, o], device).cast(dtype);
             let g = random::<B, 3>([b, s, o], device).cast(dtype);
             let (xh, wh, gh) = (values(x.clone()), values(w.clone()), values(g.clone()));
+            let backward = |x: Tensor<B, 3>, w: Tensor<B, 2>, g: Tensor<B, 3>| {
+                let (x, w, g) = (
+                    x.into_primitive().tensor(),
+                    w.into_primitive().tensor(),
+                    g.into_primitive().tensor(),
+                );
+                if grads_dtype == dtype {
+                    B::dense_backward(x, w, g, true)
+                } else {
+                    let as_float = FloatDType::from(grads_dtype);
+                    B::dense_backward_as(x, w, g, true, as_float)
+                }
+            };
             // The kinds' first products, uncounted (as in `one_product`).
-            drop(B::dense_backward(
-                x.clone().into_primitive().tensor(),
-                w.clone().into_primitive().tensor(),
-                g.clone().into_primitive().tensor(),
-                true,
-            ));
+            drop(backward(x.clone(), w.clone(), g.clone()));
             B::sync(device).expect("the device's queue");
             let (products, gradients, launches) = (
                 ember_backend_ext::cublaslt::products(),
                 ember_backend_ext::cublaslt::bias_gradients(),
                 ember_backend_ext::HostSyncs::now().launches,
             );
-            let (dx, dw, db) = B::dense_backward(
-                x.into_primitive().tensor(),
-                w.into_primitive().tensor(),
-                g.into_primitive().tensor(),
-                true,
-            );
+            let (dx, dw, db) = backward(x, w, g);
             B::sync(device).expect("the device's queue");
-            let what = format!("dense backward [{rows}, {i}]·[{i}, {o}] ({dtype:?})");
+            let what = format!(
+                "dense backward [{rows}, {i}]·[{i}, {o}] ({dtype:?}, dW and db in {grads_dtype:?})"
+            );
             if aligned {
                 assert_eq!(
                     (
@@ -410,18 +441,23 @@ fn check_dense_backward<B: FusedOps>(device: &B::Device, counting: bool, f32_gem
                     ),
                     (2, 1, 2 + window_counts(counting).0),
                     "{what}: (cuBLASLt products, bias gradients in an epilogue, launches) should \
-                     be two products in one window, db in dW's epilogue and no reduction of its \
-                     own (refused so far: {})",
+                     be two products in one window, db in dW's epilogue and no reduction or \
+                     cast of its own (refused so far: {})",
                     ember_backend_ext::cublaslt::refusals()
                 );
             }
-            let got_dx = values(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(dx)));
-            let got_dw = values(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(dw)));
+            let dx = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(dx));
+            let dw = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(dw));
             let db = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(
                 db.expect("a bias gradient"),
             ));
+            assert_eq!(
+                (dx.dtype(), dw.dtype(), db.dtype()),
+                (dtype, grads_dtype, grads_dtype),
+                "{what}: the gradients' dtypes"
+            );
             assert_eq!(db.dims(), [o], "{what}: db's shape");
-            let got_db = values(db);
+            let (got_dx, got_dw, got_db) = (values(dx), values(dw), values(db));
             let host_dx = host_product(&gh, &transposed(&wh, i, o), [1, rows, o, i], false);
             assert_within(
                 &format!("{what}: dx"),
@@ -432,12 +468,12 @@ fn check_dense_backward<B: FusedOps>(device: &B::Device, counting: bool, f32_gem
                 f32_gemm,
             );
             let host_dw = host_product(&transposed(&xh, rows, i), &gh, [1, i, rows, o], false);
-            assert_within(
+            assert_within_as(
                 &format!("{what}: dW"),
                 &got_dw,
                 &host_dw,
                 rows,
-                dtype,
+                (dtype, grads_dtype),
                 f32_gemm,
             );
             let host_db: (Vec<f64>, Vec<f64>) = (0..o)
@@ -447,12 +483,12 @@ fn check_dense_backward<B: FusedOps>(device: &B::Device, counting: bool, f32_gem
                         .fold((0.0, 0.0), |(sum, abs), v| (sum + v, abs + v.abs()))
                 })
                 .unzip();
-            assert_within(
+            assert_within_as(
                 &format!("{what}: db"),
                 &got_db,
                 &host_db,
                 rows,
-                dtype,
+                (dtype, grads_dtype),
                 f32_gemm,
             );
         }
