@@ -45,7 +45,9 @@
 #                  `bench gemm` times cuBLASLt with both syncs too, and prints a second
 #                  table: the dense layers' bias gradient in the weight gradient's epilogue
 #                  (BGRADA) against the same products and a `sum_dim` (ratio > 1: it pays;
-#                  "epilogue refused" if cuBLASLt took the kind without it).
+#                  "epilogue refused" if cuBLASLt took the kind without it), in bf16 also
+#                  with `dW` and `db` written in f32 (what autocast trains with) against the
+#                  bf16 products, the `sum_dim` and two casts.
 #   kernels        the kernel tests on CUDA (tests/tests/integration/kernels/, module
 #                  `kernels::cuda` of the integration test binary built with `--features cuda`):
 #                  every fused op against the reference, the dropout masks keyed by sample and
@@ -53,7 +55,8 @@
 #                  kernels with bf16 storage against the f32 reference (`half_precision.rs`);
 #                  cuBLASLt's products (`model.gemm = "cublaslt"`) against the host in f32 and
 #                  bf16, each of which must have run on cuBLASLt (`cublaslt.rs`; the dense
-#                  backward's `db` from the BGRADA epilogue, no reduction launch), with host
+#                  backward's `db` from the BGRADA epilogue, no reduction launch; with bf16
+#                  operands, autocast's `dW` and `db` written in f32, no cast launch), with host
 #                  waits and with device-side windows (launches and host syncs counted); the
 #                  window kernel alone (`gemm_window.rs`: released, expired); the masked
 #                  softmax in each of its layouts (`softmax.rs`: a warp per row up to 512 keys,
