@@ -4,8 +4,9 @@
 #   scripts/gpu-check.sh build          # here (no GPU needed): builds the CUDA binaries and packs
 #                                       # them with the shared libraries they need (HDF5, OpenBLAS
 #                                       # and theirs, not glibc's) into gpu-check/bins.tar.xz; carry
-#                                       # that file (the binaries are ~86 MB unpacked, over the
-#                                       # device machine's 64 MiB carry)
+#                                       # that file (binaries and libraries ~180 MB unpacked,
+#                                       # over the device machine's 64 MiB carry; 36 MB packed,
+#                                       # 2026-12-06, 16 minutes on 2 cores)
 #   scripts/gpu-check.sh run [PART...]  # on the GPU machine; PART: launch, step, gemm, kernels,
 #                                       # bench-kernels, resume, onebit, train-step, largest-batch,
 #                                       # streaming, precision, embed (default: all, in that order);

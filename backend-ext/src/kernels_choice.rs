@@ -64,7 +64,7 @@ pub enum QkvProjections {
     /// [`QkvProjections::Packed`] where the backend has kernels ([`FusedOps::HAS_KERNELS`]:
     /// cuda and wgpu, where the launches it saves count), else
     /// [`QkvProjections::Separate`] (NdArray: packed took 1.04–1.08× the CPU time of a
-    /// BERT-base step, docs/performance.md).
+    /// BERT-base step, docs/kernels.md).
     #[default]
     Auto,
     /// One dense layer with the three weights side by side (NVIDIA's and Samsung's MLPerf

@@ -59,7 +59,8 @@ pub(crate) fn cuda_table(
     let mut out = String::from(
         "\nThe dense layers' bias gradient on cuBLASLt (host waits): `db` in the weight \
          gradient's epilogue (BGRADA) against the same two products and a `sum_dim`, ms per \
-         backward\n\n| layer | dtype | rows × in × out | epilogue | products + sum_dim | ratio |\n\
+         backward (the rows with f32 gradients: the unfused path also casts `dW` and `db` to \
+         f32)\n\n| layer | dtype | rows × in × out | epilogue | products + sum_dim | ratio |\n\
          |---|---|---|---:|---:|---:|\n",
     );
     let mut records = Vec::new();

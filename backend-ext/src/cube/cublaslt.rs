@@ -141,7 +141,7 @@ pub(crate) enum With<'t, R: CubeRuntime> {
     Nothing,
     /// `bias` `[n]` added to every row (`CUBLASLT_EPILOGUE_BIAS`; a product without batch).
     Bias(&'t CubeTensor<R>),
-    /// Also `Σ_rows b` `[n]`, in `b`'s dtype (`CUBLASLT_EPILOGUE_BGRADA`: with `a = xᵀ` and
+    /// Also `Σ_rows b` `[n]`, in the product's output dtype (`CUBLASLT_EPILOGUE_BGRADA`: with `a = xᵀ` and
     /// `b` the output's gradient, the dense layer's bias gradient beside `dW`; a product
     /// without batch).
     BiasGradient,

@@ -43,14 +43,17 @@
 //! `CUBLASLT_MATMUL_DESC_BIAS_POINTER`: "the same type as the output elements"), so it is f32
 //! too. A kind cuBLASLt refuses goes to CubeCL as any refused kind.
 //!
-//! bf16 and f16 products add a split-K algorithm's partial products in f32
+//! bf16 and f16 products written in their own type add a split-K algorithm's partial products
+//! in f32
 //! (`CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK` = `CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE`: what
 //! PyTorch sets when `torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction` is
 //! `False`). A deliberate difference from PyTorch's default (`True`, partial products rounded
 //! to bf16 in place or in the workspace): ember's other GEMM paths (cubek's kernels)
 //! accumulate the whole sum in f32, and its tests bound every path's products alike. The
 //! heuristic may then have fewer split-K algorithms to choose from; `bench gemm` sets
-//! cuBLASLt beside `torch.matmul` with PyTorch's default.
+//! cuBLASLt beside `torch.matmul` with PyTorch's default. A product written in f32 (Note
+//! [cuBLASLt's f32 output]) keeps every scheme: its partial sums are f32 in place, in the
+//! output's type or in the compute type alike.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -361,7 +364,8 @@ impl Lt {
             )
         }
         .map_err(fail("the workspace preference"))?;
-        if matches!(operands, DType::BF16 | DType::F16) {
+        // A half output only: an f32 output's partial sums are f32 under every scheme.
+        if matches!(output, DType::BF16 | DType::F16) {
             let mask =
                 sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
             // SAFETY: the mask is a uint32_t.

@@ -390,9 +390,10 @@ fn transposed(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// against the host in f32 and bf16, and with bf16 operands `dW` and `db` written in f32
 /// (`MasterOps::dense_backward_as`, autocast's weight gradients: Note [cuBLASLt's f32 output]).
 /// At BERT-like sizes (multiples of 64) the epilogue must have run: two products, one bias
-/// gradient, two launches and no reduction or cast of its own. At odd sizes (rows of 100 bytes
-/// in bf16) cuBLASLt may have no BGRADA kernel; the values must hold either way (the fallback
-/// sums `g` with `sum_dim`).
+/// gradient, two launches and no reduction or cast of its own (the launches are counted under
+/// the counting runtime only). At odd sizes (rows of 100 bytes in bf16) cuBLASLt may have no
+/// BGRADA kernel; the values must hold either way (the fallback sums `g`'s columns: `sum_dim`,
+/// or in f32 the column sums of Note [Parameter gradients in f32]).
 fn check_dense_backward<B: FusedOps>(device: &B::Device, counting: bool, f32_gemm: GemmPrecision) {
     // (the operands' dtype, the weight and bias gradients' dtype)
     for (dtype, grads_dtype) in [

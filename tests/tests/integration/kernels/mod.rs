@@ -556,8 +556,9 @@ mod cuda {
         super::half_precision::check_bf16::<Backend>(&device());
     }
 
-    /// Note [Weight gradients in f32]: in bf16, the default `model.gemm` (CubeCL's kernels);
-    /// cuBLASLt's products are cast (launches counted by the counting runtime).
+    /// Note [Weight gradients in f32]: in bf16, the default `model.gemm` (CubeCL's kernels;
+    /// cuBLASLt's f32 weight gradients are `cublaslt.rs`'s), launches counted by the counting
+    /// runtime.
     #[test]
     fn dense_of_masters_writes_f32_weight_gradients() {
         super::dense::check_dense_of_masters::<
