@@ -1,6 +1,18 @@
 //! The [`BucketOps`] trait: the flat gradient buckets of data parallelism, made of many
-//! tensors ([`BucketOps::flatten_multi_tensor`]) and taken apart again
+//! tensors ([`BucketOps::flatten_multi_tensor`]), clipped by a norm on the device
+//! ([`BucketOps::clip_multi_tensor`]) and taken apart again
 //! ([`BucketOps::unflatten_multi_tensor`]).
+//!
+//! Note [Clipped in one launch]: clipping a bucket by its squared norm `s` (a `[1]` tensor on
+//! the device, never read by the host) was Burn's composition of the coefficient
+//! `min(1, max_norm / (√s + 1e-6))` (`sqrt`, `add`, `recip`, `mul`, `clamp`: five launches of
+//! one element each) and a multiplication of the bucket: six launches per bucket in `bucket`
+//! mode, where each bucket is clipped by its own norm (a BERT-large step has about 55 buckets
+//! of 25 MB), and the coefficient plus one multiplication per bucket in `global` mode. The
+//! CubeCL kernel computes the coefficient in every unit from `s` (the same f32 operations in
+//! the same order, so the same bits) and scales up to 32 buckets in one launch, in place
+//! where the bucket's memory is its own, as PyTorch's `clip_grad_norm_` scales all gradients
+//! with one `_foreach_mul_` by the clamped coefficient (apex's `multi_tensor_scale`).
 //!
 //! Note [Unflattened by views]: after the allreduce, each parameter's averaged gradient is a
 //! part of its bucket, and the optimizer reads it as a tensor of its own. On Burn's CubeCL
@@ -25,6 +37,22 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, Tensor, TensorMetadata};
 
 use crate::{float, prim};
+
+/// The clip coefficient `min(1, max_norm / (√sq_norm + 1e-6))` of a squared norm, on the
+/// device (no host read), by Burn's ops: PyTorch's `clip_grad_norm_` (`max_norm / (total_norm +
+/// 1e-6)`, clamped to 1). The trainer's `clip_coefficient_device` and the default body of
+/// [`BucketOps::clip_multi_tensor`].
+///
+/// # Shapes
+/// `sq_norm` `[1]` → `[1]`
+pub fn clip_coefficient<B: Backend>(sq_norm: Tensor<B, 1>, max_norm: f32) -> Tensor<B, 1> {
+    sq_norm
+        .sqrt()
+        .add_scalar(1e-6)
+        .recip()
+        .mul_scalar(max_norm)
+        .clamp_max(1.0)
+}
 
 /// The ops of flat gradient buckets (Note [Bucket storage] in ember-trainer's
 /// `parallel/buckets.rs`); part of [`crate::FusedOps`], whose supertrait it is. The default
@@ -51,6 +79,26 @@ pub trait BucketOps: Backend {
             })
             .collect();
         prim(Tensor::cat(flat, 0))
+    }
+
+    /// Each of `xs` times the clip coefficient of the squared norm `sq_norm`,
+    /// `min(1, max_norm / (√sq_norm + 1e-6))` ([`clip_coefficient`]), read on the device:
+    /// gradient clipping by a norm (PyTorch's `clip_grad_norm_`), of one bucket (`bucket`
+    /// mode) or of all (`global`). The default body is [`clip_coefficient`] and a
+    /// multiplication per tensor; CubeCL backends scale up to 32 tensors per launch with the
+    /// coefficient computed in the kernel, the same bits (Note [Clipped in one launch]).
+    ///
+    /// # Shapes
+    /// `xs` flat `[n_i]` (one dtype), `sq_norm` `[1]` → `[n_i]` each
+    fn clip_multi_tensor(
+        xs: Vec<FloatTensor<Self>>,
+        sq_norm: FloatTensor<Self>,
+        max_norm: f32,
+    ) -> Vec<FloatTensor<Self>> {
+        let coefficient = clip_coefficient(float::<Self, 1>(sq_norm), max_norm);
+        xs.into_iter()
+            .map(|x| prim(float::<Self, 1>(x) * coefficient.clone()))
+            .collect()
     }
 
     /// The parts `flat[r]` for each range `r` of `parts`, as flat tensors: each parameter's

@@ -85,7 +85,7 @@ pub type CountingCuda<F = f32, I = i32> =
 pub type CountingWgpu<F = f32, I = i32> =
     burn_cubecl::CubeBackend<CountingRuntime<cubecl::wgpu::WgpuRuntime>, F, I, u32>;
 pub use adam::{AdamHyper, AdamKind, AdamOutput, AdamTensors};
-pub use bucket_ops::BucketOps;
+pub use bucket_ops::{BucketOps, clip_coefficient};
 pub use cross_entropy::CrossEntropyForward;
 pub use dropout::{DropoutScope, DropoutSpec, keep_mask, reseed_dropout};
 pub use functions::{

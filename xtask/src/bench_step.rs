@@ -86,6 +86,14 @@ pub struct StepArgs {
     /// none launches what bf16 does, on backends without bf16 (wgpu)
     #[arg(long, default_value = "auto")]
     loss_scale: ember_trainer::config::LossScaleMode,
+    /// Gradient bucket cap, MiB (`parallel.bucket_cap_mb`, PyTorch DDP's `bucket_cap_mb`): a
+    /// small model with a small cap has as many buckets per layer as a large one at 25
+    #[arg(long, default_value_t = 25.0)]
+    bucket_cap_mb: f64,
+    /// Gradient clipping (`parallel.clip`): none, global, local-global or bucket (Samsung's
+    /// bucket-wise clipping)
+    #[arg(long, default_value = "global")]
+    clip: ember_trainer::parallel::ClipMode,
 }
 
 pub fn run(args: StepArgs) -> Result<()> {
@@ -183,6 +191,8 @@ fn config(
     config.model.qkv_projections = args.qkv_projections;
     config.train.precision = args.precision;
     config.loss_scale.mode = args.loss_scale;
+    config.parallel.bucket_cap_mb = args.bucket_cap_mb;
+    config.parallel.clip = args.clip;
     config
 }
 

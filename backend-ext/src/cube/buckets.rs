@@ -27,6 +27,44 @@ where
     fn unflatten_multi_tensor(flat: CubeTensor<R>, parts: &[Range<usize>]) -> Vec<CubeTensor<R>> {
         unflatten(flat, parts)
     }
+
+    /// In place by [`multi_tensor::clip_in_place`] (Note [Clipped in one launch]); a tensor
+    /// whose memory is shared (another handle to it is alive), or of another dtype than
+    /// `sq_norm`, is multiplied by the composition's coefficient instead, the same bits.
+    fn clip_multi_tensor(
+        xs: Vec<CubeTensor<R>>,
+        sq_norm: CubeTensor<R>,
+        max_norm: f32,
+    ) -> Vec<CubeTensor<R>> {
+        let sq_norm = into_contiguous(sq_norm);
+        let xs: Vec<_> = xs.into_iter().map(into_contiguous).collect();
+        let (own, shared): (Vec<_>, Vec<_>) = xs
+            .iter()
+            .map(|x| x.can_mut() && x.dtype == sq_norm.dtype)
+            .enumerate()
+            .partition(|&(_, own)| own);
+        let own: Vec<_> = own.into_iter().map(|(i, _)| xs[i].clone()).collect();
+        multi_tensor::clip_in_place(&own, &sq_norm, max_norm);
+        drop(own);
+        if shared.is_empty() {
+            return xs;
+        }
+        let coefficient = crate::clip_coefficient(
+            burn::tensor::Tensor::<Self, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(
+                sq_norm,
+            )),
+            max_norm,
+        );
+        let mut xs: Vec<Option<CubeTensor<R>>> = xs.into_iter().map(Some).collect();
+        for (i, _) in shared {
+            let x = xs[i].take().expect("each index once");
+            let x = burn::tensor::Tensor::<Self, 1>::from_primitive(
+                burn::tensor::TensorPrimitive::Float(x),
+            );
+            xs[i] = Some((x * coefficient.clone()).into_primitive().tensor());
+        }
+        xs.into_iter().map(|x| x.expect("every tensor")).collect()
+    }
 }
 
 /// Whether Burn's `slice` of `r` out of a contiguous flat tensor of `n` elements of `bytes`

@@ -155,6 +155,33 @@ pub(super) fn flatten<R: CubeRuntime>(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
     output
 }
 
+/// [`crate::BucketOps::clip_multi_tensor`] of tensors whose memory is their own (contiguous,
+/// `can_mut`, of `sq_norm`'s dtype): [`multi_tensor_kernels::multi_clip_kernel`] in place, up
+/// to 32 per launch (fewer where the device binds fewer buffers).
+pub(super) fn clip_in_place<R: CubeRuntime>(
+    xs: &[CubeTensor<R>],
+    sq_norm: &CubeTensor<R>,
+    max_norm: f32,
+) {
+    let Some(first) = xs.first() else {
+        return;
+    };
+    let per_launch = tensors_per_launch(first, 1, 1);
+    for group in xs.chunks(per_launch) {
+        let largest = group.iter().map(numel).max().unwrap_or(0);
+        let (count, dim, _) = multi_launch(largest, group.len());
+        multi_tensor_kernels::multi_clip_kernel::launch::<R>(
+            &first.client,
+            count,
+            dim,
+            group.iter().map(|x| x.clone().into_tensor_arg()).collect(),
+            sq_norm.clone().into_tensor_arg(),
+            max_norm,
+            storage(first.dtype),
+        );
+    }
+}
+
 /// [`FusedOps::concat_columns`]: [`multi_tensor_kernels::multi_concat_columns_kernel`], one
 /// launch for up to 32 parts (fewer where the device binds fewer buffers).
 ///

@@ -133,6 +133,37 @@ pub fn multi_sum_squares_kernel<F: Float>(
     }
 }
 
+/// Every tensor in `xs` multiplied in place by the clip coefficient
+/// `min(1, max_norm / (√sq_norm[0] + 1e-6))`, which each unit computes from the squared norm
+/// in f32 with the operations of Burn's composition in their order
+/// (`bucket_ops::clip_coefficient`; for f32 buckets the same bits). Cube `(g, t)` scales part
+/// of tensor t (Note [Clipped in one launch]).
+#[cube(launch)]
+pub fn multi_clip_kernel<F: Float>(
+    xs: &mut Sequence<Tensor<F>>,
+    sq_norm: &Tensor<F>,
+    max_norm: f32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let count = xs.len().comptime();
+    let tensor = CUBE_POS_Y as usize;
+    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+    let one = f32::new(1.0);
+    let root = f32::sqrt(f32::cast_from(sq_norm[0]));
+    let coefficient = F::cast_from(f32::min((one / (root + f32::new(1e-6))) * max_norm, one));
+    #[unroll]
+    for t in 0..count {
+        if tensor == t {
+            let x = xs.index_mut(t);
+            let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+            while i < x.len() {
+                x[i] = x[i] * coefficient;
+                i += stride;
+            }
+        }
+    }
+}
+
 /// Every tensor in `xs` copied into `output` back to back, from element `first` on: tensor t
 /// at `first + Σ_{s<t} len(xs[s])` (apex's `multi_tensor_scale` at scale 1, as apex's DDP
 /// flattens gradients into its allreduce buckets). Cube `(g, t)` copies part of tensor t.

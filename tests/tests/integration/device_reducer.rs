@@ -75,6 +75,9 @@ fn train_records(records: &[serde_json::Value]) -> Vec<&serde_json::Value> {
 #[test]
 fn device_buckets_equal_one_rank_or_host_buckets_for_every_clip_mode() {
     let dir = tempfile::tempdir().unwrap();
+    // Per clip mode, the last step's kernel launches; and the plan's bucket count.
+    let mut launches: Vec<(ClipMode, u64)> = Vec::new();
+    let mut buckets = 0;
     for clip in [
         ClipMode::None,
         ClipMode::Global,
@@ -83,10 +86,23 @@ fn device_buckets_equal_one_rank_or_host_buckets_for_every_clip_mode() {
     ] {
         let mut two = config(&dir.path().join(format!("{clip}-device")));
         two.parallel.clip = clip;
+        // Buckets of 50 KiB: tens of them, as a large model has at the default cap, so that
+        // what clipping launches per bucket shows.
+        two.parallel.first_bucket_mb = 0.05;
+        two.parallel.bucket_cap_mb = 0.05;
         two.train.batch_size = 2;
         two.parallel.buckets = BucketStorage::Device;
         let (device, records) = run(&two, 2);
         assert_eq!(records[0]["bucket_storage"], "device");
+        // "K buckets: a, b, … MiB, then the batch's rows of …"
+        let plan = records[0]["buckets"].as_str().unwrap();
+        buckets = plan.split(' ').next().unwrap().parse::<u64>().unwrap();
+        launches.push((
+            clip,
+            train_records(&records).last().unwrap()["kernel_launches_step"]
+                .as_u64()
+                .unwrap(),
+        ));
         let norms: Vec<f64> = train_records(&records)
             .iter()
             .map(|r| r["grad_norm"].as_f64().unwrap())
@@ -118,6 +134,26 @@ fn device_buckets_equal_one_rank_or_host_buckets_for_every_clip_mode() {
             eprintln!("{clip}: device vs host buckets, largest difference {worst:e}");
         }
     }
+    // Note [Clipped in one launch]: what clipping adds to a step's launches (`none` computes
+    // the norm too, for the log). `global`: one kernel scales every bucket and the tied rows,
+    // up to 32 a launch (lavapipe binds fewer), where Burn's composition took five launches
+    // for the coefficient and one per bucket. `bucket`: per bucket its norm (two launches)
+    // and the clip (one), where the composition took eight.
+    let of = |clip| launches.iter().find(|(c, _)| *c == clip).unwrap().1 as i64;
+    let none = of(ClipMode::None);
+    eprintln!("{buckets} buckets; launches per step by clip mode: {launches:?}");
+    assert!(buckets >= 10, "{buckets} buckets: too few to tell");
+    let extra = |clip| of(clip) - none;
+    assert!(
+        extra(ClipMode::Global) <= 8,
+        "global clipping added {} launches to {none} ({buckets} buckets)",
+        extra(ClipMode::Global)
+    );
+    assert!(
+        extra(ClipMode::Bucket) <= 3 * buckets as i64 + 8,
+        "bucket clipping added {} launches to {none} ({buckets} buckets)",
+        extra(ClipMode::Bucket)
+    );
 }
 
 #[test]

@@ -29,7 +29,7 @@ use burn::tensor::{ElementConversion, Shape, Tensor, TensorData, TensorMetadata,
 use ember_backend_ext::FusedOps;
 use serde::{Deserialize, Serialize};
 
-use super::clip::{clip_coefficient, clip_coefficient_device};
+use super::clip::clip_coefficient;
 
 /// Where the reducer keeps gradient buckets (`parallel.buckets`; Note [Bucket storage]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -113,7 +113,8 @@ impl<B: Backend> Scalar<B> {
         }
     }
 
-    /// The sum of `values`, all of one kind, in a fixed order (Note [Ranks stay one model]).
+    /// The sum of `values`, all of one kind, in a fixed order (Note [Ranks stay one model]). A
+    /// device value may hold several numbers (`[n]`, in order), all of which are summed.
     pub(crate) fn sum(values: Vec<Self>) -> Self
     where
         B: FusedOps,
@@ -126,18 +127,17 @@ impl<B: Backend> Scalar<B> {
                 Scalar::Device(t) => device.push(t),
             }
         }
-        if device.is_empty() {
-            Scalar::Host(host)
+        let all = match device.len() {
+            0 => return Scalar::Host(host),
+            1 => device.pop().expect("one value"),
+            // One launch per 32 values on CubeCL (Burn's `cat` launched one per value).
+            _ => ember_backend_ext::concat_columns(device),
+        };
+        if all.dims()[0] == 1 {
+            // Σ of one number is itself.
+            Scalar::Device(all)
         } else {
-            Scalar::Device(ember_backend_ext::sum_ordered(Tensor::cat(device, 0)))
-        }
-    }
-
-    /// The clip coefficient of a squared norm, where the norm lives (Note [Clip coefficient]).
-    pub(crate) fn clip_coefficient(&self, max_norm: f64) -> Self {
-        match self {
-            Scalar::Host(sq) => Scalar::Host(clip_coefficient(sq.sqrt(), max_norm)),
-            Scalar::Device(sq) => Scalar::Device(clip_coefficient_device(sq.clone(), max_norm)),
+            Scalar::Device(ember_backend_ext::sum_ordered(all))
         }
     }
 }
@@ -233,23 +233,84 @@ impl<B: FusedOps> Buffer<B> {
         }
     }
 
-    /// `self · coefficient`.
-    pub(crate) fn scale(self, coefficient: &Scalar<B>) -> Self {
-        match (self, coefficient) {
-            (Buffer::Host(mut values), Scalar::Host(c)) => {
-                if *c != 1.0 {
-                    let c = *c as f32;
-                    values.iter_mut().for_each(|x| *x *= c);
-                }
-                Buffer::Host(values)
-            }
-            (Buffer::Device(t), Scalar::Device(c)) => {
-                // In place where Burn can: a reduced bucket is this rank's own buffer, under
-                // NCCL and the in-process hub alike (Note [CubeCL streams and in-place writes]).
-                Buffer::Device(t * c.clone())
-            }
-            _ => unreachable!("one reducer keeps its numbers in one place"),
+    /// `self` clipped by the squared norm `sq`: times `min(1, max_norm / (√sq + 1e-6))` (Note
+    /// [Clip coefficient]). On the device one launch of
+    /// [`BucketOps::clip_multi_tensor`](ember_backend_ext::BucketOps::clip_multi_tensor),
+    /// in place where Burn can (a reduced bucket is this rank's own buffer, under NCCL and the
+    /// in-process hub alike: Note [CubeCL streams and in-place writes]).
+    pub(crate) fn clip(self, sq: &Scalar<B>, max_norm: f64) -> Self {
+        Self::clip_all(vec![self], sq, max_norm)
+            .pop()
+            .expect("one buffer in, one out")
+    }
+
+    /// Every buffer of `buffers` clipped by the one squared norm `sq` ([`Buffer::clip`]): on
+    /// the device, up to 32 buffers per launch (Note [Clipped in one launch] in
+    /// ember-backend-ext's `bucket_ops.rs`).
+    pub(crate) fn clip_all(buffers: Vec<Self>, sq: &Scalar<B>, max_norm: f64) -> Vec<Self> {
+        if max_norm <= 0.0 {
+            return buffers;
         }
+        match sq {
+            Scalar::Host(sq) => {
+                let c = clip_coefficient(sq.sqrt(), max_norm);
+                buffers
+                    .into_iter()
+                    .map(|b| match b {
+                        Buffer::Host(mut values) => {
+                            if c != 1.0 {
+                                let c = c as f32;
+                                values.iter_mut().for_each(|x| *x *= c);
+                            }
+                            Buffer::Host(values)
+                        }
+                        Buffer::Device(_) => {
+                            unreachable!("one reducer keeps its numbers in one place")
+                        }
+                    })
+                    .collect()
+            }
+            Scalar::Device(sq) => {
+                let tensors = buffers
+                    .into_iter()
+                    .map(|b| match b {
+                        Buffer::Device(t) => t.into_primitive().tensor(),
+                        Buffer::Host(_) => {
+                            unreachable!("one reducer keeps its numbers in one place")
+                        }
+                    })
+                    .collect();
+                let sq = sq.clone().into_primitive().tensor();
+                B::clip_multi_tensor(tensors, sq, max_norm as f32)
+                    .into_iter()
+                    .map(|t| Buffer::Device(Tensor::from_primitive(TensorPrimitive::Float(t))))
+                    .collect()
+            }
+        }
+    }
+
+    /// The squared L2 norms of `buffers` summed, `Σ_b Σ x²`, in a fixed order: on the device
+    /// one multi-tensor launch for up to 32 buffers ([`FusedOps::sum_squares_multi_tensor`])
+    /// and one for their sum, where a launch per buffer and a `cat` of their norms took two
+    /// per buffer; `extra` (another squared norm, same storage) is added last.
+    pub(crate) fn sum_sq_norms(buffers: &[&Self], extra: Option<Scalar<B>>) -> Scalar<B> {
+        let device: Vec<_> = buffers
+            .iter()
+            .filter_map(|b| match b {
+                Buffer::Device(t) => Some(t.clone().into_primitive().tensor()),
+                Buffer::Host(_) => None,
+            })
+            .collect();
+        let mut parts: Vec<Scalar<B>> = if device.is_empty() {
+            buffers.iter().map(|b| b.sq_norm()).collect()
+        } else {
+            let norms = B::sum_squares_multi_tensor(device);
+            vec![Scalar::Device(Tensor::from_primitive(
+                TensorPrimitive::Float(norms),
+            ))]
+        };
+        parts.extend(extra);
+        Scalar::sum(parts)
     }
 
     /// `⟨d, l⟩`: the dot product of the rows `ids` of the `[V, H]` part `d` of this buffer at

@@ -75,15 +75,11 @@ pub fn clip_coefficient(norm: f64, max_norm: f64) -> f64 {
 }
 
 /// [`clip_coefficient`] on the device, from a squared norm: `[1]` in, `[1]` out, no host
-/// read.
+/// read (`ember_backend_ext::clip_coefficient`, what `BucketOps::clip_multi_tensor`'s kernels
+/// compute in one launch with the buckets' scaling).
 pub fn clip_coefficient_device<B: Backend>(sq_norm: Tensor<B, 1>, max_norm: f64) -> Tensor<B, 1> {
     if max_norm > 0.0 {
-        sq_norm
-            .sqrt()
-            .add_scalar(1e-6)
-            .recip()
-            .mul_scalar(max_norm)
-            .clamp_max(1.0)
+        ember_backend_ext::clip_coefficient(sq_norm, max_norm as f32)
     } else {
         sq_norm.zeros_like().add_scalar(1.0)
     }

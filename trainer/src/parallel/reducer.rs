@@ -18,7 +18,7 @@
 mod handover;
 mod launch;
 
-use launch::scale_all;
+use launch::clip_all;
 
 use std::collections::HashMap;
 use std::sync::mpsc::Receiver;
@@ -380,8 +380,7 @@ impl<B: FusedOps> Reducer<B> {
         if self.clip == ClipMode::LocalGlobal {
             // NVIDIA's rule: the whole local gradient's norm, so every bucket waits for it.
             let sq = self.sq_norm(&state);
-            let coefficient = sq.clip_coefficient(self.max_norm);
-            scale_all(&mut state, &coefficient);
+            clip_all(&mut state, &sq, self.max_norm);
             local_norm = Some(sq.sqrt());
             while state.next_launch < self.plan.buckets.len() {
                 let k = state.next_launch;
@@ -420,8 +419,7 @@ impl<B: FusedOps> Reducer<B> {
                 let sq = self.sq_norm(&state);
                 reduced_sq_norm = self.overflow_check.then(|| sq.clone());
                 if self.clip == ClipMode::Global {
-                    let coefficient = sq.clip_coefficient(self.max_norm);
-                    scale_all(&mut state, &coefficient);
+                    clip_all(&mut state, &sq, self.max_norm);
                 }
                 sq.sqrt()
             }
@@ -465,21 +463,22 @@ impl<B: FusedOps> Reducer<B> {
     /// The squared norm of the whole gradient in the buckets (and the tied rows, with the
     /// cross term of the table's two shares: Note [Tied embedding split]).
     fn sq_norm(&self, state: &StepState<B>) -> Scalar<B> {
-        let mut parts: Vec<Scalar<B>> = state
+        let mut buffers: Vec<&Buffer<B>> = state
             .buffers
             .iter()
-            .map(|b| b.as_ref().expect("every bucket is complete").sq_norm())
+            .map(|b| b.as_ref().expect("every bucket is complete"))
             .collect();
+        let mut cross = None;
         if let Some(tied) = &state.tied {
             let (k, offset) = self
                 .plan
                 .decoder_place()
                 .expect("a split plan holds the decoder's share");
-            parts.push(tied.buffer.as_ref().expect("the rows arrived").sq_norm());
+            buffers.push(tied.buffer.as_ref().expect("the rows arrived"));
             let decoder_bucket = state.buffers[k].as_ref().expect("every bucket is complete");
-            parts.push(tied.cross_term(decoder_bucket, offset));
+            cross = Some(tied.cross_term(decoder_bucket, offset));
         }
-        Scalar::sum(parts)
+        Buffer::sum_sq_norms(&buffers, cross)
     }
 }
 

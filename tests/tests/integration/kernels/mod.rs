@@ -20,6 +20,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use ember_backend_ext::{DropoutSpec, FusedOps, GemmPrecision, reference};
 
+mod clip;
 mod column_sums;
 mod common;
 mod cross_entropy;
@@ -395,6 +396,12 @@ macro_rules! kernel_tests {
             flatten::check_unflatten::<$backend>(&$device);
         }
 
+        /// Note [Clipped in one launch].
+        #[test]
+        fn clipping_by_a_norm_equals_the_composition() {
+            clip::check_clip::<$backend>(&$device);
+        }
+
         #[test]
         fn column_concatenation_and_split_equal_cat_and_slices() {
             packing::check_columns::<B>(&$device);
@@ -499,6 +506,11 @@ mod wgpu {
     #[test]
     fn flattening_launches_a_kernel_per_32_tensors() {
         super::flatten::check_flatten_launches();
+    }
+
+    #[test]
+    fn clipping_buckets_takes_one_launch() {
+        super::clip::check_clip_launches();
     }
 
     /// Note [Unflattened by views].

@@ -124,7 +124,7 @@ impl<B: FusedOps> Shared<B> {
             .bucket_clip_count
             .unwrap_or_else(|| self.plan.num_reductions());
         let cap = bucket_clip_cap(self.max_norm, count);
-        let clipped = buffer.scale(&sq.clip_coefficient(cap));
+        let clipped = buffer.clip(&sq, cap);
         state.local_sq_norms.push(sq);
         clipped
     }
@@ -166,14 +166,22 @@ impl<B: FusedOps> Shared<B> {
     }
 }
 
-/// Scales every bucket (and the tied rows) by `coefficient`.
-pub(super) fn scale_all<B: FusedOps>(state: &mut StepState<B>, coefficient: &Scalar<B>) {
+/// Clips every bucket (and the tied rows) by the squared norm `sq` of them all (Note [Clip
+/// coefficient]): on the device up to 32 buckets per launch ([`Buffer::clip_all`]).
+pub(super) fn clip_all<B: FusedOps>(state: &mut StepState<B>, sq: &Scalar<B>, max_norm: f64) {
+    let mut buffers: Vec<Buffer<B>> = state
+        .buffers
+        .iter_mut()
+        .map(|b| b.take().expect("every bucket is complete"))
+        .collect();
+    if let Some(tied) = state.tied.as_mut() {
+        buffers.push(tied.buffer.take().expect("the rows arrived"));
+    }
+    let mut clipped = Buffer::clip_all(buffers, sq, max_norm).into_iter();
     for buffer in &mut state.buffers {
-        let b = buffer.take().expect("every bucket is complete");
-        *buffer = Some(b.scale(coefficient));
+        *buffer = clipped.next();
     }
     if let Some(tied) = state.tied.as_mut() {
-        let rows = tied.buffer.take().expect("the rows arrived");
-        tied.buffer = Some(rows.scale(coefficient));
+        tied.buffer = clipped.next();
     }
 }
