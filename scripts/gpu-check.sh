@@ -31,7 +31,9 @@
 #                  GPU-speed issue's target: at most 1,500 launches per BERT-large step),
 #                  device vs host buckets, and the 15 kernels launched most per step; then
 #                  BERT-large again with `--qkv-projections separate` (three Q, K, V dense
-#                  layers) to set beside the packed default's row (Note [Packed QKV]).
+#                  layers) to set beside the packed default's row (Note [Packed QKV]), and
+#                  with `--clip bucket` (each of its ~55 buckets clipped by its own norm,
+#                  three launches a bucket: Note [Clipped in one launch]).
 #   gemm           the GEMM kernels (`model.gemm`, Note [GPU GEMMs] in backend-ext/src/gemm.rs):
 #                  `bench gemm` (every product of a BERT-large step at seq 128 and 512 alone,
 #                  TFLOP/s of autotune, cmma and cuBLASLt in f32 and bf16 against torch.matmul on
@@ -206,6 +208,10 @@ run)
             echo "   BERT-large with the Q, K and V projections separate (the rows above: packed)"
             timeout 200 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
                 --seq-len 128 --steps 4 --buckets device --qkv-projections separate 2>&1 \
+                | grep -E "^\| (model|large)|rror" | tee -a "$out/step.md" || status=$?
+            echo "   BERT-large with bucket-wise clipping (Samsung's; the rows above: global)"
+            timeout 200 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
+                --seq-len 128 --steps 4 --buckets device --clip bucket 2>&1 \
                 | grep -E "^\| (model|large)|rror" | tee -a "$out/step.md" || status=$?
             ;;
         gemm)
