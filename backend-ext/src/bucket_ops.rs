@@ -5,13 +5,14 @@
 //!
 //! Note [Clipped in one launch]: clipping a bucket by its squared norm `s` (a `[1]` tensor on
 //! the device, never read by the host) was Burn's composition of the coefficient
-//! `min(1, max_norm / (√s + 1e-6))` (`sqrt`, `add`, `recip`, `mul`, `clamp`: five launches of
-//! one element each) and a multiplication of the bucket: six launches per bucket in `bucket`
-//! mode, where each bucket is clipped by its own norm (a BERT-large step has about 55 buckets
-//! of 25 MB), and the coefficient plus one multiplication per bucket in `global` mode. The
-//! CubeCL kernel computes the coefficient in every unit from `s` (the same f32 operations in
-//! the same order, so the same bits) and scales up to 32 buckets in one launch, in place
-//! where the bucket's memory is its own, as PyTorch's `clip_grad_norm_` scales all gradients
+//! `min(1, max_norm / (√s + 1e-6))` (`sqrt`, `add`, `recip`, `mul`, and `clamp_max` as a
+//! comparison and a masked fill: six launches of one element each) and a multiplication of the
+//! bucket: seven launches per bucket in `bucket` mode, where each bucket is clipped by its own
+//! norm (a BERT-large step has about 55 buckets of 25 MB), and the coefficient plus one
+//! multiplication per bucket in `global` mode. The CubeCL kernel computes the coefficient in
+//! every unit from `s` (the same f32 operations in the same order, `clamp_max`'s NaN included,
+//! so the same bits) and scales up to 32 buckets in one launch, in place where the bucket's
+//! memory is its own, as PyTorch's `clip_grad_norm_` scales all gradients
 //! with one `_foreach_mul_` by the clamped coefficient (apex's `multi_tensor_scale`).
 //!
 //! Note [Unflattened by views]: after the allreduce, each parameter's averaged gradient is a

@@ -150,7 +150,10 @@ pub fn multi_clip_kernel<F: Float>(
     let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
     let one = f32::new(1.0);
     let root = f32::sqrt(f32::cast_from(sq_norm[0]));
-    let coefficient = F::cast_from(f32::min((one / (root + f32::new(1e-6))) * max_norm, one));
+    let raw = (one / (root + f32::new(1e-6))) * max_norm;
+    // Burn's `clamp_max`: `1` where the value is greater, else the value (a NaN stays NaN,
+    // where `min` may return 1).
+    let coefficient = F::cast_from(select(raw > one, one, raw));
     #[unroll]
     for t in 0..count {
         if tensor == t {

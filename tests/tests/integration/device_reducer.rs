@@ -136,21 +136,23 @@ fn device_buckets_equal_one_rank_or_host_buckets_for_every_clip_mode() {
     }
     // Note [Clipped in one launch]: what clipping adds to a step's launches (`none` computes
     // the norm too, for the log). `global`: one kernel scales every bucket and the tied rows,
-    // up to 32 a launch (lavapipe binds fewer), where Burn's composition took five launches
-    // for the coefficient and one per bucket. `bucket`: per bucket its norm (two launches)
-    // and the clip (one), where the composition took eight.
+    // up to 32 a launch (lavapipe binds 4 or 5: 4–5 launches), where Burn's composition took
+    // six launches for the coefficient and one per bucket (measured: 22 more than `none`).
+    // `bucket`: per bucket its norm (two launches) and the clip (one), where the composition
+    // took nine (measured: 120 more at 17 buckets). A step's count is taken without waiting
+    // for the device, so a few launches can move between steps: the bounds leave room.
     let of = |clip| launches.iter().find(|(c, _)| *c == clip).unwrap().1 as i64;
     let none = of(ClipMode::None);
     eprintln!("{buckets} buckets; launches per step by clip mode: {launches:?}");
     assert!(buckets >= 10, "{buckets} buckets: too few to tell");
     let extra = |clip| of(clip) - none;
     assert!(
-        extra(ClipMode::Global) <= 8,
+        extra(ClipMode::Global) <= 12,
         "global clipping added {} launches to {none} ({buckets} buckets)",
         extra(ClipMode::Global)
     );
     assert!(
-        extra(ClipMode::Bucket) <= 3 * buckets as i64 + 8,
+        extra(ClipMode::Bucket) <= 3 * buckets as i64 + 12,
         "bucket clipping added {} launches to {none} ({buckets} buckets)",
         extra(ClipMode::Bucket)
     );
