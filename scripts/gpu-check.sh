@@ -33,7 +33,7 @@
 #                  BERT-large again with `--qkv-projections separate` (three Q, K, V dense
 #                  layers) to set beside the packed default's row (Note [Packed QKV]), and
 #                  with `--clip bucket` (each of its ~55 buckets clipped by its own norm,
-#                  three launches a bucket: Note [Clipped in one launch]).
+#                  two launches a bucket: Note [Clipped by its own norm]).
 #   gemm           the GEMM kernels (`model.gemm`, Note [GPU GEMMs] in backend-ext/src/gemm.rs):
 #                  `bench gemm` (every product of a BERT-large step at seq 128 and 512 alone,
 #                  TFLOP/s of autotune, cmma and cuBLASLt in f32 and bf16 against torch.matmul on

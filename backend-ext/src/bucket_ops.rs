@@ -15,6 +15,19 @@
 //! memory is its own, as PyTorch's `clip_grad_norm_` scales all gradients
 //! with one `_foreach_mul_` by the clamped coefficient (apex's `multi_tensor_scale`).
 //!
+//! Note [Clipped by its own norm]: in `bucket` mode each bucket is clipped by its own norm
+//! as soon as it is complete (Samsung's bucket-wise clipping, before its allreduce): its
+//! squared norm took two launches (partial sums of `x²` per cube, then their sum in a fixed
+//! order) and the clip a third. [`FusedOps::clip_by_own_norm`](crate::FusedOps::clip_by_own_norm) on CubeCL backends leaves the
+//! sum to the clip's launch: each of its cubes adds the partial sums (at most 1,024) in the
+//! order of the sum's own kernel, so every unit holds the same squared norm, the same bits,
+//! and cube 0 writes it out for the logged gradient norm. Two launches per bucket instead of
+//! three (a BERT-large step has about 55 buckets at the default 25 MiB cap). Each cube also
+//! reads the partials (at most 4 KB, from cache) where it scales at least 256 of the
+//! bucket's elements (about 6,400 of a 25 MiB bucket's).
+//! Where the bucket's memory is shared, the sum and [`BucketOps::clip_multi_tensor`] take
+//! their own launches.
+//!
 //! Note [Unflattened by views]: after the allreduce, each parameter's averaged gradient is a
 //! part of its bucket, and the optimizer reads it as a tensor of its own. On Burn's CubeCL
 //! backends a slice is a view of the bucket's memory only where its start and its distance to
@@ -63,14 +76,17 @@ pub trait BucketOps: Backend {
     /// row-major order) from `Σ_{j<i} n_j` on. What a gradient bucket is made of (PyTorch
     /// DDP's flat buckets, apex's `multi_tensor_scale` copying gradients into them). The
     /// default body is Burn's `cat` of the flattened tensors; CubeCL backends copy up to 32
-    /// tensors per launch instead of one per tensor.
+    /// tensors per launch instead of one per tensor. Each element is multiplied by `scale`
+    /// unless it is 1 (the division by the loss scale, Note [Unscaled per bucket] in
+    /// ember-trainer's `parallel/buckets.rs`): Burn's `mul_scalar` of the flat tensor, the
+    /// same bits, in the same launch on CubeCL (apex's `multi_tensor_scale`).
     ///
     /// # Shapes
     /// `xs` (not empty, one dtype), any shapes → `[Σ numel(x_i)]`
     ///
     /// # Panics
     /// If `xs` is empty or mixes dtypes.
-    fn flatten_multi_tensor(xs: Vec<FloatTensor<Self>>) -> FloatTensor<Self> {
+    fn flatten_multi_tensor(xs: Vec<FloatTensor<Self>>, scale: f32) -> FloatTensor<Self> {
         assert!(!xs.is_empty(), "flatten_multi_tensor of no tensors");
         let flat = xs
             .into_iter()
@@ -79,7 +95,12 @@ pub trait BucketOps: Backend {
                 float::<Self, 1>(Self::float_reshape(x, Shape::new([n])))
             })
             .collect();
-        prim(Tensor::cat(flat, 0))
+        let flat = Tensor::cat(flat, 0);
+        prim(if scale == 1.0 {
+            flat
+        } else {
+            flat.mul_scalar(scale)
+        })
     }
 
     /// Each of `xs` times the clip coefficient of the squared norm `sq_norm`,

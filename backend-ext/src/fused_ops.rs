@@ -278,6 +278,27 @@ pub trait FusedOps: MasterOps + BucketOps {
         reference::sum_squares_multi_tensor::<Self>(xs)
     }
 
+    /// Bucket-wise clipping: `x` clipped by its own squared norm `s = Σx²` (taken in
+    /// [`FusedOps::sum_squares_multi_tensor`]'s fixed order), times `min(1, max_norm / (√s +
+    /// 1e-6))`; returns the clipped tensor and `s` (for the logged gradient norm). Samsung's
+    /// MLPerf BERT clips each bucket so as it becomes ready, before its allreduce. The
+    /// default body is [`FusedOps::sum_squares_multi_tensor`] and
+    /// [`BucketOps::clip_multi_tensor`]; CubeCL backends finish the norm inside the clip's
+    /// launch, the same bits (Note [Clipped by its own norm] in `bucket_ops.rs`).
+    ///
+    /// # Shapes
+    /// `x` `[n]` → (`[n]`, `[1]`), both in `x`'s dtype
+    fn clip_by_own_norm(
+        x: FloatTensor<Self>,
+        max_norm: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let sq_norm = Self::sum_squares_multi_tensor(vec![x.clone()]);
+        let clipped = Self::clip_multi_tensor(vec![x], sq_norm.clone(), max_norm)
+            .pop()
+            .expect("one tensor in, one out");
+        (clipped, sq_norm)
+    }
+
     /// Tensors side by side along their last dimension (`torch.cat(xs, dim=-1)`): the packed
     /// QKV weight and bias (Note [Packed QKV] in `qkv.rs`). The default is Burn's `cat`; CubeCL
     /// writes up to 32 parts in one launch (Burn's `cat` launches a slice assignment per

@@ -20,8 +20,8 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    fn flatten_multi_tensor(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
-        multi_tensor::flatten(xs)
+    fn flatten_multi_tensor(xs: Vec<CubeTensor<R>>, scale: f32) -> CubeTensor<R> {
+        multi_tensor::flatten(xs, scale)
     }
 
     fn unflatten_multi_tensor(flat: CubeTensor<R>, parts: &[Range<usize>]) -> Vec<CubeTensor<R>> {
@@ -65,6 +65,34 @@ where
         }
         xs.into_iter().map(|x| x.expect("every tensor")).collect()
     }
+}
+
+/// [`crate::FusedOps::clip_by_own_norm`]: the partial sums of `x²`
+/// ([`multi_tensor::sum_squares_partials`]), then, where `x`'s memory is its own, one launch
+/// that finishes the squared norm and scales `x` in place ([`multi_tensor::clip_by_partials`],
+/// Note [Clipped by its own norm] in `bucket_ops.rs`); else the ordered sum of the partials and
+/// [`BucketOps::clip_multi_tensor`]. The same bits either way.
+pub(super) fn clip_by_own_norm<R, F, I, BT>(
+    x: CubeTensor<R>,
+    max_norm: f32,
+) -> (CubeTensor<R>, CubeTensor<R>)
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    let x = into_contiguous(x);
+    let partials = multi_tensor::sum_squares_partials(vec![x.clone()]);
+    if x.can_mut() {
+        let sq_norm = multi_tensor::clip_by_partials(&x, partials, max_norm);
+        return (x, sq_norm);
+    }
+    let sq_norm = super::sum_rows_ordered(partials);
+    let clipped = CubeBackend::<R, F, I, BT>::clip_multi_tensor(vec![x], sq_norm.clone(), max_norm)
+        .pop()
+        .expect("one tensor in, one out");
+    (clipped, sq_norm)
 }
 
 /// Whether Burn's `slice` of `r` out of a contiguous flat tensor of `n` elements of `bytes`

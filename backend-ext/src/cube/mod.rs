@@ -448,32 +448,13 @@ where
     }
 
     fn sum_squares_multi_tensor(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
-        assert!(!xs.is_empty(), "sum_squares_multi_tensor of no tensors");
         let xs: Vec<_> = xs.into_iter().map(into_contiguous).collect();
-        let total = xs.len();
-        let largest = xs.iter().map(numel).max().unwrap_or(0);
-        let per_launch = tensors_per_launch(&xs[0], 1, 1);
-        // One partials buffer `[T, G]` for every launch: launch k writes rows from `first`.
-        let (_, dim, cubes) = multi_launch(largest, 1);
-        let partials = empty_like(&xs[0], Shape::new([total, cubes]));
-        let mut first = 0;
-        for group in launches(xs, per_launch, |x| x.dtype) {
-            let (count, _, _) = multi_launch(largest, group.len());
-            let len = group.len();
-            multi_tensor_kernels::multi_sum_squares_kernel::launch::<R>(
-                &partials.client,
-                count,
-                dim,
-                group.iter().map(|x| x.clone().into_tensor_arg()).collect(),
-                partials.clone().into_tensor_arg(),
-                first as u32,
-                ROW_BLOCK as u32,
-                storage(group[0].dtype),
-            );
-            first += len;
-        }
         // Note [Ranks stay one model]: the partials added in a fixed order.
-        sum_rows_ordered(partials)
+        sum_rows_ordered(multi_tensor::sum_squares_partials(xs))
+    }
+
+    fn clip_by_own_norm(x: CubeTensor<R>, max_norm: f32) -> (CubeTensor<R>, CubeTensor<R>) {
+        buckets::clip_by_own_norm::<R, F, I, BT>(x, max_norm)
     }
 
     fn unpack_qkv_heads(qkv: CubeTensor<R>, heads: usize) -> [CubeTensor<R>; 3] {

@@ -125,8 +125,8 @@ pub(super) fn adam_launch<R: CubeRuntime, F: FloatElement, I: IntElement, BT: Bo
 }
 
 /// [`crate::BucketOps::flatten_multi_tensor`]: [`multi_tensor_kernels::multi_flatten_kernel`] per
-/// group of tensors.
-pub(super) fn flatten<R: CubeRuntime>(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
+/// group of tensors, each element times `scale` unless it is 1.
+pub(super) fn flatten<R: CubeRuntime>(xs: Vec<CubeTensor<R>>, scale: f32) -> CubeTensor<R> {
     assert!(!xs.is_empty(), "flatten_multi_tensor of no tensors");
     let xs: Vec<_> = xs.into_iter().map(into_contiguous).collect();
     let dtype = xs[0].dtype;
@@ -148,11 +148,68 @@ pub(super) fn flatten<R: CubeRuntime>(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
             group.iter().map(|x| x.clone().into_tensor_arg()).collect(),
             output.clone().into_tensor_arg(),
             first,
+            scale,
+            scale != 1.0,
             storage(dtype),
         );
         first += group.iter().map(numel).sum::<usize>();
     }
     output
+}
+
+/// The partial sums of `x²` of every tensor in `xs` (contiguous, one dtype):
+/// [`multi_tensor_kernels::multi_sum_squares_kernel`] per group of tensors, into one `[T, G]`
+/// buffer (row t: tensor t's G partial sums, whose ordered sum is its `Σx²`).
+pub(super) fn sum_squares_partials<R: CubeRuntime>(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
+    assert!(!xs.is_empty(), "sum_squares_multi_tensor of no tensors");
+    let total = xs.len();
+    let largest = xs.iter().map(numel).max().unwrap_or(0);
+    let per_launch = tensors_per_launch(&xs[0], 1, 1);
+    // One partials buffer `[T, G]` for every launch: launch k writes rows from `first`.
+    let (_, dim, cubes) = multi_launch(largest, 1);
+    let partials = empty_like(&xs[0], Shape::new([total, cubes]));
+    let mut first = 0;
+    for group in launches(xs, per_launch, |x| x.dtype) {
+        let (count, _, _) = multi_launch(largest, group.len());
+        let len = group.len();
+        multi_tensor_kernels::multi_sum_squares_kernel::launch::<R>(
+            &partials.client,
+            count,
+            dim,
+            group.iter().map(|x| x.clone().into_tensor_arg()).collect(),
+            partials.clone().into_tensor_arg(),
+            first as u32,
+            ROW_BLOCK as u32,
+            storage(group[0].dtype),
+        );
+        first += len;
+    }
+    partials
+}
+
+/// Bucket-wise clipping of `x` (contiguous, `can_mut`) by its own norm in place, from the
+/// `[1, G]` partial sums of its `x²` ([`sum_squares_partials`]):
+/// [`multi_tensor_kernels::clip_by_partials_kernel`], one launch; returns the squared norm
+/// (`[1]`, `x`'s dtype), the bits of `sum_rows_ordered` of the partials.
+pub(super) fn clip_by_partials<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    partials: CubeTensor<R>,
+    max_norm: f32,
+) -> CubeTensor<R> {
+    let sq_norm = empty_like(x, Shape::new([1]));
+    let (count, dim, _) = multi_launch(numel(x), 1);
+    multi_tensor_kernels::clip_by_partials_kernel::launch::<R>(
+        &x.client,
+        count,
+        dim,
+        x.clone().into_tensor_arg(),
+        partials.into_tensor_arg(),
+        sq_norm.clone().into_tensor_arg(),
+        max_norm,
+        ROW_BLOCK as u32,
+        storage(x.dtype),
+    );
+    sq_norm
 }
 
 /// [`crate::BucketOps::clip_multi_tensor`] of tensors whose memory is their own (contiguous,

@@ -133,6 +133,55 @@ pub fn multi_sum_squares_kernel<F: Float>(
     }
 }
 
+/// The clip coefficient `min(1, max_norm / (√sq_norm + 1e-6))` in f32, with the operations of
+/// Burn's composition in their order (`bucket_ops::clip_coefficient`), in `F`.
+#[cube]
+fn clip_coefficient<F: Float>(sq_norm: F, max_norm: f32) -> F {
+    let one = f32::new(1.0);
+    let root = f32::sqrt(f32::cast_from(sq_norm));
+    let raw = (one / (root + f32::new(1e-6))) * max_norm;
+    // Burn's `clamp_max`: `1` where the value is greater, else the value (a NaN stays NaN,
+    // where `min` may return 1).
+    F::cast_from(select(raw > one, one, raw))
+}
+
+/// `x` multiplied in place by the clip coefficient of its own squared norm, which each cube
+/// finishes from `partials` (`[G]`, [`multi_sum_squares_kernel`]'s partial sums of `x²`):
+/// every unit sums its strided share of them, then the cube's tree (`block` = `CUBE_DIM_X`
+/// units), the additions of [`sum_rows_ordered_kernel`] in its order, so the same bits (its
+/// cube of `b` ≤ `block` units adds what this one's first `b` units add; the others hold
+/// +0). Cube 0 writes that squared norm to `sq_norm[0]`. Bucket-wise clipping in two
+/// launches instead of three (Note [Clipped by its own norm] in `bucket_ops.rs`).
+#[cube(launch)]
+pub fn clip_by_partials_kernel<F: Float>(
+    x: &mut Tensor<F>,
+    partials: &Tensor<F>,
+    sq_norm: &mut Tensor<F>,
+    max_norm: f32,
+    #[comptime] block: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let unit = UNIT_POS_X as usize;
+    let mut shared = SharedMemory::<f32>::new(block as usize);
+    let mut sum = f32::new(0.0);
+    let mut c = unit;
+    while c < partials.len() {
+        sum += f32::cast_from(partials[c]);
+        c += block as usize;
+    }
+    let total = F::cast_from(cube_sum(&mut shared, sum));
+    if CUBE_POS_X == 0 && unit == 0 {
+        sq_norm[0] = total;
+    }
+    let coefficient = clip_coefficient::<F>(total, max_norm);
+    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+    let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + unit;
+    while i < x.len() {
+        x[i] = x[i] * coefficient;
+        i += stride;
+    }
+}
+
 /// Every tensor in `xs` multiplied in place by the clip coefficient
 /// `min(1, max_norm / (√sq_norm[0] + 1e-6))`, which each unit computes from the squared norm
 /// in f32 with the operations of Burn's composition in their order
@@ -148,12 +197,7 @@ pub fn multi_clip_kernel<F: Float>(
     let count = xs.len().comptime();
     let tensor = CUBE_POS_Y as usize;
     let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
-    let one = f32::new(1.0);
-    let root = f32::sqrt(f32::cast_from(sq_norm[0]));
-    let raw = (one / (root + f32::new(1e-6))) * max_norm;
-    // Burn's `clamp_max`: `1` where the value is greater, else the value (a NaN stays NaN,
-    // where `min` may return 1).
-    let coefficient = F::cast_from(select(raw > one, one, raw));
+    let coefficient = clip_coefficient::<F>(sq_norm[0], max_norm);
     #[unroll]
     for t in 0..count {
         if tensor == t {
@@ -168,18 +212,23 @@ pub fn multi_clip_kernel<F: Float>(
 }
 
 /// Every tensor in `xs` copied into `output` back to back, from element `first` on: tensor t
-/// at `first + Σ_{s<t} len(xs[s])` (apex's `multi_tensor_scale` at scale 1, as apex's DDP
-/// flattens gradients into its allreduce buckets). Cube `(g, t)` copies part of tensor t.
+/// at `first + Σ_{s<t} len(xs[s])`, each element times `scale` where `scaled` (apex's
+/// `multi_tensor_scale`, with which apex's DDP flattens gradients into its allreduce buckets
+/// and apex's `amp` unscales them). Cube `(g, t)` copies part of tensor t.
 #[cube(launch)]
 pub fn multi_flatten_kernel<F: Float>(
     xs: &Sequence<Tensor<F>>,
     output: &mut Tensor<F>,
     first: usize,
+    scale: f32,
+    #[comptime] scaled: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let count = xs.len().comptime();
     let tensor = CUBE_POS_Y as usize;
     let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+    // Burn's `mul_scalar`: the scalar in the element type, the product in it.
+    let factor = F::cast_from(scale);
     let mut offset = first;
     #[unroll]
     for t in 0..count {
@@ -187,7 +236,11 @@ pub fn multi_flatten_kernel<F: Float>(
         if tensor == t {
             let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
             while i < x.len() {
-                output[offset + i] = x[i];
+                if scaled {
+                    output[offset + i] = x[i] * factor;
+                } else {
+                    output[offset + i] = x[i];
+                }
                 i += stride;
             }
         }

@@ -165,14 +165,28 @@ impl<B: FusedOps> Buffer<B> {
         self.len() == 0
     }
 
-    /// The gradients of a bucket's parameters, in bucket order, as one flat buffer: on the
-    /// device by [`BucketOps::flatten_multi_tensor`](ember_backend_ext::BucketOps::flatten_multi_tensor) (a launch per 32 gradients on CubeCL
-    /// backends, where a `cat` launched one per gradient), or on the host (each gradient read
-    /// from the device: the host path's cost, Note [Bucket storage]).
-    pub(crate) fn flatten(on_device: bool, grads: Vec<FloatTensor<B>>) -> Self {
+    /// The gradients of a bucket's parameters, in bucket order, as one flat buffer, each
+    /// element times `inv_loss_scale`: on the device by
+    /// [`BucketOps::flatten_multi_tensor`](ember_backend_ext::BucketOps::flatten_multi_tensor)
+    /// (a launch per 32 gradients on CubeCL backends, where a `cat` launched one per
+    /// gradient, the division by the loss scale in the same launch), or on the host (each
+    /// gradient read from the device: the host path's cost, Note [Bucket storage]).
+    ///
+    /// Note [Unscaled per bucket]: the gradients of a scaled loss are divided by the scale
+    /// as their bucket is flattened, not one by one as they arrive: the same f32 product of
+    /// each element (bit for bit), no launch of its own on CubeCL backends (one per bucket
+    /// before, and one per parameter before that: 16 per BERT encoder layer), as apex's `amp`
+    /// unscales with one `multi_tensor_scale` over all gradients and PyTorch's
+    /// `GradScaler.unscale_` with one `_amp_foreach_non_finite_check_and_unscale_` per device
+    /// and dtype.
+    pub(crate) fn flatten(
+        on_device: bool,
+        grads: Vec<FloatTensor<B>>,
+        inv_loss_scale: f32,
+    ) -> Self {
         if on_device {
             return Buffer::Device(Tensor::from_primitive(TensorPrimitive::Float(
-                B::flatten_multi_tensor(grads),
+                B::flatten_multi_tensor(grads, inv_loss_scale),
             )));
         }
         let mut values = Vec::new();
@@ -184,6 +198,9 @@ impl<B: FusedOps> Buffer<B> {
             )));
             let data = g.into_data().convert::<f32>();
             values.extend_from_slice(data.as_slice::<f32>().expect("f32 after convert"));
+        }
+        if inv_loss_scale != 1.0 {
+            values.iter_mut().for_each(|x| *x *= inv_loss_scale);
         }
         Buffer::Host(values)
     }
@@ -211,28 +228,6 @@ impl<B: FusedOps> Buffer<B> {
         }
     }
 
-    /// `self · inv_loss_scale`: a flattened bucket's gradients divided by the loss scale, one
-    /// launch per bucket (nothing where the loss is not scaled).
-    ///
-    /// Note [Unscaled per bucket]: the gradients of a scaled loss are divided by the scale
-    /// after their bucket is flattened, not one by one as they arrive: the same f32 product of
-    /// each element (bit for bit), one kernel launch per bucket instead of one per parameter
-    /// (16 per BERT encoder layer), as apex's `amp` unscales with one `multi_tensor_scale`
-    /// over all gradients and PyTorch's `GradScaler.unscale_` with one
-    /// `_amp_foreach_non_finite_check_and_unscale_` per device and dtype.
-    pub(crate) fn unscale(self, inv_loss_scale: f32) -> Self {
-        if inv_loss_scale == 1.0 {
-            return self;
-        }
-        match self {
-            Buffer::Host(mut values) => {
-                values.iter_mut().for_each(|x| *x *= inv_loss_scale);
-                Buffer::Host(values)
-            }
-            Buffer::Device(t) => Buffer::Device(t.mul_scalar(inv_loss_scale)),
-        }
-    }
-
     /// `self` clipped by the squared norm `sq`: times `min(1, max_norm / (√sq + 1e-6))` (Note
     /// [Clip coefficient]). On the device one launch of
     /// [`BucketOps::clip_multi_tensor`](ember_backend_ext::BucketOps::clip_multi_tensor),
@@ -242,6 +237,28 @@ impl<B: FusedOps> Buffer<B> {
         Self::clip_all(vec![self], sq, max_norm)
             .pop()
             .expect("one buffer in, one out")
+    }
+
+    /// `self` clipped by its own squared norm (`bucket` mode: Note [Clip coefficient]), and that
+    /// squared norm (what [`Buffer::sq_norm`] gives). On the device
+    /// [`BucketOps::clip_by_own_norm`](ember_backend_ext::BucketOps::clip_by_own_norm): two
+    /// launches on CubeCL backends, the norm finished inside the clip's (Note [Clipped by its
+    /// own norm] in ember-backend-ext's `bucket_ops.rs`).
+    pub(crate) fn clip_by_own_norm(self, max_norm: f64) -> (Self, Scalar<B>) {
+        match self {
+            Buffer::Device(t) if max_norm > 0.0 => {
+                let (clipped, sq) =
+                    B::clip_by_own_norm(t.into_primitive().tensor(), max_norm as f32);
+                (
+                    Buffer::Device(Tensor::from_primitive(TensorPrimitive::Float(clipped))),
+                    Scalar::Device(Tensor::from_primitive(TensorPrimitive::Float(sq))),
+                )
+            }
+            buffer => {
+                let sq = buffer.sq_norm();
+                (buffer.clip(&sq, max_norm), sq)
+            }
+        }
     }
 
     /// Every buffer of `buffers` clipped by the one squared norm `sq` ([`Buffer::clip`]): on

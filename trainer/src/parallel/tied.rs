@@ -143,8 +143,11 @@ impl<B: FusedOps> TiedRows<B> {
         let grad = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(grad));
         let (_, rows) = self.rows(&grad.device())?;
         let gathered = grad.select(0, rows); // [n, H]
-        let flat = Buffer::flatten(on_device, vec![gathered.into_primitive().tensor()])
-            .unscale(inv_loss_scale);
+        let flat = Buffer::flatten(
+            on_device,
+            vec![gathered.into_primitive().tensor()],
+            inv_loss_scale,
+        );
         self.buffer = Some(match self.buffer.take() {
             Some(earlier) if !first => earlier.add(flat),
             _ => flat,

@@ -140,3 +140,97 @@ pub fn check_clip_launches() {
     );
     assert_eq!(clipped, composed);
 }
+
+/// `clip_by_own_norm` of `x` by `max_norm`: the clipped tensor and its squared norm.
+fn clip_by_own_norm<B: FusedOps>(x: Tensor<B, 1>, max_norm: f32) -> (Tensor<B, 1>, Tensor<B, 1>) {
+    let (clipped, sq) = B::clip_by_own_norm(x.into_primitive().tensor(), max_norm);
+    (
+        Tensor::from_primitive(TensorPrimitive::Float(clipped)),
+        Tensor::from_primitive(TensorPrimitive::Float(sq)),
+    )
+}
+
+/// Whether two vectors hold the same bits (any NaN for a NaN).
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()))
+}
+
+/// Note [Clipped by its own norm]: `clip_by_own_norm` gives the squared norm of
+/// `sum_squares_multi_tensor` and the bucket of `clip_multi_tensor` by it, bit for bit, for
+/// buckets of 1, 255, 4,096 and 65,537 elements (1, 1, 16 and 257 partial sums: fewer and more
+/// than a cube's 256 units) and of 300,001 (1,024 partial sums, each cube summing four), with
+/// the norm above and below `max_norm`, and for a NaN; a bucket whose memory another handle
+/// holds is clipped too, and that handle still reads the unclipped values.
+pub fn check_clip_by_own_norm<B: FusedOps>(device: &B::Device) {
+    for n in [1, 255, 4_096, 65_537, 300_001] {
+        let x = random::<B, 1>([n], device);
+        let nan = x.clone().div_scalar(0.0).mul_scalar(0.0); // every element 0/0: NaN
+        for (what, x, max_norm) in [
+            ("norm above max_norm", x.clone(), 1e-3f32),
+            ("norm below max_norm", x.clone(), 1e6),
+            ("a NaN norm", nan, 1.0),
+        ] {
+            let sq = B::sum_squares_multi_tensor(vec![x.clone().into_primitive().tensor()]);
+            let sq = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(sq));
+            let expected =
+                values(clip(vec![x.clone().add_scalar(0.0)], sq.clone(), max_norm).remove(0));
+            // Its own memory (`+ 0` allocates), and shared with a live handle.
+            for shared in [false, true] {
+                let input = if shared {
+                    x.clone()
+                } else {
+                    x.clone().add_scalar(0.0)
+                };
+                let before = values(x.clone());
+                let (clipped, got_sq) = clip_by_own_norm(input, max_norm);
+                assert!(
+                    same_bits(&values(got_sq), &values(sq.clone())),
+                    "{n} elements, {what}, shared {shared}: the squared norm differs"
+                );
+                assert!(
+                    same_bits(&values(clipped), &expected),
+                    "{n} elements, {what}, shared {shared}: the bucket differs from the clip"
+                );
+                assert!(
+                    same_bits(&values(x.clone()), &before),
+                    "{n} elements, {what}: the other handle sees a write"
+                );
+            }
+        }
+    }
+}
+
+/// On the counting wgpu runtime: a bucket clipped by its own norm takes two launches (the
+/// partial sums, then the clip finishing them), where the norm and the clip took three, with
+/// the same values.
+pub fn check_clip_by_own_norm_launches() {
+    use ember_backend_ext::HostSyncs;
+    type B = crate::Wgpu;
+    let device = burn::backend::wgpu::WgpuDevice::DefaultDevice;
+    let x = random::<B, 1>([300_001], &device);
+    let count = |f: &dyn Fn(Tensor<B, 1>) -> (Tensor<B, 1>, Tensor<B, 1>)| {
+        let input = x.clone().add_scalar(0.0);
+        B::sync(&device).expect("the device's queue");
+        let before = HostSyncs::now();
+        let (clipped, sq) = f(input);
+        let out = (values(clipped), values(sq));
+        (HostSyncs::now().since(before).launches, out)
+    };
+    let fused = |x: Tensor<B, 1>| clip_by_own_norm(x, 1e-3);
+    let separate = |x: Tensor<B, 1>| {
+        let sq = B::sum_squares_multi_tensor(vec![x.clone().into_primitive().tensor()]);
+        let sq = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(sq));
+        (clip(vec![x], sq.clone(), 1e-3).remove(0), sq)
+    };
+    // Compile first.
+    let _ = count(&fused);
+    let _ = count(&separate);
+    let (launches, clipped) = count(&fused);
+    let (separate_launches, expected) = count(&separate);
+    assert_eq!(launches, 2, "launches of clipping a bucket by its own norm");
+    assert_eq!(separate_launches, 3, "the norm, then the clip");
+    assert_eq!(clipped, expected);
+}

@@ -1,6 +1,7 @@
 //! Bucket flattening (`BucketOps::flatten_multi_tensor`): the same elements, in the same order,
-//! as Burn's `cat` of the flattened tensors, and on CubeCL a launch per 32 tensors instead of
-//! one per tensor.
+//! as Burn's `cat` of the flattened tensors (times the loss scale's inverse as Burn's
+//! `mul_scalar` multiplies, where one is given), and on CubeCL a launch per 32 tensors instead
+//! of one per tensor, the multiplication included.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorPrimitive};
@@ -21,49 +22,59 @@ fn inputs<B: Backend>(device: &B::Device) -> Vec<Tensor<B, 2>> {
     xs
 }
 
-/// The flattened tensors equal `cat` of their flattened views, bit for bit (a copy).
+/// The flattened tensors equal `cat` of their flattened views, bit for bit (a copy); with a
+/// scale, `cat` times it by Burn's `mul_scalar`, bit for bit: 1/3 (every product rounded) and
+/// 1/65,536 (a loss scale's inverse: exact).
 pub fn check_flatten<B: FusedOps>(device: &B::Device) {
     let xs = inputs::<B>(device);
-    let expected: Vec<f32> = values(Tensor::cat(
+    let cat = Tensor::cat(
         xs.iter()
             .map(|x| x.clone().reshape([x.shape().num_elements()]))
             .collect(),
         0,
-    ));
-    let flat = flatten(&xs);
-    let got = values(flat);
-    assert_eq!(got.len(), expected.len());
-    let first_difference = got
-        .iter()
-        .zip(&expected)
-        .position(|(a, b)| a.to_bits() != b.to_bits());
-    assert_eq!(first_difference, None, "flattened differs from cat");
+    );
+    for scale in [1.0, 1.0 / 3.0, 1.0 / 65_536.0] {
+        let expected: Vec<f32> = values(cat.clone().mul_scalar(scale));
+        let got = values(flatten(&xs, scale));
+        assert_eq!(got.len(), expected.len());
+        let first_difference = got
+            .iter()
+            .zip(&expected)
+            .position(|(a, b)| a.to_bits() != b.to_bits());
+        assert_eq!(
+            first_difference, None,
+            "flattened at scale {scale} differs from cat · scale"
+        );
+    }
     // One tensor alone is itself, flattened.
-    let one = values(flatten(&xs[2..3]));
+    let one = values(flatten(&xs[2..3], 1.0));
     assert_eq!(one, values(xs[2].clone().reshape([91])));
 }
 
-pub fn flatten<B: FusedOps>(xs: &[Tensor<B, 2>]) -> Tensor<B, 1> {
+pub fn flatten<B: FusedOps>(xs: &[Tensor<B, 2>], scale: f32) -> Tensor<B, 1> {
     Tensor::from_primitive(TensorPrimitive::Float(B::flatten_multi_tensor(
         xs.iter()
             .map(|x| x.clone().into_primitive().tensor())
             .collect(),
+        scale,
     )))
 }
 
-/// On the counting wgpu runtime: 41 tensors take 2 launches where `cat` takes one per tensor;
-/// the launches by kernel (`KernelLaunches`) add up to the launch count and name the kernels.
+/// On the counting wgpu runtime: 41 tensors take 2 launches where `cat` takes one per tensor,
+/// scaled by 0.5 (a loss scale's inverse) in the same launches; the launches by kernel
+/// (`KernelLaunches`) add up to the launch count and name the kernels.
 pub fn check_flatten_launches() {
     use ember_backend_ext::{HostSyncs, KernelLaunches};
     type B = crate::Wgpu;
     let device = burn::backend::wgpu::WgpuDevice::DefaultDevice;
     let xs = inputs::<B>(&device);
     // Compile first (and make the transposed input's contiguous copy part of the count below).
-    let _ = values(flatten(&xs));
+    // Scaled: the division by the loss scale takes no launch of its own.
+    let _ = values(flatten(&xs, 0.5));
     KernelLaunches::record(true);
     let by_kernel_before = KernelLaunches::now();
     let before = HostSyncs::now();
-    let flat = values(flatten(&xs));
+    let flat = values(flatten(&xs, 0.5));
     let counted = HostSyncs::now().since(before);
     let by_kernel = KernelLaunches::since(&KernelLaunches::now(), &by_kernel_before);
     KernelLaunches::record(false);

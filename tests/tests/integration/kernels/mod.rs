@@ -403,6 +403,11 @@ macro_rules! kernel_tests {
         }
 
         #[test]
+        fn clipping_by_its_own_norm_equals_the_norm_then_the_clip() {
+            clip::check_clip_by_own_norm::<$backend>(&$device);
+        }
+
+        #[test]
         fn column_concatenation_and_split_equal_cat_and_slices() {
             packing::check_columns::<B>(&$device);
         }
@@ -511,6 +516,11 @@ mod wgpu {
     #[test]
     fn clipping_buckets_takes_one_launch() {
         super::clip::check_clip_launches();
+    }
+
+    #[test]
+    fn clipping_a_bucket_by_its_own_norm_takes_two_launches() {
+        super::clip::check_clip_by_own_norm_launches();
     }
 
     /// Note [Unflattened by views].

@@ -66,8 +66,8 @@ impl<B: FusedOps> Shared<B> {
             .iter_mut()
             .map(|g| g.take().expect("the bucket is complete"))
             .collect();
-        // Divided by the loss scale once per flattened bucket (Note [Unscaled per bucket]).
-        let flat = Buffer::flatten(self.on_device, grads).unscale(state.inv_loss_scale);
+        // Divided by the loss scale as the bucket is flattened (Note [Unscaled per bucket]).
+        let flat = Buffer::flatten(self.on_device, grads, state.inv_loss_scale);
         let buffer = match state.buffers[k].take() {
             Some(earlier) if !state.first_micro_batch => earlier.add(flat),
             _ => flat,
@@ -119,12 +119,11 @@ impl<B: FusedOps> Shared<B> {
         if self.clip != ClipMode::Bucket {
             return buffer;
         }
-        let sq = buffer.sq_norm();
         let count = self
             .bucket_clip_count
             .unwrap_or_else(|| self.plan.num_reductions());
         let cap = bucket_clip_cap(self.max_norm, count);
-        let clipped = buffer.clip(&sq, cap);
+        let (clipped, sq) = buffer.clip_by_own_norm(cap);
         state.local_sq_norms.push(sq);
         clipped
     }
