@@ -14,9 +14,10 @@ pub struct LayerNormForward<B: Backend> {
     pub output: FloatTensor<B>,
     /// `residual + dropout(x + bias)`, the LayerNorm input, `[R, N]`.
     pub pre_norm: FloatTensor<B>,
-    /// Mean of each row of `pre_norm`, `[R]`.
+    /// Mean of each row of `pre_norm`, `[R]`: f32 on CubeCL backends whatever the input's
+    /// type (Note [LayerNorm statistics in f32] in `cube/mod.rs`), the input's elsewhere.
     pub mean: FloatTensor<B>,
-    /// `1 / sqrt(var + eps)` of each row (biased variance), `[R]`.
+    /// `1 / sqrt(var + eps)` of each row (biased variance), `[R]`, in `mean`'s type.
     pub rstd: FloatTensor<B>,
 }
 

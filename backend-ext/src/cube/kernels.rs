@@ -128,8 +128,8 @@ pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
     beta: &Tensor<F>,
     pre_norm: &mut Tensor<F>,
     output: &mut Tensor<F>,
-    mean_out: &mut Tensor<F>,
-    rstd_out: &mut Tensor<F>,
+    mean_out: &mut Tensor<f32>,
+    rstd_out: &mut Tensor<f32>,
     rows: u32,
     key_lo: u32,
     key_hi: u32,
@@ -204,8 +204,8 @@ pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
             }
         }
         if unit == 0 {
-            mean_out[row] = F::cast_from(mean);
-            rstd_out[row] = F::cast_from(rstd);
+            mean_out[row] = mean;
+            rstd_out[row] = rstd;
         }
     } else {
         let mut sum = f32::new(0.0);
@@ -239,8 +239,8 @@ pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
             j += block as usize;
         }
         if unit == 0 {
-            mean_out[row] = F::cast_from(mean);
-            rstd_out[row] = F::cast_from(rstd);
+            mean_out[row] = mean;
+            rstd_out[row] = rstd;
         }
     }
 }
@@ -265,8 +265,8 @@ pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
 pub fn layer_norm_backward_kernel<F: Float>(
     grad: &Tensor<F>,
     pre_norm: &Tensor<F>,
-    mean: &Tensor<F>,
-    rstd: &Tensor<F>,
+    mean: &Tensor<f32>,
+    rstd: &Tensor<f32>,
     gamma: &Tensor<F>,
     grad_pre_norm: &mut Tensor<F>,
     grad_x: &mut Tensor<F>,
@@ -301,8 +301,8 @@ pub fn layer_norm_backward_kernel<F: Float>(
     let base = row * n;
     let unit = UNIT_POS_X as usize;
     let mut shared = SharedMemory::<f32>::new(2 * block as usize); // Σg and Σg·x̂ side by side
-    let mu = f32::cast_from(mean[row]);
-    let rs = f32::cast_from(rstd[row]);
+    let mu = mean[row];
+    let rs = rstd[row];
 
     if per_unit > 0 {
         let mut gs = Array::<f32>::new(per_unit as usize);

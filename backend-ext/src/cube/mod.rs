@@ -55,6 +55,31 @@ fn storage(dtype: DType) -> StorageType {
     dtype.into()
 }
 
+/// Note [LayerNorm statistics in f32]: the fused LayerNorm keeps each row's mean and
+/// `1/√(var + eps)` for its backward in f32, whatever the storage type, as apex's
+/// `MixedFusedLayerNorm` keeps `mean` and `invvar` (and PyTorch's autocast runs `layer_norm`
+/// in f32): the backward's `x̂ = (y − mean)·rstd` is then the forward's, bit for bit. Kept in
+/// bf16 they were rounded to 8 significant bits, `rstd` off by up to 0.4% and the mean by
+/// its own magnitude's 2⁻⁹, for the whole row: a bias of every `dx` and `dγ` that the storage
+/// rounding of `y`, different for each element, does not have. Two f32 values per row,
+/// whatever the width.
+///
+/// `t` (`[R]`) as a contiguous f32 tensor: the backward's statistics, a cast only where a
+/// caller made them in another type.
+fn f32_stats<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    t: CubeTensor<R>,
+) -> CubeTensor<R> {
+    let t = into_contiguous(t);
+    if t.dtype == DType::F32 {
+        t
+    } else {
+        <CubeBackend<R, F, I, BT> as FloatTensorOps<CubeBackend<R, F, I, BT>>>::float_cast(
+            t,
+            burn::tensor::FloatDType::F32,
+        )
+    }
+}
+
 /// The kernels' dropout arguments for a tensor of `shape` (see `dropout::MaskLayout`).
 struct MaskArgs {
     key_lo: u32,
@@ -287,8 +312,16 @@ where
         check_rows(rows * n);
         let pre_norm = empty_like(&x, x.shape());
         let output = empty_like(&x, x.shape());
-        let mean = empty_like(&x, Shape::new([rows]));
-        let rstd = empty_like(&x, Shape::new([rows]));
+        // Note [LayerNorm statistics in f32].
+        let stats = || {
+            empty_device_contiguous_dtype(
+                x.client.clone(),
+                x.device.clone(),
+                Shape::new([rows]),
+                DType::F32,
+            )
+        };
+        let (mean, rstd) = (stats(), stats());
         let (planes, min_units) = reductions::row_form(&x.client);
         let (count, dim, block) = row_launch(rows, n, min_units);
         let mask = dropout_args(dropout, &[rows, n]);
@@ -353,8 +386,8 @@ where
             dim,
             grad.clone().into_tensor_arg(),
             into_contiguous(pre_norm).into_tensor_arg(),
-            into_contiguous(mean).into_tensor_arg(),
-            into_contiguous(rstd).into_tensor_arg(),
+            f32_stats::<R, F, I, BT>(mean).into_tensor_arg(),
+            f32_stats::<R, F, I, BT>(rstd).into_tensor_arg(),
             into_contiguous(gamma).into_tensor_arg(),
             grad_pre_norm.clone().into_tensor_arg(),
             grad_x.clone().into_tensor_arg(),

@@ -141,6 +141,75 @@ fn check_multi_cast<H: FusedOps>(device: &H::Device, dtype: DType) {
     }
 }
 
+/// Note [LayerNorm statistics in f32]: the fused LayerNorm of half-precision rows keeps each
+/// row's mean and `1/√(var + eps)` in f32, equal within f32 rounding (1e-5 relative) to the
+/// f64 statistics: the mean of `x + bias + residual` (the kernel adds them in f32 and averages
+/// the sums before storing them), `rstd` from the variance of the stored sums (`pre_norm`, in
+/// the half type) about that mean. Statistics stored in the half type would be off by its
+/// rounding (f16: up to 2.4e-4 relative; bf16: 2e-3). Rows with a mean far from zero
+/// (about 4.5), 300 wide (in registers) and 4,100 (streaming).
+fn check_layer_norm_statistics<H: FusedOps>(device: &H::Device, dtype: DType) {
+    use burn::tensor::TensorPrimitive;
+    let values = |t: Tensor<H, 2>| -> Vec<f64> { t.into_data().convert::<f64>().to_vec().unwrap() };
+    let read = |t| values(Tensor::<H, 1>::from_primitive(TensorPrimitive::Float(t)).unsqueeze());
+    for (rows, width) in [(31, 300), (5, 4100)] {
+        let random = |mean: f64| {
+            Tensor::<H, 2>::random([rows, width], Distribution::Normal(mean, 1.0), device)
+                .cast(dtype)
+        };
+        let vector = |value: f64| {
+            Tensor::<H, 1>::full([width], value, device)
+                .cast(dtype)
+                .into_primitive()
+                .tensor()
+        };
+        let (x, residual) = (random(4.0), random(0.0));
+        let forward = H::bias_dropout_add_layer_norm(
+            x.clone().into_primitive().tensor(),
+            vector(0.5),
+            residual.clone().into_primitive().tensor(),
+            vector(1.0),
+            vector(0.0),
+            DropoutSpec::NONE,
+            1e-5,
+        );
+        let stat_dtype =
+            |t: &burn::tensor::ops::FloatTensor<H>| burn::tensor::TensorMetadata::dtype(t);
+        assert_eq!(stat_dtype(&forward.mean), DType::F32, "the mean's dtype");
+        assert_eq!(stat_dtype(&forward.rstd), DType::F32, "rstd's dtype");
+        let pre_norm = Tensor::<H, 2>::from_primitive(TensorPrimitive::Float(forward.pre_norm));
+        assert_eq!(pre_norm.dtype(), dtype);
+        let (x, residual, pre_norm) = (values(x), values(residual), values(pre_norm));
+        let (mean, rstd) = (read(forward.mean), read(forward.rstd));
+        for row in 0..rows {
+            let at = row * width..(row + 1) * width;
+            let m = x[at.clone()]
+                .iter()
+                .zip(&residual[at.clone()])
+                .map(|(x, r)| x + 0.5 + r)
+                .sum::<f64>()
+                / width as f64;
+            let var = pre_norm[at].iter().map(|y| (y - m).powi(2)).sum::<f64>() / width as f64;
+            let r = 1.0 / (var + 1e-5).sqrt();
+            assert!(
+                (mean[row] - m).abs() <= 1e-5 * m.abs(),
+                "rows of {width}, row {row}: mean {} against {m}",
+                mean[row]
+            );
+            assert!(
+                (rstd[row] - r).abs() <= 1e-5 * r,
+                "rows of {width}, row {row}: rstd {} against {r}",
+                rstd[row]
+            );
+        }
+    }
+}
+
+#[test]
+fn f16_layer_norm_keeps_its_statistics_in_f32() {
+    check_layer_norm_statistics::<crate::Wgpu>(&super::wgpu::device(), DType::F16);
+}
+
 #[test]
 fn f16_kernels_on_wgpu_match_the_f32_reference() {
     check_half_precision::<crate::Wgpu>(&super::wgpu::device(), DType::F16, 1.0);
@@ -156,5 +225,6 @@ fn f16_casts_of_many_tensors_are_burns_casts() {
 #[cfg(feature = "cuda")]
 pub(super) fn check_bf16<H: FusedOps>(device: &H::Device) {
     check_half_precision::<H>(device, DType::BF16, 8.0);
+    check_layer_norm_statistics::<H>(device, DType::BF16);
     check_multi_cast::<H>(device, DType::BF16);
 }
