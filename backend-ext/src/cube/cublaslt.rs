@@ -364,7 +364,21 @@ fn cuda_matmuls<C: CudaLike>(products: &[Operands<'_, C>]) -> Vec<Option<Product
                         bias_gradient: planned.bias_gradient,
                     })
                 }
-                Err(reason) => {
+                Err(Refusal::Operands(reason)) => {
+                    // This product's pointers, not its kind: the next product of the kind
+                    // tries cuBLASLt again.
+                    if REFUSALS.fetch_add(1, Ordering::Relaxed) == 0 {
+                        tracing::warn!(
+                            "cuBLASLt did not take a product of {:?} [{:?}]·[{:?}] ({reason}): \
+                             CubeCL's matmul runs it, and the next refusals are only counted",
+                            planned.a.dtype,
+                            planned.a.shape(),
+                            planned.b.shape(),
+                        );
+                    }
+                    None
+                }
+                Err(Refusal::Kind(reason)) => {
                     refused()
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
@@ -388,6 +402,16 @@ fn cuda_matmuls<C: CudaLike>(products: &[Operands<'_, C>]) -> Vec<Option<Product
         .collect()
 }
 
+/// Why cuBLASLt did not compute a product.
+enum Refusal {
+    /// Of the product's kind (no handle: the library, the device; no algorithm for the
+    /// layout; a refused launch): the kind's later products go to CubeCL directly.
+    Kind(String),
+    /// Of this product's operands (a pointer off cuBLASLt's alignment: a view into a buffer;
+    /// CubeCL could not give a buffer): the kind's next product tries cuBLASLt again.
+    Operands(String),
+}
+
 /// The planned products (`None`: skipped), in one window of Note [cuBLASLt beside CubeCL]
 /// (two host waits, or Note [Device-side GEMM windows]: `cublaslt_window.rs`): `Ok` where the product was written into its output, else why cuBLASLt did
 /// not (no handle: the library, the device; an unaligned pointer; no algorithm for the layout;
@@ -397,12 +421,32 @@ fn cuda_matmuls<C: CudaLike>(products: &[Operands<'_, C>]) -> Vec<Option<Product
 /// When a wait reports an error: a fault of an earlier kernel (CubeCL's stream) or of a
 /// product (ember's), after which no result on this device can be trusted; when a device
 /// window's wait expired (`cublaslt_window::end`).
-fn run<C: CudaLike>(ordinal: usize, planned: &[Option<Planned<'_, C>>]) -> Vec<Result<(), String>> {
+fn run<C: CudaLike>(
+    ordinal: usize,
+    planned: &[Option<Planned<'_, C>>],
+) -> Vec<Result<(), Refusal>> {
     let handle = match handle(ordinal) {
         Ok(handle) => handle,
-        Err(e) => return planned.iter().map(|_| Err(e.clone())).collect(),
+        Err(e) => {
+            return planned
+                .iter()
+                .map(|_| Err(Refusal::Kind(e.clone())))
+                .collect();
+        }
     };
     let mut handle = handle.lock().unwrap_or_else(|e| e.into_inner());
+    // cuBLASLt launches in the calling thread's current CUDA context. CubeCL makes its
+    // context current on its own runner thread only, cudarc on the thread that made the
+    // handle; without this, another thread's first product runs in the CUDA runtime's
+    // default (device 0's primary context), which on any other device fails, or binds a
+    // context on device 0 that the rank never meant to use.
+    if let Err(e) = handle.stream.context().bind_to_thread() {
+        let reason = format!("CUDA device {ordinal}'s context on this thread: {e:?}");
+        return planned
+            .iter()
+            .map(|_| Err(Refusal::Kind(reason.clone())))
+            .collect();
+    }
     let Some(client) = planned.iter().flatten().next().map(|p| p.a.client.clone()) else {
         return Vec::new();
     };
@@ -413,10 +457,10 @@ fn run<C: CudaLike>(ordinal: usize, planned: &[Option<Planned<'_, C>>]) -> Vec<R
     };
     // Each keeps its memory from being reused until the products are done.
     let mut held = Vec::new();
-    let mut results: Vec<Result<Pointers, String>> = Vec::new();
+    let mut results: Vec<Result<Pointers, Refusal>> = Vec::new();
     for p in planned {
         let Some(p) = p else {
-            results.push(Err("no plan".into()));
+            results.push(Err(Refusal::Kind("no plan".into())));
             continue;
         };
         let pointers = (|| {
@@ -451,7 +495,7 @@ fn run<C: CudaLike>(ordinal: usize, planned: &[Option<Planned<'_, C>>]) -> Vec<R
             }
             Ok(pointers)
         })();
-        results.push(pointers);
+        results.push(pointers.map_err(Refusal::Operands));
     }
     if results.iter().all(Result::is_err) {
         return results.into_iter().map(|r| r.map(|_| ())).collect();
@@ -479,7 +523,7 @@ fn run<C: CudaLike>(ordinal: usize, planned: &[Option<Planned<'_, C>>]) -> Vec<R
         &handle.stream,
         first_of_a_kind,
     );
-    let launched: Vec<Result<(), String>> = planned
+    let launched: Vec<Result<(), Refusal>> = planned
         .iter()
         .zip(results)
         .map(|(p, pointers)| {
@@ -491,7 +535,7 @@ fn run<C: CudaLike>(ordinal: usize, planned: &[Option<Planned<'_, C>>]) -> Vec<R
             // began (`cublaslt_window::begin`); the plan's layouts stay within each tensor's
             // elements (gemm_layout.rs, tested against the column-major definition), and the
             // bias and bias gradient have C''s `m` elements (`plan`).
-            unsafe { handle.lt.matmul(&p.kind, &pointers, &handle.stream) }
+            unsafe { handle.lt.matmul(&p.kind, &pointers, &handle.stream) }.map_err(Refusal::Kind)
         })
         .collect();
     cublaslt_window::end::<C>(window, &handle.windows, &device, &handle.stream);

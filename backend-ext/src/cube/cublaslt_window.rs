@@ -14,7 +14,7 @@ use cudarc::driver::sys::{
 };
 
 use super::cublaslt::CudaLike;
-use super::gemm_window::{EXPIRED, RELEASE, SIGNAL, WindowFlags};
+use super::gemm_window::{EXPIRED, RELEASE, SIGNAL, WindowFlags, one_hardware_queue};
 use crate::{CublasltSync, cublaslt_sync};
 
 /// Polls before the window kernel stops waiting: 2²⁸, minutes on a GPU (a poll is an atomic
@@ -67,6 +67,12 @@ pub(super) fn begin<C: CudaLike>(
     stream: &CudaStream,
     host: bool,
 ) -> Window {
+    if cublaslt_sync() == CublasltSync::Device && windows.refused.is_none() {
+        if let Some(reason) = one_hardware_queue(std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok())
+        {
+            refuse(windows, reason);
+        }
+    }
     if cublaslt_sync() == CublasltSync::Device && windows.refused.is_none() && !host {
         // The stream memory operations take the thread's current context (CubeCL makes it
         // current on its runner thread only).

@@ -134,9 +134,23 @@ impl<R: CubeRuntime> WindowFlags<R> {
     }
 }
 
+/// Why device windows cannot be used under `CUDA_DEVICE_MAX_CONNECTIONS` = `value`, if they
+/// cannot: with one connection (Megatron-LM's setting, which NVIDIA's containers often carry)
+/// every stream's work goes through one hardware queue in submission order, so a product
+/// enqueued on ember's stream after the window kernel that waits for it on CubeCL's would
+/// wait behind it until the wait expires (Note [Device-side GEMM windows]).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) fn one_hardware_queue(value: Option<String>) -> Option<String> {
+    (value?.trim() == "1").then(|| {
+        "CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream on one hardware queue, where a window \
+         kernel would wait for products queued behind it"
+            .to_string()
+    })
+}
+
 #[cfg(test)]
 mod tests {
-    use super::released;
+    use super::{one_hardware_queue, released};
 
     #[test]
     fn window_numbers_compare_cyclically_as_cu_stream_wait_value_geq() {
@@ -151,5 +165,14 @@ mod tests {
         // Half the cycle apart is the boundary of int32's sign.
         assert!(released((1 << 31) - 1, 0));
         assert!(!released(1 << 31, 0));
+    }
+
+    #[test]
+    fn one_connection_refuses_device_windows() {
+        assert!(one_hardware_queue(Some("1".into())).is_some());
+        assert!(one_hardware_queue(Some(" 1\n".into())).is_some());
+        assert_eq!(one_hardware_queue(Some("8".into())), None);
+        assert_eq!(one_hardware_queue(Some("32".into())), None);
+        assert_eq!(one_hardware_queue(None), None);
     }
 }
