@@ -65,7 +65,7 @@ pub use cube::cublaslt;
 #[cfg(feature = "cube")]
 pub use cube::gemm_window;
 #[cfg(feature = "cube")]
-pub use cube::kernel_cache::{KERNEL_CACHE_VAR, KernelCache, set_kernel_cache};
+pub use cube::kernel_cache::{KERNEL_CACHE_VAR, KernelCache, build_fingerprint, set_kernel_cache};
 /// CubeCL's CUDA runtime (the `R` of [`gemm_window::WindowFlags`] on Burn's CUDA backend).
 #[cfg(feature = "cuda")]
 pub use cubecl::cuda::CudaRuntime;

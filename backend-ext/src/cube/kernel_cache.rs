@@ -10,6 +10,16 @@
 //! device is opened: PTX (CUDA) and SPIR-V (Vulkan) under `<dir>/<runtime>/`, autotune
 //! results under `<dir>/autotune/`, each file written under CubeCL's file lock, so the ranks
 //! of a node may share the folder.
+//!
+//! Note [Kernel cache per build]: CubeCL finds a compiled kernel in its cache by a hash of the
+//! kernel's type name, cube size and launch settings (`KernelId::stable_hash`), not of its
+//! code: a binary whose kernels changed, run with the folder an older binary filled, would
+//! load the older binary's PTX and never compile its own. So [`set_kernel_cache`] gives each
+//! build a folder of its own, `<dir>/build-<fingerprint>` ([`build_fingerprint`]: the running
+//! executable's size and modification time). Every process of one binary (the ranks of a
+//! node, a second run) shares it; a rebuilt or copied binary compiles afresh once. The
+//! folders of old builds can be deleted. PTX is also compiled for the GPU at hand: machines
+//! with different GPUs should not share one folder (a node-local `EMBER_KERNEL_CACHE`).
 
 use std::path::{Path, PathBuf};
 
@@ -59,9 +69,35 @@ pub fn set_kernel_cache(dir: &Path) -> KernelCache {
     if slot.is_some() {
         return KernelCache::AlreadyInUse;
     }
-    let config = with_cache(CubeClRuntimeConfig::default().override_from_env(), dir);
+    // Note [Kernel cache per build].
+    let dir = dir.join(format!("build-{}", build_fingerprint()));
+    let config = with_cache(CubeClRuntimeConfig::default().override_from_env(), &dir);
     *slot = Some(std::sync::Arc::new(config));
-    KernelCache::Folder(dir.to_path_buf())
+    KernelCache::Folder(dir)
+}
+
+/// The running executable's fingerprint (Note [Kernel cache per build]): 16 hex digits of a
+/// hash of its size and modification time, or `unknown` where the executable cannot be read.
+pub fn build_fingerprint() -> String {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| fingerprint_of(&exe))
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// [`build_fingerprint`] of the file at `path`; `None` where its metadata cannot be read.
+fn fingerprint_of(path: &Path) -> Option<String> {
+    use std::hash::{Hash, Hasher};
+    let meta = std::fs::metadata(path).ok()?;
+    let modified = meta
+        .modified()
+        .ok()?
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?;
+    // SipHash with fixed keys: the same value in every process.
+    let mut hasher = std::hash::DefaultHasher::new();
+    (meta.len(), modified.as_secs(), modified.subsec_nanos()).hash(&mut hasher);
+    Some(format!("{:016x}", hasher.finish()))
 }
 
 /// `config` with both caches in `dir`.
@@ -106,6 +142,43 @@ mod tests {
         );
         assert!(matches!(&config.autotune.cache, CacheConfig::File(p) if p == Path::new("/k")));
         assert_eq!(config.autotune.cache.root(), PathBuf::from("/k"));
+    }
+
+    /// Note [Kernel cache per build]: a file's fingerprint is stable while it is unchanged, and
+    /// changes when it is rewritten (a rebuild) or its size changes.
+    #[test]
+    fn a_rebuilt_binary_gets_another_fingerprint() {
+        let dir = tempfile::tempdir().unwrap();
+        let exe = dir.path().join("ember");
+        std::fs::write(&exe, b"kernels v1").unwrap();
+        let first = fingerprint_of(&exe).unwrap();
+        assert_eq!(first.len(), 16);
+        assert_eq!(
+            fingerprint_of(&exe).unwrap(),
+            first,
+            "stable while unchanged"
+        );
+        // The same size, a later modification time.
+        let later = std::time::SystemTime::now() + std::time::Duration::from_secs(5);
+        std::fs::write(&exe, b"kernels v2").unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&exe)
+            .unwrap()
+            .set_modified(later)
+            .unwrap();
+        let rebuilt = fingerprint_of(&exe).unwrap();
+        assert_ne!(rebuilt, first, "a rewritten binary");
+        std::fs::write(&exe, b"kernels v2 and more").unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&exe)
+            .unwrap()
+            .set_modified(later)
+            .unwrap();
+        assert_ne!(fingerprint_of(&exe).unwrap(), rebuilt, "another size");
+        assert_eq!(fingerprint_of(&dir.path().join("absent")), None);
+        assert_eq!(build_fingerprint().len(), 16, "this test binary's");
     }
 
     #[test]
