@@ -67,11 +67,12 @@ pub(super) fn begin<C: CudaLike>(
     stream: &CudaStream,
     host: bool,
 ) -> Window {
-    if cublaslt_sync() == CublasltSync::Device && windows.refused.is_none() {
-        if let Some(reason) = one_hardware_queue(std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok())
-        {
-            refuse(windows, reason);
-        }
+    let connections = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok();
+    if cublaslt_sync() == CublasltSync::Device
+        && windows.refused.is_none()
+        && let Some(reason) = one_hardware_queue(connections)
+    {
+        refuse(windows, reason);
     }
     if cublaslt_sync() == CublasltSync::Device && windows.refused.is_none() && !host {
         // The stream memory operations take the thread's current context (CubeCL makes it
