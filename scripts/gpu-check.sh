@@ -233,7 +233,7 @@ run)
             timeout 150 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
                 --seq-len 128 --steps 4 --buckets device --gemm cublaslt --cublaslt-sync device 2>&1 \
                 | grep -E "^GEMMs|^\| (model|large)|rror|cublaslt_sync" | tee -a "$out/gemm.md" || status=$?
-            du -sh "$out/kernel-cache"/* 2>/dev/null || echo "no kernel cache written"
+            du -sh "$out/kernel-cache"/build-*/* 2>/dev/null || echo "no kernel cache written"
             ;;
         kernels)
             echo "== kernel tests on CUDA (f32): forward and backward vs the reference composition"

@@ -177,7 +177,9 @@ pub trait FusedOps: MasterOps + BucketOps {
     /// rstd` (Ba et al. 2016; apex's `cuComputeGradInput`).
     ///
     /// # Shapes
-    /// `grad`, `pre_norm` `[R, N]`; `mean`, `rstd` `[R]`; `gamma` `[N]` → [`LayerNormBackward`]
+    /// `grad`, `pre_norm` `[R, N]`; `mean`, `rstd` `[R]` (as the forward gave them: f32 on
+    /// CubeCL backends, Note [LayerNorm statistics in f32]; the default body takes them in
+    /// `pre_norm`'s dtype); `gamma` `[N]` → [`LayerNormBackward`]
     fn bias_dropout_add_layer_norm_backward(
         grad: FloatTensor<Self>,
         pre_norm: FloatTensor<Self>,

@@ -205,7 +205,8 @@ pub fn cli_main() -> ExitCode {
     }
 }
 
-/// Where CubeCL keeps compiled kernels and autotune results (`ember_backend_ext::set_kernel_cache`):
+/// The folder in which CubeCL keeps compiled kernels and autotune results, in a folder per
+/// build of ember (`ember_backend_ext::set_kernel_cache`, Note [Kernel cache per build]):
 /// `$EMBER_KERNEL_CACHE`, else `kernels/` in ember's cache folder (`$EMBER_CACHE_DIR`, else
 /// `$XDG_CACHE_HOME/ember`, else `~/.cache/ember`).
 pub fn kernel_cache_dir() -> std::path::PathBuf {

@@ -299,6 +299,16 @@ fn plan<'t, C: CudaLike>((a, b, with, output): Operands<'t, C>) -> Option<Planne
     {
         return None;
     }
+    // A view starting off cuBLASLt's 256-byte alignment (`run` checks the pointers themselves;
+    // CubeCL's buffers start on 512 bytes) goes to CubeCL's matmul without outputs allocated
+    // for nothing.
+    if [Some(a), Some(b), bias]
+        .into_iter()
+        .flatten()
+        .any(|t| !t.handle.offset_start.unwrap_or(0).is_multiple_of(256))
+    {
+        return None;
+    }
     let refused = refused().lock().unwrap_or_else(|e| e.into_inner());
     // A weight gradient whose bias-gradient epilogue was refused is still a product cuBLASLt
     // may take: without the epilogue (the caller's reduction computes the bias gradient).

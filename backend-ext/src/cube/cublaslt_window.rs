@@ -67,10 +67,10 @@ pub(super) fn begin<C: CudaLike>(
     stream: &CudaStream,
     host: bool,
 ) -> Window {
-    let connections = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok();
+    // (Read while device windows are in use only: the chain stops at the first `false`.)
     if cublaslt_sync() == CublasltSync::Device
         && windows.refused.is_none()
-        && let Some(reason) = one_hardware_queue(connections)
+        && let Some(reason) = one_hardware_queue(std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok())
     {
         refuse(windows, reason);
     }

@@ -7,18 +7,22 @@
 //! working folder (or `~/.cache/cubecl` outside one). On the H200 a BERT-large process spent
 //! ~30 s compiling 163 kernels and autotuning before its first step, every time
 //! (docs/gpu.md). [`set_kernel_cache`] gives both caches one stated folder before the first
-//! device is opened: PTX (CUDA) and SPIR-V (Vulkan) under `<dir>/<runtime>/`, autotune
-//! results under `<dir>/autotune/`, each file written under CubeCL's file lock, so the ranks
-//! of a node may share the folder.
+//! device is opened, one folder per build of ember in it (Note [Kernel cache per build]):
+//! PTX (CUDA) and SPIR-V (Vulkan) under `<dir>/build-<fingerprint>/<runtime>/`, autotune
+//! results under `<dir>/build-<fingerprint>/autotune/`, each file written under CubeCL's file
+//! lock, so the ranks of a node may share the folder.
 //!
 //! Note [Kernel cache per build]: CubeCL finds a compiled kernel in its cache by a hash of the
 //! kernel's type name, cube size and launch settings (`KernelId::stable_hash`), not of its
 //! code: a binary whose kernels changed, run with the folder an older binary filled, would
 //! load the older binary's PTX and never compile its own. So [`set_kernel_cache`] gives each
 //! build a folder of its own, `<dir>/build-<fingerprint>` ([`build_fingerprint`]: the running
-//! executable's size and modification time). Every process of one binary (the ranks of a
-//! node, a second run) shares it; a rebuilt or copied binary compiles afresh once. The
-//! folders of old builds can be deleted. PTX is also compiled for the GPU at hand: machines
+//! executable's path, size and modification time; the path tells apart builds that
+//! reproducible-build tools stamp with one fixed time, as Nix's store paths). Every process
+//! of one binary (the ranks of a node, a second run) shares it; a rebuilt or copied binary
+//! compiles afresh once. Where the executable cannot be read, nothing compiled is cached
+//! (autotune results still are, in `build-unknown`). The folders of old builds can be
+//! deleted. PTX is also compiled for the GPU at hand: machines
 //! with different GPUs should not share one folder (a node-local `EMBER_KERNEL_CACHE`).
 
 use std::path::{Path, PathBuf};
@@ -52,8 +56,8 @@ impl std::fmt::Display for KernelCache {
     }
 }
 
-/// Makes CubeCL cache compiled kernels and autotune results in `dir` for the rest of the
-/// process, unless a CubeCL configuration file applies (searched from the working folder up,
+/// Makes CubeCL cache compiled kernels and autotune results in `dir` (in the running build's
+/// folder there: Note [Kernel cache per build]) for the rest of the process, unless a CubeCL configuration file applies (searched from the working folder up,
 /// as CubeCL does) or CubeCL's configuration is already in use. CubeCL's environment
 /// variables (`CUBECL_DEBUG_LOG`, `CUBECL_DEBUG_OPTION`, `CUBECL_AUTOTUNE_LEVEL`) still apply.
 /// Call it before the first tensor is made on a CubeCL device. Nothing is written until
@@ -70,25 +74,43 @@ pub fn set_kernel_cache(dir: &Path) -> KernelCache {
         return KernelCache::AlreadyInUse;
     }
     // Note [Kernel cache per build].
-    let dir = dir.join(format!("build-{}", build_fingerprint()));
-    let config = with_cache(CubeClRuntimeConfig::default().override_from_env(), &dir);
+    let fingerprint = build_fingerprint();
+    let dir = dir.join(format!(
+        "build-{}",
+        fingerprint.as_deref().unwrap_or("unknown")
+    ));
+    let mut config = with_cache(CubeClRuntimeConfig::default().override_from_env(), &dir);
+    if fingerprint.is_none() {
+        config.compilation.cache = None;
+    }
     *slot = Some(std::sync::Arc::new(config));
     KernelCache::Folder(dir)
 }
 
 /// The running executable's fingerprint (Note [Kernel cache per build]): 16 hex digits of a
-/// hash of its size and modification time, or `unknown` where the executable cannot be read.
-pub fn build_fingerprint() -> String {
-    std::env::current_exe()
+/// hash of its path, size and modification time; `None` where the executable cannot be read.
+/// Linux's `/proc/self/exe` first: it still reads a binary replaced on disk since it started,
+/// whose `current_exe` path ends in " (deleted)".
+pub fn build_fingerprint() -> Option<String> {
+    let proc_exe = Path::new("/proc/self/exe");
+    let path = std::fs::canonicalize(proc_exe)
+        .or_else(|_| std::env::current_exe())
+        .ok()?;
+    std::fs::metadata(proc_exe)
+        .or_else(|_| std::fs::metadata(&path))
         .ok()
-        .and_then(|exe| fingerprint_of(&exe))
-        .unwrap_or_else(|| "unknown".into())
+        .and_then(|meta| fingerprint_from(&path, &meta))
 }
 
 /// [`build_fingerprint`] of the file at `path`; `None` where its metadata cannot be read.
+#[cfg(test)]
 fn fingerprint_of(path: &Path) -> Option<String> {
+    fingerprint_from(path, &std::fs::metadata(path).ok()?)
+}
+
+/// The fingerprint of the executable at `path` whose metadata is `meta`.
+fn fingerprint_from(path: &Path, meta: &std::fs::Metadata) -> Option<String> {
     use std::hash::{Hash, Hasher};
-    let meta = std::fs::metadata(path).ok()?;
     let modified = meta
         .modified()
         .ok()?
@@ -96,7 +118,13 @@ fn fingerprint_of(path: &Path) -> Option<String> {
         .ok()?;
     // SipHash with fixed keys: the same value in every process.
     let mut hasher = std::hash::DefaultHasher::new();
-    (meta.len(), modified.as_secs(), modified.subsec_nanos()).hash(&mut hasher);
+    (
+        path,
+        meta.len(),
+        modified.as_secs(),
+        modified.subsec_nanos(),
+    )
+        .hash(&mut hasher);
     Some(format!("{:016x}", hasher.finish()))
 }
 
@@ -178,7 +206,26 @@ mod tests {
             .unwrap();
         assert_ne!(fingerprint_of(&exe).unwrap(), rebuilt, "another size");
         assert_eq!(fingerprint_of(&dir.path().join("absent")), None);
-        assert_eq!(build_fingerprint().len(), 16, "this test binary's");
+        // The same bytes and time at another path (a reproducible build's fixed time).
+        let other = dir.path().join("ember-other");
+        std::fs::copy(&exe, &other).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&other)
+            .unwrap()
+            .set_modified(later)
+            .unwrap();
+        assert_ne!(fingerprint_of(&other), fingerprint_of(&exe), "another path");
+        assert_eq!(
+            build_fingerprint().map(|f| f.len()),
+            Some(16),
+            "this test binary's"
+        );
+        assert_eq!(
+            build_fingerprint(),
+            build_fingerprint(),
+            "stable in a process"
+        );
     }
 
     #[test]

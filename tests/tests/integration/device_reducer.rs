@@ -140,9 +140,9 @@ fn device_buckets_equal_one_rank_or_host_buckets_for_every_clip_mode() {
     // six launches for the coefficient and one per bucket (measured: 22 more than `none`).
     // `bucket`: per bucket the partial sums of its norm and the clip that finishes them (two
     // launches, Note [Clipped by its own norm]), where the norm took two and the clip one
-    // (measured: 48 more at 17 buckets) and the composition nine (120 more). A step's count
-    // is taken without waiting for the device, so a few launches can move between steps: the
-    // bounds leave room.
+    // (measured: 48 more at 17 buckets, the tied rows an 18th clip) and the composition nine
+    // (120 more); now 29 more. A step's count is taken without waiting for the device, so a
+    // few launches can move between steps: the bounds leave room.
     let of = |clip| launches.iter().find(|(c, _)| *c == clip).unwrap().1 as i64;
     let none = of(ClipMode::None);
     eprintln!("{buckets} buckets; launches per step by clip mode: {launches:?}");
@@ -154,7 +154,7 @@ fn device_buckets_equal_one_rank_or_host_buckets_for_every_clip_mode() {
         extra(ClipMode::Global)
     );
     assert!(
-        extra(ClipMode::Bucket) <= 2 * buckets as i64 + 12,
+        extra(ClipMode::Bucket) <= 2 * (buckets as i64 + 1) + 2,
         "bucket clipping added {} launches to {none} ({buckets} buckets)",
         extra(ClipMode::Bucket)
     );

@@ -241,7 +241,7 @@ impl<B: FusedOps> Buffer<B> {
 
     /// `self` clipped by its own squared norm (`bucket` mode: Note [Clip coefficient]), and that
     /// squared norm (what [`Buffer::sq_norm`] gives). On the device
-    /// [`BucketOps::clip_by_own_norm`](ember_backend_ext::BucketOps::clip_by_own_norm): two
+    /// [`FusedOps::clip_by_own_norm`]: two
     /// launches on CubeCL backends, the norm finished inside the clip's (Note [Clipped by its
     /// own norm] in ember-backend-ext's `bucket_ops.rs`).
     pub(crate) fn clip_by_own_norm(self, max_norm: f64) -> (Self, Scalar<B>) {

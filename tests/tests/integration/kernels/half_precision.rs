@@ -205,6 +205,43 @@ fn check_layer_norm_statistics<H: FusedOps>(device: &H::Device, dtype: DType) {
     }
 }
 
+/// Note [Unscaled per bucket]: half-precision tensors flattened and multiplied by a scale in
+/// one launch (`flatten_multi_tensor`) equal Burn's `mul_scalar` of their `cat`, bit for bit:
+/// the product in the half type (the scale rounded to it), not in f32 rounded once. At 1/3
+/// the two differ on some elements, so a kernel multiplying in f32 fails.
+fn check_flatten_scaled<H: FusedOps>(device: &H::Device, dtype: DType) {
+    use burn::tensor::TensorPrimitive;
+    let xs: Vec<Tensor<H, 1>> = [1, 4_099, 300_001]
+        .into_iter()
+        .map(|n| Tensor::<H, 1>::random([n], Distribution::Normal(0.0, 3.0), device).cast(dtype))
+        .collect();
+    let bits = |t: Tensor<H, 1>| -> Vec<u32> {
+        assert_eq!(t.dtype(), dtype);
+        let values: Vec<f32> = t.into_data().convert::<f32>().to_vec().unwrap();
+        values.iter().map(|v| v.to_bits()).collect()
+    };
+    for scale in [1.0f32 / 3.0, 1.0 / 65_536.0] {
+        let flat = H::flatten_multi_tensor(
+            xs.iter()
+                .map(|x| x.clone().into_primitive().tensor())
+                .collect(),
+            scale,
+        );
+        let got = bits(Tensor::from_primitive(TensorPrimitive::Float(flat)));
+        let expected = bits(Tensor::cat(xs.clone(), 0).mul_scalar(scale));
+        let first_difference = got.iter().zip(&expected).position(|(a, b)| a != b);
+        assert_eq!(
+            first_difference, None,
+            "{dtype:?} flattened at scale {scale}"
+        );
+    }
+}
+
+#[test]
+fn f16_flattening_scales_as_burn_multiplies() {
+    check_flatten_scaled::<crate::Wgpu>(&super::wgpu::device(), DType::F16);
+}
+
 #[test]
 fn f16_layer_norm_keeps_its_statistics_in_f32() {
     check_layer_norm_statistics::<crate::Wgpu>(&super::wgpu::device(), DType::F16);
@@ -226,5 +263,6 @@ fn f16_casts_of_many_tensors_are_burns_casts() {
 pub(super) fn check_bf16<H: FusedOps>(device: &H::Device) {
     check_half_precision::<H>(device, DType::BF16, 8.0);
     check_layer_norm_statistics::<H>(device, DType::BF16);
+    check_flatten_scaled::<H>(device, DType::BF16);
     check_multi_cast::<H>(device, DType::BF16);
 }
