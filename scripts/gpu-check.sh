@@ -70,7 +70,12 @@
 #                  CUDA's 512-byte alignment (`flatten.rs`: aligned parts as views, adjacent
 #                  misaligned parts copied in one launch; Note [Unflattened by views]); the
 #                  losses' cross-entropy against the host in f64 (`cross_entropy.rs`: the
-#                  masked-LM width, 65,535 and 70,000 rows; a label out of range gives NaN).
+#                  masked-LM width, 65,535 and 70,000 rows; a label out of range gives NaN);
+#                  gradient clipping (`clip.rs`: bit for bit the composition, in place only
+#                  where a bucket's memory is its own; a bucket clipped by its own norm in two
+#                  launches, Note [Clipped by its own norm]); in bf16, LayerNorm's statistics
+#                  kept in f32 (Note [LayerNorm statistics in f32]) and the flattening's scale
+#                  multiplied as Burn's mul_scalar does (`half_precision.rs`).
 #   bench-kernels  `xtask bench kernels`, f32 then bf16 (with the masked-LM cross-entropy row: the
 #                  fused loss against Burn's log_softmax + gather + mean, Note [Cross-entropy in
 #                  one pass]), then the LayerNorm and softmax rows again

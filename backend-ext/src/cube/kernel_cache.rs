@@ -174,6 +174,12 @@ mod tests {
 
     /// Note [Kernel cache per build]: a file's fingerprint is stable while it is unchanged, and
     /// changes when it is rewritten (a rebuild) or its size changes.
+    /// Sets the modification time of the file at `path` to `time`.
+    fn stamp(path: &Path, time: std::time::SystemTime) {
+        let file = std::fs::File::options().write(true).open(path).unwrap();
+        file.set_modified(time).unwrap();
+    }
+
     #[test]
     fn a_rebuilt_binary_gets_another_fingerprint() {
         let dir = tempfile::tempdir().unwrap();
@@ -189,32 +195,17 @@ mod tests {
         // The same size, a later modification time.
         let later = std::time::SystemTime::now() + std::time::Duration::from_secs(5);
         std::fs::write(&exe, b"kernels v2").unwrap();
-        std::fs::File::options()
-            .write(true)
-            .open(&exe)
-            .unwrap()
-            .set_modified(later)
-            .unwrap();
+        stamp(&exe, later);
         let rebuilt = fingerprint_of(&exe).unwrap();
         assert_ne!(rebuilt, first, "a rewritten binary");
         std::fs::write(&exe, b"kernels v2 and more").unwrap();
-        std::fs::File::options()
-            .write(true)
-            .open(&exe)
-            .unwrap()
-            .set_modified(later)
-            .unwrap();
+        stamp(&exe, later);
         assert_ne!(fingerprint_of(&exe).unwrap(), rebuilt, "another size");
         assert_eq!(fingerprint_of(&dir.path().join("absent")), None);
         // The same bytes and time at another path (a reproducible build's fixed time).
         let other = dir.path().join("ember-other");
         std::fs::copy(&exe, &other).unwrap();
-        std::fs::File::options()
-            .write(true)
-            .open(&other)
-            .unwrap()
-            .set_modified(later)
-            .unwrap();
+        stamp(&other, later);
         assert_ne!(fingerprint_of(&other), fingerprint_of(&exe), "another path");
         assert_eq!(
             build_fingerprint().map(|f| f.len()),
