@@ -75,7 +75,11 @@
 #                  where a bucket's memory is its own; a bucket clipped by its own norm in two
 #                  launches, Note [Clipped by its own norm]); in bf16, LayerNorm's statistics
 #                  kept in f32 (Note [LayerNorm statistics in f32]) and the flattening's scale
-#                  multiplied as Burn's mul_scalar does (`half_precision.rs`).
+#                  multiplied as Burn's mul_scalar does (`half_precision.rs`); a bucket written
+#                  in place after the communication thread last met the compute stream, read
+#                  by that thread only after those writes (`streams.rs`, Note [A bucket's
+#                  writes, awaited]: the race NCCL's device buckets had with accumulated
+#                  micro-batches and bucket-wise clipping, which wgpu's one queue cannot show).
 #   bench-kernels  `xtask bench kernels`, f32 then bf16 (with the masked-LM cross-entropy row: the
 #                  fused loss against Burn's log_softmax + gather + mean, Note [Cross-entropy in
 #                  one pass]), then the LayerNorm and softmax rows again

@@ -202,7 +202,16 @@ impl<B: FusedOps> Backward<B, 1> for CrossEntropyBackward {
 
 /// The default bodies (Burn's `cat` and `slice`, tracked as any other op). The trainer builds
 /// and takes apart its buckets on the inner backend.
-impl<B: FusedOps, C: CheckpointStrategy> crate::BucketOps for Autodiff<B, C> {}
+impl<B: FusedOps, C: CheckpointStrategy> crate::BucketOps for Autodiff<B, C> {
+    fn writes_marker(x: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        B::writes_marker(&x.primitive)
+            .map(<Self as burn::tensor::backend::AutodiffBackend>::from_inner)
+    }
+
+    fn await_marker(marker: FloatTensor<Self>) -> Result<(), String> {
+        B::await_marker(marker.primitive)
+    }
+}
 
 impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
     const HAS_KERNELS: bool = B::HAS_KERNELS;

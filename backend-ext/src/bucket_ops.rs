@@ -28,6 +28,27 @@
 //! Where the bucket's memory is shared, the sum and [`BucketOps::clip_multi_tensor`] take
 //! their own launches.
 //!
+//! Note [A bucket's writes, awaited]: a bucket is written on the compute thread's CubeCL
+//! stream and reduced by the communication thread, whose commands run on a stream of its own
+//! (CubeCL 0.10 gives each thread one). CubeCL orders a stream after another only for
+//! memory allocated since the two last met: a command names the buffer, and the stream
+//! waits for the buffer's stream if their last meeting is older than the buffer's allocation
+//! (`cubecl-runtime`'s `MultiStream::update_shared_bindings`: the slice's cursor is set when
+//! it is bound, never by later writes). Writes into a buffer in place after its allocation
+//! are not seen: the gradients of later micro-batches added into the first one's bucket, the
+//! bucket-wise clip, each bucket's writes once the communication thread met the compute
+//! stream for an earlier bucket. NCCL (or the in-process ranks' sum) could then read a bucket
+//! before those kernels ran, and average partial gradients; on one rank nothing shows, since
+//! an allreduce of one leaves the bucket as it is. So the communication thread first waits
+//! for the bucket's writes on the host: the compute thread makes a one-element marker after
+//! the bucket's last write ([`BucketOps::writes_marker`]), whose allocation is newer than
+//! every write, and hands it over with the bucket; the communication thread names the marker
+//! in a command of its own stream, which CubeCL then makes wait for the compute stream, and
+//! waits for its own stream ([`BucketOps::await_marker`]). The compute thread never waits,
+//! and NCCL starts once the device has run what the compute thread had enqueued by then, as
+//! the alignment would have made it. The wait is on the host, not only the stream's, so that
+//! another thread's stream may read the bucket too (the in-process ranks' sum).
+//!
 //! Note [Unflattened by views]: after the allreduce, each parameter's averaged gradient is a
 //! part of its bucket, and the optimizer reads it as a tensor of its own. On Burn's CubeCL
 //! backends a slice is a view of the bucket's memory only where its start and its distance to
@@ -121,6 +142,28 @@ pub trait BucketOps: Backend {
         xs.into_iter()
             .map(|x| prim(float::<Self, 1>(x) * coefficient.clone()))
             .collect()
+    }
+
+    /// A marker of the kernels enqueued so far by the calling thread, to hand to another
+    /// thread with a tensor they wrote (Note [A bucket's writes, awaited]): on CubeCL backends
+    /// a buffer of one element of `x`'s dtype allocated now on the calling thread's stream;
+    /// `None` on a backend that computes as it is called (the default, as NdArray).
+    fn writes_marker(x: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        let _ = x;
+        None
+    }
+
+    /// Blocks the calling thread until the device has run every kernel that `marker`
+    /// ([`BucketOps::writes_marker`], made on another thread) marks: on CubeCL backends a
+    /// command of this thread naming the marker, which makes this thread's stream wait for the
+    /// marker's stream from the marker's allocation on, then a wait for this thread's stream.
+    /// The default does nothing.
+    ///
+    /// # Errors
+    /// The device's error, as text.
+    fn await_marker(marker: FloatTensor<Self>) -> Result<(), String> {
+        let _ = marker;
+        Ok(())
     }
 
     /// The parts `flat[r]` for each range `r` of `parts`, as flat tensors: each parameter's

@@ -28,6 +28,24 @@ where
         unflatten(flat, parts)
     }
 
+    /// A buffer of one element allocated on the calling thread's stream (Note [A bucket's
+    /// writes, awaited]).
+    fn writes_marker(x: &CubeTensor<R>) -> Option<CubeTensor<R>> {
+        Some(empty_like(x, Shape::new([1])))
+    }
+
+    /// `get_resource` of the marker from this thread (a command that names it: CubeCL aligns
+    /// this thread's stream with the marker's), then this thread's `sync`.
+    fn await_marker(marker: CubeTensor<R>) -> Result<(), String> {
+        let resource = marker
+            .client
+            .get_resource(marker.handle.clone())
+            .map_err(|e| format!("the bucket's marker: {e:?}"))?;
+        drop(resource);
+        cubecl::future::block_on(marker.client.sync())
+            .map_err(|e| format!("the wait for the bucket's writes: {e:?}"))
+    }
+
     /// In place by [`multi_tensor::clip_in_place`] (Note [Clipped in one launch]); a tensor
     /// whose memory is shared (another handle to it is alive), or of another dtype than
     /// `sq_norm`, is multiplied by the composition's coefficient instead, the same bits.

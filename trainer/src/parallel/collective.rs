@@ -69,7 +69,7 @@ pub enum CommError {
     /// An error reported by the communication library (MPI, NCCL).
     #[error("{backend}: {message}")]
     Backend {
-        /// `mpi` or `nccl`.
+        /// `mpi`, `nccl`, or `device` (the device that wrote a bucket).
         backend: &'static str,
         /// The library's message.
         message: String,

@@ -10,13 +10,14 @@
 //! (`ncclCommAbort`, on drop).
 //!
 //! Note [NCCL ordering]: NCCL must not read a bucket before the kernels that wrote it (the
-//! concatenation and clipping on the compute stream) have run. CubeCL 0.10 gives each thread a
-//! stream of its own and does not expose the CUDA streams; what it does offer is alignment: a
-//! command on the communication thread's stream that names the bucket makes that stream wait
-//! on an event recorded on the producer's stream (`MultiStream::resolve`). So the
-//! communication thread asks CubeCL for the bucket's device pointer (an aligned command), waits
-//! for its own CubeCL stream (`ComputeClient::sync`, which returns once the producers have
-//! run), and then enqueues NCCL on its NCCL stream. Only the communication thread waits; the
+//! concatenation, the additions of later micro-batches and clipping on the compute stream)
+//! have run. CubeCL 0.10 gives each thread a stream of its own and does not expose the CUDA
+//! streams. The reducer waits on the host for the bucket's stream before handing it here
+//! (Note [A bucket's writes, awaited] in ember-backend-ext's `bucket_ops.rs`: CubeCL's own
+//! alignment of streams misses writes in place). Here the communication thread asks CubeCL for
+//! the bucket's device pointer (a command on its own stream, which also orders it after a
+//! bf16 bucket's cast made on that stream), waits for its own CubeCL stream
+//! (`ComputeClient::sync`), and then enqueues NCCL on its NCCL stream. Only the communication thread waits; the
 //! compute thread never does, and keeps enqueueing backward. The cost against a GPU-side
 //! `cudaStreamWaitEvent` is the host's reaction time to the event, microseconds per bucket.
 //! The compute stream reads the reduced bucket only after the step's wait

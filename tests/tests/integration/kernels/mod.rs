@@ -35,6 +35,8 @@ mod layer_masters;
 mod optimizer;
 mod packing;
 mod softmax;
+#[cfg(feature = "cuda")]
+mod streams;
 use common::{assert_close, mask_bias, random};
 use dropout::{check_dropout_backward_mask, check_dropout_mask, check_dropout_op};
 use optimizer::check_optimizer_ops;
@@ -576,6 +578,13 @@ mod cuda {
     #[test]
     fn bf16_kernels_match_the_f32_reference() {
         super::half_precision::check_bf16::<Backend>(&device());
+    }
+
+    /// Note [A bucket's writes, awaited]: 20 tries with a bucket of 16M elements (64 MB,
+    /// written in place 20 times after the streams met).
+    #[test]
+    fn a_bucket_written_in_place_is_awaited_before_the_communication_thread_reads_it() {
+        super::streams::check_writes_in_place_awaited::<Backend>(&device(), 1 << 24, 20);
     }
 
     /// Note [Weight gradients in f32]: in bf16, the default `model.gemm` (CubeCL's kernels;

@@ -10,7 +10,7 @@ use ember_backend_ext::FusedOps;
 use super::super::bf16::{AllreduceDtype, allreduce_bf16};
 use super::super::buckets::{Buffer, Scalar};
 use super::super::clip::{ClipMode, bucket_clip_cap};
-use super::super::collective::ReduceOp;
+use super::super::collective::{CommError, ReduceOp};
 use super::super::hooks::HookGradients;
 use super::{InFlight, Shared, StepState};
 
@@ -150,11 +150,26 @@ impl<B: FusedOps> Shared<B> {
             Buffer::Device(tensor) => {
                 let bf16 =
                     self.allreduce_dtype == AllreduceDtype::Bf16 && self.comm.world_size() > 1;
+                // Note [A bucket's writes, awaited]: made after the bucket's last write, awaited
+                // before the communication thread's first command on the bucket.
+                let marker = B::writes_marker(&tensor.clone().into_primitive().tensor());
                 self.comm.submit_device(move |c| {
+                    if let Some(marker) = marker {
+                        B::await_marker(marker).map_err(|message| CommError::Backend {
+                            backend: "device",
+                            message,
+                        })?;
+                    }
                     if bf16 {
-                        let half = tensor.cast(burn::tensor::FloatDType::BF16);
-                        c.allreduce_device(half, ReduceOp::Average)
-                            .map(|t| Buffer::Device(t.cast(burn::tensor::FloatDType::F32)))
+                        // The f32 bucket is kept until the allreduce returns (its stream's
+                        // pool would otherwise hand its memory to the next tensor of the
+                        // compute thread while this thread's cast may still read it).
+                        let half = tensor.clone().cast(burn::tensor::FloatDType::BF16);
+                        let reduced = c
+                            .allreduce_device(half, ReduceOp::Average)
+                            .map(|t| Buffer::Device(t.cast(burn::tensor::FloatDType::F32)));
+                        drop(tensor);
+                        reduced
                     } else {
                         c.allreduce_device(tensor, ReduceOp::Average)
                             .map(Buffer::Device)
