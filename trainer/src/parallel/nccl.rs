@@ -12,9 +12,10 @@
 //! Note [NCCL ordering]: NCCL must not read a bucket before the kernels that wrote it (the
 //! concatenation, the additions of later micro-batches and clipping on the compute stream)
 //! have run. CubeCL 0.10 gives each thread a stream of its own and does not expose the CUDA
-//! streams. The reducer waits on the host for the bucket's stream before handing it here
-//! (Note [A bucket's writes, awaited] in ember-backend-ext's `bucket_ops.rs`: CubeCL's own
-//! alignment of streams misses writes in place). Here the communication thread asks CubeCL for
+//! streams. Before this call the communication thread has waited on the host for the kernels
+//! that wrote the bucket, through a marker the compute thread allocated after the bucket's
+//! last write (Note [A bucket's writes, awaited] in ember-backend-ext's `bucket_ops.rs`:
+//! CubeCL's own alignment of streams misses writes in place). Here the communication thread asks CubeCL for
 //! the bucket's device pointer (a command on its own stream, which also orders it after a
 //! bf16 bucket's cast made on that stream), waits for its own CubeCL stream
 //! (`ComputeClient::sync`), and then enqueues NCCL on its NCCL stream. Only the communication thread waits; the
