@@ -30,8 +30,9 @@
 //!
 //! Note [A bucket's writes, awaited]: a bucket is written on the compute thread's CubeCL
 //! stream and reduced by the communication thread, whose commands run on a stream of its own
-//! (CubeCL 0.10 gives each thread one). CubeCL orders a stream after another only for
-//! memory allocated since the two last met: a command names the buffer, and the stream
+//! (CubeCL 0.10 gives each thread one). On CUDA, CubeCL orders a stream after another only
+//! for memory allocated since the two last met (wgpu's runtime submits every stream a command
+//! names first, and runs them in one queue): a command names the buffer, and the stream
 //! waits for the buffer's stream if their last meeting is older than the buffer's allocation
 //! (`cubecl-runtime`'s `MultiStream::update_shared_bindings`: the slice's cursor is set when
 //! it is bound, never by later writes). Writes into a buffer in place after its allocation
@@ -154,7 +155,8 @@ pub trait BucketOps: Backend {
     }
 
     /// Blocks the calling thread until the device has run every kernel that `marker`
-    /// ([`BucketOps::writes_marker`], made on another thread) marks: on CubeCL backends a
+    /// ([`BucketOps::writes_marker`], made on another thread) marks, and on CubeCL backends
+    /// whatever else that thread had enqueued when this call names it: on CubeCL backends a
     /// command of this thread naming the marker, which makes this thread's stream wait for the
     /// marker's stream from the marker's allocation on, then a wait for this thread's stream.
     /// The default does nothing.
