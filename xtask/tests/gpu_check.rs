@@ -127,5 +127,8 @@ fn gpu_check_kernel_test_filter_names_a_module() {
     let kernels =
         std::fs::read_to_string(format!("{root}/tests/tests/integration/kernels/mod.rs")).unwrap();
     assert!(main.lines().any(|l| l.trim() == "mod kernels;"));
-    assert!(kernels.lines().any(|l| l.trim() == "mod cuda {"));
+    assert!(kernels.lines().any(|l| l.trim() == "mod cuda;"));
+    let cuda =
+        std::fs::read_to_string(format!("{root}/tests/tests/integration/kernels/cuda.rs")).unwrap();
+    assert!(cuda.lines().any(|l| l.starts_with("kernel_tests!(")));
 }
