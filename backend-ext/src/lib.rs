@@ -57,6 +57,7 @@ mod linear;
 mod masters;
 mod qkv;
 pub mod reference;
+mod reference_ops;
 
 #[cfg(feature = "cube")]
 pub use cube::counting::{CountingRuntime, HostSyncs, KernelLaunches};
@@ -106,3 +107,4 @@ pub use kernels_choice::{
     Kernels, QkvProjections, RowReductions, row_reductions, set_row_reductions,
 };
 pub use masters::MasterOps;
+pub use reference_ops::{FusedOp, ReferenceOps};
