@@ -8,7 +8,7 @@ use burn::nn::{
 };
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
-use ember_backend_ext::{DropoutSpec, FusedOps, Kernels, QkvProjections};
+use ember_backend_ext::{DropoutSpec, FusedOp, FusedOps, Kernels, QkvProjections, ReferenceOps};
 
 use crate::hook::{ForwardHook, NoHook};
 use crate::precision::{Precision, cast_to, dense_as};
@@ -246,6 +246,43 @@ impl<B: Backend> BertEncoder<B> {
     pub fn kernels(&self) -> Kernels {
         self.layer.first().map(|l| l.kernels).unwrap_or_default()
     }
+
+    /// Takes `ops` out of the fused path: each runs as the reference path's composition
+    /// instead, in the layers, the embeddings' LayerNorm, the pre-training heads and the
+    /// losses (`model.reference_ops`; Note [Fused where it pays] in `ember-backend-ext`'s
+    /// `reference_ops.rs`). Default: none.
+    pub fn set_reference_ops(&mut self, ops: ReferenceOps) {
+        for layer in &mut self.layer {
+            layer.reference_ops = ops;
+        }
+    }
+
+    /// The ops the fused path runs as their reference composition (those of the first layer;
+    /// all agree after [`BertEncoder::set_reference_ops`]).
+    pub fn reference_ops(&self) -> ReferenceOps {
+        self.layer
+            .first()
+            .map(|l| l.reference_ops)
+            .unwrap_or_default()
+    }
+}
+
+impl<B: FusedOps> BertEncoder<B> {
+    /// Whether `op` runs fused on this backend ([`ReferenceOps::runs_fused`] of the layers'
+    /// kernels and reference ops).
+    pub fn runs_fused(&self, op: FusedOp) -> bool {
+        self.reference_ops().runs_fused::<B>(op, self.kernels())
+    }
+
+    /// The kernels choice of `op`: [`Kernels::Reference`] where it does not run fused, else the
+    /// layers'.
+    pub fn kernels_for(&self, op: FusedOp) -> Kernels {
+        if self.runs_fused(op) {
+            self.kernels()
+        } else {
+            Kernels::Reference
+        }
+    }
 }
 
 impl<B: FusedOps> BertEncoder<B> {
@@ -392,6 +429,11 @@ impl<B: Backend> BertModel<B> {
         self.encoder.set_kernels(kernels);
     }
 
+    /// Takes ops out of the fused path (see [`BertEncoder::set_reference_ops`]).
+    pub fn set_reference_ops(&mut self, ops: ReferenceOps) {
+        self.encoder.set_reference_ops(ops);
+    }
+
     /// Chooses the dtype the model computes in (Note [Autocast] in `precision.rs`); check
     /// [`Precision::supported`] first: a backend without the type fails in its first op.
     pub fn set_precision(&mut self, precision: Precision) {
@@ -435,9 +477,11 @@ impl<B: FusedOps> BertModel<B> {
         input_mask: Tensor<B, 2, Int>,
         hook: &dyn ForwardHook<B>,
     ) -> BertModelOutput<B> {
-        let embedded = self
-            .embeddings
-            .forward_with(input_ids, segment_ids, self.encoder.kernels());
+        let embedded = self.embeddings.forward_with(
+            input_ids,
+            segment_ids,
+            self.encoder.kernels_for(FusedOp::LayerNorm),
+        );
         let dtype = self.precision.dtype().into();
         let embedded = cast_to(embedded, dtype);
         let encoded =

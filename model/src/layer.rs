@@ -7,12 +7,12 @@ use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, LayerNorm, Linear};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use ember_backend_ext::{DropoutSpec, FusedOps, Kernels, QkvProjections};
+use ember_backend_ext::{DropoutSpec, FusedOp, FusedOps, Kernels, QkvProjections, ReferenceOps};
 
 use crate::BertConfig;
 use crate::attention::{BertSelfAttention, BertSelfOutput};
 use crate::bert::{dense, gelu, layer_norm, reference_dropout, training};
-use crate::precision::{dense_as, dense_parts, layer_norm_f32};
+use crate::precision::{dense_as, dense_parts, layer_norm_f32, softmax_f32};
 use crate::weight_casts::LayerParams;
 use crate::weight_casts::{bias_pair, gamma_beta_pairs};
 
@@ -58,6 +58,11 @@ pub struct BertLayer<B: Backend> {
     /// [`BertEncoder::set_qkv_projections`](crate::BertEncoder::set_qkv_projections)).
     #[module(skip)]
     pub qkv_projections: QkvProjections,
+    /// The ops the fused path runs as their reference composition (Note [Fused where it pays]
+    /// in `ember-backend-ext`'s `reference_ops.rs`; see
+    /// [`BertEncoder::set_reference_ops`](crate::BertEncoder::set_reference_ops)).
+    #[module(skip)]
+    pub reference_ops: ReferenceOps,
 }
 
 impl<B: Backend> BertLayer<B> {
@@ -83,6 +88,7 @@ impl<B: Backend> BertLayer<B> {
             kernels: Kernels::default(),
             layer_norm_eps: config.layer_norm_eps,
             qkv_projections: QkvProjections::default(),
+            reference_ops: ReferenceOps::default(),
         }
     }
 }
@@ -96,8 +102,8 @@ fn dense_no_bias<B: FusedOps>(x: Tensor<B, 3>, linear: &Linear<B>) -> Tensor<B, 
 impl<B: FusedOps> BertLayer<B> {
     /// The parameters a forward takes through the layer's scope (`weight_casts.rs`): the six
     /// dense layers' weights and biases (Q, K and V packed where the fused layer packs them),
-    /// and the two LayerNorms' γ and β where the fused op takes them (the reference path's
-    /// Burn `LayerNorm` reads its own).
+    /// and the two LayerNorms' γ and β where the fused op takes them (Burn's `LayerNorm`, the
+    /// reference path's and that of `layer_norm` among the reference ops, reads its own).
     pub(crate) fn params(&self) -> LayerParams<'_, B> {
         let attention = &self.attention.self_attention;
         let norms = [&self.attention.output.layer_norm, &self.output.layer_norm];
@@ -107,7 +113,7 @@ impl<B: FusedOps> BertLayer<B> {
             &self.intermediate.dense,
             &self.output.dense,
         ];
-        let norms: &[_] = if self.kernels.fused::<B>() {
+        let norms: &[_] = if self.runs_fused(FusedOp::LayerNorm) {
             &norms
         } else {
             &[]
@@ -137,9 +143,16 @@ impl<B: FusedOps> BertLayer<B> {
         }
     }
 
+    /// Whether `op` runs fused in this layer ([`ReferenceOps::runs_fused`]).
+    fn runs_fused(&self, op: FusedOp) -> bool {
+        self.reference_ops.runs_fused::<B>(op, self.kernels)
+    }
+
     /// The fused path: attention core, dense bias + dropout + residual + LayerNorm (twice) and
     /// dense bias + GELU each as one op; the GEMMs are Burn's. Dropout is applied when autodiff
-    /// is on, as Burn's `Dropout` does.
+    /// is on, as Burn's `Dropout` does. An op among the layer's reference ops runs as the
+    /// reference path's composition instead, with the fused path's dropout op (Note [Fused
+    /// where it pays]).
     fn forward_fused(&self, hidden_states: Tensor<B, 3>, mask_bias: Tensor<B, 2>) -> Tensor<B, 3> {
         let [batch, seq_len, hidden] = hidden_states.dims();
         let dtype = hidden_states.dtype();
@@ -171,12 +184,34 @@ impl<B: FusedOps> BertLayer<B> {
                 weight_copy,
                 Some(bias),
             );
-            ember_backend_ext::attention_qkv(qkv, heads, mask_bias, scale, attention_dropout)
+            if self.runs_fused(FusedOp::Attention) {
+                ember_backend_ext::attention_qkv(qkv, heads, mask_bias, scale, attention_dropout)
+            } else {
+                // Q, K and V: the packed output's column blocks, each as [B, nh, S, hd].
+                let block = |i: usize| {
+                    qkv.clone()
+                        .slice([0..batch, 0..seq_len, i * hidden..(i + 1) * hidden])
+                        .reshape([batch, seq_len, heads, head_dim])
+                        .swap_dims(1, 2)
+                };
+                attention_composed(
+                    block(0),
+                    block(1),
+                    block(2),
+                    mask_bias,
+                    scale,
+                    attention_dropout,
+                )
+            }
         } else {
             let q = split_heads(dense_as(&self_attention.query, hidden_states.clone()));
             let k = split_heads(dense_as(&self_attention.key, hidden_states.clone()));
             let v = split_heads(dense_as(&self_attention.value, hidden_states.clone()));
-            ember_backend_ext::attention(q, k, v, mask_bias, scale, attention_dropout)
+            if self.runs_fused(FusedOp::Attention) {
+                ember_backend_ext::attention(q, k, v, mask_bias, scale, attention_dropout)
+            } else {
+                attention_composed(q, k, v, mask_bias, scale, attention_dropout)
+            }
         }
         .swap_dims(1, 2);
         let context = ember_backend_ext::reshape(context, [batch, seq_len, hidden]);
@@ -185,30 +220,57 @@ impl<B: FusedOps> BertLayer<B> {
         // come out of the fused ops' backward in f32 (Note [Parameter gradients in f32] in
         // `ember-backend-ext`'s `masters.rs`).
         let output = &self.attention.output;
-        let attention_output = ember_backend_ext::bias_dropout_add_layer_norm_of_masters(
-            dense_no_bias(context, &output.dense),
-            bias_pair(&output.dense, dtype),
+        let attention_output = self.dense_dropout_add_norm(
+            context,
+            (&output.dense, &output.layer_norm),
             hidden_states,
-            gamma_beta_pairs(&output.layer_norm, dtype),
             dropout(output.dropout.prob),
-            self.layer_norm_eps,
         );
 
         let dense = &self.intermediate.dense;
-        let (bias, bias_copy) = bias_pair(dense, dtype);
-        let intermediate = ember_backend_ext::bias_gelu_of_master(
-            dense_no_bias(attention_output.clone(), dense),
-            bias,
-            bias_copy,
-        ); // [B, S, I]
-        ember_backend_ext::bias_dropout_add_layer_norm_of_masters(
-            dense_no_bias(intermediate, &self.output.dense),
-            bias_pair(&self.output.dense, dtype),
+        let intermediate = if self.runs_fused(FusedOp::BiasGelu) {
+            let (bias, bias_copy) = bias_pair(dense, dtype);
+            ember_backend_ext::bias_gelu_of_master(
+                dense_no_bias(attention_output.clone(), dense),
+                bias,
+                bias_copy,
+            )
+        } else {
+            gelu(dense_as(dense, attention_output.clone()))
+        }; // [B, S, I]
+        self.dense_dropout_add_norm(
+            intermediate,
+            (&self.output.dense, &self.output.layer_norm),
             attention_output,
-            gamma_beta_pairs(&self.output.layer_norm, dtype),
             dropout(self.output.dropout.prob),
-            self.layer_norm_eps,
         )
+    }
+
+    /// `LayerNorm(residual + dropout(dense(x)))` of the fused path: the dense layer without
+    /// its bias, then the fused bias + dropout + residual + LayerNorm of the masters and their
+    /// copies, or (`layer_norm` among the reference ops) the dense layer with its bias, the
+    /// dropout op, the sum and Burn's `LayerNorm` in f32, as the reference path.
+    fn dense_dropout_add_norm(
+        &self,
+        x: Tensor<B, 3>,
+        (dense, norm): (&Linear<B>, &LayerNorm<B>),
+        residual: Tensor<B, 3>,
+        dropout: DropoutSpec,
+    ) -> Tensor<B, 3> {
+        if self.runs_fused(FusedOp::LayerNorm) {
+            let dtype = x.dtype();
+            ember_backend_ext::bias_dropout_add_layer_norm_of_masters(
+                dense_no_bias(x, dense),
+                bias_pair(dense, dtype),
+                residual,
+                gamma_beta_pairs(norm, dtype),
+                dropout,
+                self.layer_norm_eps,
+            )
+        } else {
+            let x = ember_backend_ext::dropout(dense_as(dense, x), dropout);
+            layer_norm_f32(norm, x + residual)
+        }
     }
 
     /// The module-by-module composition, Hugging Face's `BertLayer.forward`.
@@ -230,4 +292,25 @@ impl<B: FusedOps> BertLayer<B> {
         );
         layer_norm_f32(&self.output.layer_norm, x + attention_output)
     }
+}
+
+/// The attention core as the reference path composes it, `dropout(softmax(Q·Kᵀ·scale +
+/// mask_bias))·V` with the softmax in f32 (Note [Autocast]), for `attention` among the fused
+/// path's reference ops: its dropout is the fused path's op (a kernel on CubeCL backends, the
+/// same keyed masks as the fused attention's).
+///
+/// # Shapes
+/// `q`, `k`, `v` `[B, nh, S, hd]`, `mask_bias` `[B, S]` → `[B, nh, S, hd]`
+fn attention_composed<B: FusedOps>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask_bias: Tensor<B, 2>,
+    scale: f64,
+    dropout: DropoutSpec,
+) -> Tensor<B, 4> {
+    let [batch, seq_len] = mask_bias.dims();
+    let scores = q.matmul(k.swap_dims(2, 3)) * scale; // [B, nh, S, S]
+    let probs = softmax_f32(scores + mask_bias.reshape([batch, 1, 1, seq_len]), 3);
+    ember_backend_ext::dropout(probs, dropout).matmul(v)
 }

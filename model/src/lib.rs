@@ -50,7 +50,7 @@ pub use bert::{
 };
 pub use config::{BertConfig, Preset};
 pub use embed::{Activation, Embedder, Hit, Pooling, cos_sim, normalize, semantic_search};
-pub use ember_backend_ext::{Kernels, QkvProjections};
+pub use ember_backend_ext::{FusedOp, Kernels, QkvProjections, ReferenceOps};
 pub use error::ModelError;
 pub use flops::StepGemm;
 pub use hook::{ForwardHook, NoHook};

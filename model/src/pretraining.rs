@@ -6,8 +6,8 @@
 use burn::module::{Module, Param};
 use burn::nn::{LayerNorm, Linear};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor};
-use ember_backend_ext::{DropoutSpec, FusedOps, Kernels};
+use burn::tensor::{DType, Int, Tensor};
+use ember_backend_ext::{DropoutSpec, FusedOp, FusedOps, Kernels, ReferenceOps};
 
 use crate::BertConfig;
 use crate::bert::{BertModel, dense, gelu, layer_norm};
@@ -112,6 +112,20 @@ impl<B: Backend> BertForPreTraining<B> {
         self.set_kernels(kernels);
         self
     }
+
+    /// Takes ops out of the fused path, the heads' and the losses' included (see
+    /// [`BertEncoder::set_reference_ops`]).
+    ///
+    /// [`BertEncoder::set_reference_ops`]: crate::BertEncoder::set_reference_ops
+    pub fn set_reference_ops(&mut self, ops: ReferenceOps) {
+        self.bert.encoder.set_reference_ops(ops);
+    }
+
+    /// Builder form of [`BertForPreTraining::set_reference_ops`].
+    pub fn with_reference_ops(mut self, ops: ReferenceOps) -> Self {
+        self.set_reference_ops(ops);
+        self
+    }
 }
 
 impl<B: FusedOps> BertForPreTraining<B> {
@@ -158,7 +172,11 @@ impl<B: FusedOps> BertForPreTraining<B> {
             .forward_hooked(input_ids, segment_ids, input_mask, hook);
         let predictions = &self.cls.predictions;
         let dtype = out.sequence_output.dtype();
-        let fused = self.bert.encoder.kernels().fused::<B>();
+        let encoder = &self.bert.encoder;
+        let (fused_gelu, fused_norm) = (
+            encoder.runs_fused(FusedOp::BiasGelu),
+            encoder.runs_fused(FusedOp::LayerNorm),
+        );
         // The heads' parameters ordered after their hooked input, cast together (Note
         // [Parameters ordered after their layer's input] in `weight_casts.rs`); the transform's
         // γ and β where the fused LayerNorm takes them.
@@ -166,7 +184,7 @@ impl<B: FusedOps> BertForPreTraining<B> {
         let _scope = layer_scope(
             LayerParams::of(
                 &[&predictions.transform.dense, &self.cls.seq_relationship],
-                if fused { &norm } else { &[] },
+                if fused_norm { &norm } else { &[] },
             )
             .and_vector(&predictions.bias),
             &out.sequence_output,
@@ -179,17 +197,21 @@ impl<B: FusedOps> BertForPreTraining<B> {
                 .select(0, masked_lm_flat_positions); // [N, H]
 
         let transform = &predictions.transform;
-        let transformed = if fused {
-            // GELU(x·W + b) and LayerNorm as the encoder's fused ops (zero bias and residual,
-            // no dropout inside: LayerNorm(0 + (h + 0)) is LayerNorm(h)).
-            // The bias, γ and β as masters beside their copies (Note [Parameter gradients in
-            // f32] in `ember-backend-ext`'s `masters.rs`).
+        // GELU(x·W + b) and LayerNorm as the encoder's fused ops (zero bias and residual, no
+        // dropout inside: LayerNorm(0 + (h + 0)) is LayerNorm(h)), each where it runs fused
+        // (Note [Fused where it pays]); the bias, γ and β as masters beside their copies (Note
+        // [Parameter gradients in f32] in `ember-backend-ext`'s `masters.rs`).
+        let hidden = if fused_gelu {
             let (bias, bias_copy) = bias_pair(&transform.dense, dtype);
-            let hidden = ember_backend_ext::bias_gelu_of_master(
+            ember_backend_ext::bias_gelu_of_master(
                 dense_parts(masked_states, &transform.dense.weight, None),
                 bias,
                 bias_copy,
-            );
+            )
+        } else {
+            gelu(dense_as(&transform.dense, masked_states))
+        };
+        let transformed = if fused_norm {
             let (gamma, beta) = gamma_beta_pairs(&transform.layer_norm, dtype);
             let zero_bias = (gamma.0.zeros_like(), gamma.1.zeros_like());
             ember_backend_ext::bias_dropout_add_layer_norm_of_masters(
@@ -201,10 +223,7 @@ impl<B: FusedOps> BertForPreTraining<B> {
                 self.bert.embeddings.layer_norm_eps,
             )
         } else {
-            layer_norm_f32(
-                &transform.layer_norm,
-                gelu(dense_as(&transform.dense, masked_states)),
-            )
+            layer_norm_f32(&transform.layer_norm, hidden)
         };
         // [H, V]: the word embeddings (tied), transposed; cast to the heads' dtype after the
         // hook.
@@ -241,8 +260,13 @@ impl<B: FusedOps> BertForPreTraining<B> {
         masked_lm_labels: Tensor<B, 1, Int>,
         next_sentence_labels: Tensor<B, 1, Int>,
     ) -> PreTrainingLoss<B> {
-        let mlm = cross_entropy(output.mlm_logits.clone(), masked_lm_labels);
-        let nsp = cross_entropy(output.nsp_logits.clone(), next_sentence_labels);
+        let loss = if self.bert.encoder.runs_fused(FusedOp::CrossEntropy) {
+            cross_entropy
+        } else {
+            cross_entropy_composed
+        };
+        let mlm = loss(output.mlm_logits.clone(), masked_lm_labels);
+        let nsp = loss(output.nsp_logits.clone(), next_sentence_labels);
 
         PreTrainingLoss {
             total: mlm.clone() + nsp.clone(),
@@ -266,4 +290,21 @@ impl<B: FusedOps> BertForPreTraining<B> {
 /// - output: `[1]`
 pub fn cross_entropy<B: FusedOps>(logits: Tensor<B, 2>, labels: Tensor<B, 1, Int>) -> Tensor<B, 1> {
     ember_backend_ext::cross_entropy(logits, labels)
+}
+
+/// [`cross_entropy`] composed of Burn ops, differentiated by Burn's autodiff: `log_softmax`
+/// in f32, the labels' entries (`gather`) and the negated mean, for `cross_entropy` among the
+/// reference ops (Note [Fused where it pays] in `ember-backend-ext`'s `reference_ops.rs`).
+///
+/// # Shapes
+/// - `logits`: `[N, C]`
+/// - `labels`: `[N]`, values in `0..C`
+/// - output: `[1]`
+pub fn cross_entropy_composed<B: Backend>(
+    logits: Tensor<B, 2>,
+    labels: Tensor<B, 1, Int>,
+) -> Tensor<B, 1> {
+    let [n, _] = logits.dims();
+    let log_probs = burn::tensor::activation::log_softmax(cast_to(logits, DType::F32), 1);
+    log_probs.gather(1, labels.reshape([n, 1])).mean().neg()
 }

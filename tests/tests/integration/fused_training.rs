@@ -19,7 +19,7 @@ use ember_trainer::OptimizerKind;
 use ember_trainer::config::OptimizerConfig;
 use ember_trainer::optim::PreTrainingOptimizer;
 
-struct Batch<B: AutodiffBackend> {
+pub(crate) struct Batch<B: AutodiffBackend> {
     input_ids: Tensor<B, 2, Int>,
     segment_ids: Tensor<B, 2, Int>,
     input_mask: Tensor<B, 2, Int>,
@@ -29,7 +29,7 @@ struct Batch<B: AutodiffBackend> {
 }
 
 /// Three sequences of 37 tokens, the second padded after 20, the third after 1.
-fn batch<B: AutodiffBackend>(vocab: usize, device: &B::Device) -> Batch<B> {
+pub(crate) fn batch<B: AutodiffBackend>(vocab: usize, device: &B::Device) -> Batch<B> {
     let (b, s) = (3usize, 37usize);
     let lengths = [37usize, 20, 1];
     let ids: Vec<i64> = (0..b * s)
@@ -97,7 +97,7 @@ fn scalar<B: AutodiffBackend>(t: Tensor<B, 1>) -> f64 {
 }
 
 /// The model of `config` from generator seed `seed`, its parameters drawn.
-fn seeded_model<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
+pub(crate) fn seeded_model<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     config: &BertConfig,
     seed: u64,
     device: &B::Device,
@@ -120,7 +120,7 @@ fn seeded_model<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
 }
 
 /// The loss of one forward pass and every parameter's gradient, by parameter.
-fn loss_and_gradients<B: AutodiffBackend + FusedOps>(
+pub(crate) fn loss_and_gradients<B: AutodiffBackend + FusedOps>(
     model: &BertForPreTraining<B>,
     batch: &Batch<B>,
 ) -> (f64, HashMap<ParamId, Vec<f32>>) {
@@ -147,7 +147,7 @@ fn assert_gradients_close(
 
 /// Every gradient within `tolerance` × its largest entry of `expected`'s, or × `floor` where
 /// that entry is smaller.
-fn assert_gradients_within(
+pub(crate) fn assert_gradients_within(
     actual: &HashMap<ParamId, Vec<f32>>,
     expected: &HashMap<ParamId, Vec<f32>>,
     tolerance: f32,

@@ -21,6 +21,7 @@ mod kernels;
 mod mixed_precision;
 mod model;
 mod pretrained;
+mod reference_ops;
 mod shard_training;
 mod train;
 
