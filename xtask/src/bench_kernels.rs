@@ -6,7 +6,9 @@
 //! backward time (under autodiff, gradient of all inputs), fused and reference, their ratio,
 //! and the fused forward's achieved memory bandwidth (the bytes it must move at least: each
 //! input read once, each output written once) as a fraction of the device's measured copy
-//! bandwidth (an elementwise `x + 0.5` over 256 MiB by default, read + write).
+//! bandwidth (an elementwise `x + 0.5` over 256 MiB by default, read + write). The table ends
+//! with the model's ops that took longer fused than composed at BERT-large shapes, and the
+//! line `slower fused: <ops>` for `--reference-ops` (Note [Fused where it pays]).
 
 use std::time::Instant;
 
@@ -313,15 +315,21 @@ fn bench_optimizer<B: FusedOps>(device: &B::Device, preset: &str, n: usize) -> R
     ])
 }
 
-pub(crate) struct Row {
-    pub(crate) op: &'static str,
-    pub(crate) shape: String,
-    pub(crate) fused_fwd: f64,
-    pub(crate) reference_fwd: f64,
-    pub(crate) fused_fwd_bwd: f64,
-    pub(crate) reference_fwd_bwd: f64,
+pub struct Row {
+    /// The op, as the table names it.
+    pub op: &'static str,
+    /// `<preset>-<seq> [<batch>x<seq>]`, and more for some ops.
+    pub shape: String,
+    /// Seconds.
+    pub fused_fwd: f64,
+    /// Seconds.
+    pub reference_fwd: f64,
+    /// Seconds.
+    pub fused_fwd_bwd: f64,
+    /// Seconds.
+    pub reference_fwd_bwd: f64,
     /// Least bytes the fused forward moves.
-    pub(crate) bytes: f64,
+    pub bytes: f64,
 }
 
 fn bench<B: FusedOps>(device: &B::Device, args: &KernelArgs, shapes: &[Shape]) -> Result<()>
@@ -530,8 +538,59 @@ where
             frac
         );
     }
+    let slower = slower_fused(&rows);
+    println!();
+    println!(
+        "The model's fused ops slower than their reference forward + backward at BERT-large \
+         shapes (Note [Fused where it pays]; `--reference-ops` runs them composed): {}",
+        if slower.is_empty() {
+            "none".to_string()
+        } else {
+            slower
+                .iter()
+                .map(|(op, at)| format!("{} ({at})", op.name()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    );
+    let set: ember_model::ReferenceOps = slower.iter().map(|(op, _)| *op).collect();
+    println!("slower fused: {set}");
     if args.reference == "pytorch" {
         crate::bench_kernels_attention::against_sdpa(args, shapes, &rows)?;
     }
     Ok(())
+}
+
+/// The model's ops (`model.reference_ops`) whose fused form took longer forward + backward
+/// than the reference composition at a BERT-large shape of `rows` (at any shape where none is
+/// large), each with the shapes and speed-ups where it did: what Note [Fused where it pays]
+/// takes out of the fused path. Rows of other ops (the masked softmax alone, the optimizers)
+/// choose nothing.
+pub fn slower_fused(rows: &[Row]) -> Vec<(ember_model::FusedOp, String)> {
+    use ember_model::FusedOp;
+    let op_of = |row: &Row| match row.op {
+        "bias_gelu" => Some(FusedOp::BiasGelu),
+        "bias_dropout_add_layer_norm" => Some(FusedOp::LayerNorm),
+        "attention_core" => Some(FusedOp::Attention),
+        "cross_entropy" => Some(FusedOp::CrossEntropy),
+        _ => None,
+    };
+    let any_large = rows.iter().any(|r| r.shape.starts_with("large"));
+    let mut slower: Vec<(FusedOp, String)> = Vec::new();
+    for row in rows {
+        let Some(op) = op_of(row) else { continue };
+        let speed_up = row.reference_fwd_bwd / row.fused_fwd_bwd;
+        // A NaN (an op that failed) is not slower.
+        let slower_here = speed_up < 1.0;
+        if (any_large && !row.shape.starts_with("large")) || !slower_here {
+            continue;
+        }
+        let shape = row.shape.split(' ').next().unwrap_or_default();
+        let at = format!("{shape}: {speed_up:.2}x");
+        match slower.iter_mut().find(|(o, _)| *o == op) {
+            Some((_, all)) => *all = format!("{all}, {at}"),
+            None => slower.push((op, at)),
+        }
+    }
+    slower
 }

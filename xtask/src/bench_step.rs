@@ -78,6 +78,10 @@ pub struct StepArgs {
     /// dense layer) or separate (three), to compare
     #[arg(long, default_value = "auto")]
     qkv_projections: ember_model::QkvProjections,
+    /// Fused ops run as their reference composition (`model.reference_ops`: bias_gelu,
+    /// layer_norm, attention, cross_entropy, comma-separated; none), to compare
+    #[arg(long, default_value = "none")]
+    reference_ops: ember_model::ReferenceOps,
     /// Compute precision (`train.precision`): f32, bf16 or fp16; unset, the device's default
     /// (bf16 on cuda, f32 elsewhere)
     #[arg(long)]
@@ -189,6 +193,7 @@ fn config(
     config.model.gemm = args.gemm;
     config.model.cublaslt_sync = args.cublaslt_sync;
     config.model.qkv_projections = args.qkv_projections;
+    config.model.reference_ops = args.reference_ops;
     config.train.precision = args.precision;
     config.loss_scale.mode = args.loss_scale;
     config.parallel.bucket_cap_mb = args.bucket_cap_mb;
@@ -240,7 +245,8 @@ fn bench<B: GradHookBackend>(
     }
     println!();
     println!(
-        "GEMMs: {} (f32 operands multiplied as {}). First step: from the run's start to the end \
+        "GEMMs: {} (f32 operands multiplied as {}); fused ops run as their reference \
+         composition (model.reference_ops): {}. First step: from the run's start to the end \
          of its first step (the process's first run compiles and autotunes; later runs reuse \
          its kernels).",
         match args.gemm.resolve().map_err(anyhow::Error::msg)? {
@@ -248,7 +254,8 @@ fn bench<B: GradHookBackend>(
                 format!("cublaslt ({} sync)", args.cublaslt_sync.name()),
             other => other.name().to_string(),
         },
-        B::f32_gemm_precision(device).name()
+        B::f32_gemm_precision(device).name(),
+        args.reference_ops
     );
     println!(
         "| model | batch × seq | buckets | step ms | backward ms | samples/s | host syncs in backward | host syncs per step | kernel launches per step | first step s |"

@@ -22,6 +22,8 @@ mod bench_gemm_bias;
 #[doc(hidden)]
 pub use bench_data::number_after;
 mod bench_kernels;
+#[doc(hidden)]
+pub use bench_kernels::{Row as KernelRow, slower_fused};
 mod bench_kernels_attention;
 mod bench_kernels_loss;
 mod bench_largest_batch;

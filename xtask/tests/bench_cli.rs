@@ -398,6 +398,32 @@ fn kernel_bench_sets_attention_against_sdpa() {
         .map(|l| l.split('|').map(str::trim).collect())
         .collect();
     assert_eq!((ember.len(), sdpa.len()), (2, 2), "{stdout}");
+    // Note [Fused where it pays]: the verdict line names attention where the large shape's
+    // forward + backward speed-up is below 1 (NdArray's host loops against the composition:
+    // either may win on a loaded CPU; an undecidable 1.00x is skipped).
+    let verdict: ember_model::ReferenceOps = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("slower fused: "))
+        .unwrap_or_else(|| panic!("no `slower fused:` line: {stdout}"))
+        .parse()
+        .unwrap();
+    let large = stdout
+        .lines()
+        .find(|l| l.starts_with("| attention_core | large-32"))
+        .unwrap();
+    let speed_up = large.split('|').map(str::trim).nth(8).unwrap();
+    if speed_up != "1.00x" {
+        let slower = speed_up.trim_end_matches('x').parse::<f64>().unwrap() < 1.0;
+        assert_eq!(
+            verdict,
+            if slower {
+                ember_model::ReferenceOps::NONE.with(ember_model::FusedOp::Attention)
+            } else {
+                ember_model::ReferenceOps::NONE
+            },
+            "{stdout}"
+        );
+    }
     for ((fwd, fwd_bwd), (cells, (torch_fwd, torch_fwd_bwd))) in
         ember.iter().zip(sdpa.iter().zip([(2.0, 6.0), (8.0, 24.0)]))
     {
@@ -407,4 +433,65 @@ fn kernel_bench_sets_attention_against_sdpa() {
         assert!((number(4) - torch_fwd / fwd).abs() < 0.01 * number(4).max(0.01));
         assert!((number(7) - torch_fwd_bwd / fwd_bwd).abs() < 0.01 * number(7).max(0.01));
     }
+}
+
+fn kernel_row(op: &'static str, shape: &str, fused: f64, reference: f64) -> xtask::KernelRow {
+    xtask::KernelRow {
+        op,
+        shape: shape.to_string(),
+        fused_fwd: 1.0,
+        reference_fwd: 1.0,
+        fused_fwd_bwd: fused,
+        reference_fwd_bwd: reference,
+        bytes: 0.0,
+    }
+}
+
+/// `bench kernels`' verdict (Note [Fused where it pays]): only the large shapes decide where
+/// there are any; the rows map to `model.reference_ops`' names; a NaN time (an op that failed)
+/// decides nothing; the masked softmax alone and the optimizers are no setting.
+#[test]
+fn kernel_bench_names_the_ops_slower_fused_at_the_large_shapes() {
+    use ember_model::FusedOp;
+    let rows = [
+        kernel_row("bias_gelu", "base-128 [32x128]", 2.0, 1.0),
+        kernel_row("bias_gelu", "large-128 [32x128]", 1.0, 2.0),
+        kernel_row(
+            "bias_dropout_add_layer_norm",
+            "large-128 [32x128]",
+            1.0,
+            1.5,
+        ),
+        kernel_row(
+            "bias_dropout_add_layer_norm",
+            "large-512 [32x512]",
+            4.0,
+            3.0,
+        ),
+        kernel_row("masked_softmax_dropout", "large-128 [32x128]", 2.0, 1.0),
+        kernel_row("attention_core", "large-128 [32x128]", 2.0, 1.0),
+        kernel_row("attention_core", "large-512 [32x512]", 5.0, 4.0),
+        kernel_row(
+            "cross_entropy",
+            "large-512 [32x512] [2432x30522 logits]",
+            f64::NAN,
+            1.0,
+        ),
+        kernel_row("adamw_multi_tensor", "large", 2.0, 1.0),
+    ];
+    assert_eq!(
+        xtask::slower_fused(&rows),
+        vec![
+            (FusedOp::LayerNorm, "large-512: 0.75x".to_string()),
+            (
+                FusedOp::Attention,
+                "large-128: 0.50x, large-512: 0.80x".to_string()
+            ),
+        ]
+    );
+    // Without large shapes the base ones decide.
+    assert_eq!(
+        xtask::slower_fused(&rows[..1]),
+        vec![(FusedOp::BiasGelu, "base-128: 0.50x".to_string())]
+    );
 }

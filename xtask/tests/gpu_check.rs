@@ -19,6 +19,7 @@ fn expand(word: &str) -> Vec<String> {
         "\"$seq\"" => owned(&["512"]),
         "\"$batch\"" => owned(&["8"]),
         "\"$prec\"" => owned(&["fp16"]),
+        "\"$ops\"" => owned(&["layer_norm,attention"]),
         w if w.contains('$') => owned(&["/tmp/gpu-check/path"]),
         w => vec![w.trim_matches('"').to_string()],
     }

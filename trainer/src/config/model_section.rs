@@ -56,6 +56,14 @@ pub struct ModelSection {
     /// Default: auto.
     #[arg(long)]
     pub qkv_projections: ember_model::QkvProjections,
+    /// Fused ops the fused path runs as their reference composition instead, where the fused
+    /// op does not pay on a device (Note [Fused where it pays] in
+    /// backend-ext/src/reference_ops.rs; `bench kernels` ends with the list for its device):
+    /// any of `bias_gelu`, `layer_norm` (bias + dropout + residual + LayerNorm), `attention`
+    /// (the attention core), `cross_entropy` (the losses). TOML: a list of names; flag: names
+    /// separated by commas, or `none`. The values are the same within rounding. Default: none.
+    #[arg(long)]
+    pub reference_ops: ember_model::ReferenceOps,
 }
 
 impl Default for ModelSection {
@@ -69,6 +77,7 @@ impl Default for ModelSection {
             gemm: ember_backend_ext::Gemm::Auto,
             cublaslt_sync: ember_backend_ext::CublasltSync::Host,
             qkv_projections: ember_model::QkvProjections::Auto,
+            reference_ops: ember_model::ReferenceOps::NONE,
         }
     }
 }
