@@ -11,13 +11,14 @@
 //! - `layer_norm`: bias + dropout + residual + LayerNorm as the dense layer with its bias,
 //!   dropout (the keyed dropout op), the residual's sum and Burn's `LayerNorm` in f32 (both
 //!   of every encoder layer's, the embeddings' and the head's);
-//! - `attention`: the attention core as Q·Kᵀ, the masked softmax in f32, dropout and P·V
-//!   (of packed projections: Q, K and V sliced from the packed output);
+//! - `attention`: the attention core as Q·Kᵀ, the masked softmax in f32, dropout and P·V,
+//!   after three dense layers for Q, K and V (packing serves the fused op alone: slicing the
+//!   packed output would cost a zero-filled gradient and a copy per slice backward);
 //! - `cross_entropy`: the losses as Burn's `log_softmax` in f32, the labels' entries and
 //!   their mean, where the fused op is used even under `kernels = "reference"`.
 //!
-//! `bench kernels` times each op both ways and ends with the list for its device (`slower
-//! fused:`); `scripts/gpu-check.sh bench-kernels` then times a BERT-large step with that list
+//! The compositions are `ember_model::composed`'s. `bench kernels` times each op against the
+//! same composition and ends with the list for its device (`slower fused:`); `scripts/gpu-check.sh bench-kernels` then times a BERT-large step with that list
 //! against the fused default. The names are `bench kernels --ops`'s. The dropout masks are the
 //! fused ops' (keyed by sample and position), so a step's values are the same either way
 //! within rounding. NVIDIA's MLPerf BERT turns its fused kernels on and off one by one the

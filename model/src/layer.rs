@@ -12,7 +12,7 @@ use ember_backend_ext::{DropoutSpec, FusedOp, FusedOps, Kernels, QkvProjections,
 use crate::BertConfig;
 use crate::attention::{BertSelfAttention, BertSelfOutput};
 use crate::bert::{dense, gelu, layer_norm, reference_dropout, training};
-use crate::precision::{dense_as, dense_parts, layer_norm_f32, softmax_f32};
+use crate::precision::{dense_as, dense_parts, layer_norm_f32};
 use crate::weight_casts::LayerParams;
 use crate::weight_casts::{bias_pair, gamma_beta_pairs};
 
@@ -122,7 +122,7 @@ impl<B: FusedOps> BertLayer<B> {
         // concatenations (Note [Packed QKV cast once] in `weight_casts.rs`); without autodiff
         // `packed_qkv` concatenates the scope's half copies alone (no f32 concatenation).
         let tracked = attention.query.weight.val().is_require_grad();
-        if self.kernels.fused::<B>() && self.qkv_projections.packed::<B>() && tracked {
+        if self.packs_qkv() && tracked {
             return LayerParams::of(&dense, norms).and_packed_qkv(qkv);
         }
         LayerParams::of(&[qkv.as_slice(), &dense].concat(), norms)
@@ -146,6 +146,14 @@ impl<B: FusedOps> BertLayer<B> {
     /// Whether `op` runs fused in this layer ([`ReferenceOps::runs_fused`]).
     fn runs_fused(&self, op: FusedOp) -> bool {
         self.reference_ops.runs_fused::<B>(op, self.kernels)
+    }
+
+    /// Whether the fused path runs Q, K and V as one dense layer: where `qkv_projections`
+    /// says so and the attention op that reads the packed output runs fused (composed, the
+    /// attention takes three dense layers' outputs, as the reference path: slicing the packed
+    /// output would cost a zero-filled `[B, S, 3·H]` gradient and a copy per slice backward).
+    fn packs_qkv(&self) -> bool {
+        self.runs_fused(FusedOp::Attention) && self.qkv_projections.packed::<B>()
     }
 
     /// The fused path: attention core, dense bias + dropout + residual + LayerNorm (twice) and
@@ -175,7 +183,7 @@ impl<B: FusedOps> BertLayer<B> {
         };
         let scale = 1.0 / (head_dim as f64).sqrt();
         let attention_dropout = dropout(self_attention.dropout.prob);
-        let context = if self.qkv_projections.packed::<B>() {
+        let context = if self.packs_qkv() {
             // One dense layer, [B, S, 3·H], read by the attention op as Q, K and V.
             let ((weight, weight_copy), bias) = self_attention.packed_qkv(dtype);
             let qkv = ember_backend_ext::dense_of_masters(
@@ -184,25 +192,7 @@ impl<B: FusedOps> BertLayer<B> {
                 weight_copy,
                 Some(bias),
             );
-            if self.runs_fused(FusedOp::Attention) {
-                ember_backend_ext::attention_qkv(qkv, heads, mask_bias, scale, attention_dropout)
-            } else {
-                // Q, K and V: the packed output's column blocks, each as [B, nh, S, hd].
-                let block = |i: usize| {
-                    qkv.clone()
-                        .slice([0..batch, 0..seq_len, i * hidden..(i + 1) * hidden])
-                        .reshape([batch, seq_len, heads, head_dim])
-                        .swap_dims(1, 2)
-                };
-                attention_composed(
-                    block(0),
-                    block(1),
-                    block(2),
-                    mask_bias,
-                    scale,
-                    attention_dropout,
-                )
-            }
+            ember_backend_ext::attention_qkv(qkv, heads, mask_bias, scale, attention_dropout)
         } else {
             let q = split_heads(dense_as(&self_attention.query, hidden_states.clone()));
             let k = split_heads(dense_as(&self_attention.key, hidden_states.clone()));
@@ -210,7 +200,7 @@ impl<B: FusedOps> BertLayer<B> {
             if self.runs_fused(FusedOp::Attention) {
                 ember_backend_ext::attention(q, k, v, mask_bias, scale, attention_dropout)
             } else {
-                attention_composed(q, k, v, mask_bias, scale, attention_dropout)
+                crate::composed::attention(q, k, v, mask_bias, scale, attention_dropout)
             }
         }
         .swap_dims(1, 2);
@@ -268,8 +258,7 @@ impl<B: FusedOps> BertLayer<B> {
                 self.layer_norm_eps,
             )
         } else {
-            let x = ember_backend_ext::dropout(dense_as(dense, x), dropout);
-            layer_norm_f32(norm, x + residual)
+            crate::composed::dropout_add_layer_norm(dense_as(dense, x), residual, norm, dropout)
         }
     }
 
@@ -292,25 +281,4 @@ impl<B: FusedOps> BertLayer<B> {
         );
         layer_norm_f32(&self.output.layer_norm, x + attention_output)
     }
-}
-
-/// The attention core as the reference path composes it, `dropout(softmax(Q·Kᵀ·scale +
-/// mask_bias))·V` with the softmax in f32 (Note [Autocast]), for `attention` among the fused
-/// path's reference ops: its dropout is the fused path's op (a kernel on CubeCL backends, the
-/// same keyed masks as the fused attention's).
-///
-/// # Shapes
-/// `q`, `k`, `v` `[B, nh, S, hd]`, `mask_bias` `[B, S]` → `[B, nh, S, hd]`
-fn attention_composed<B: FusedOps>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    mask_bias: Tensor<B, 2>,
-    scale: f64,
-    dropout: DropoutSpec,
-) -> Tensor<B, 4> {
-    let [batch, seq_len] = mask_bias.dims();
-    let scores = q.matmul(k.swap_dims(2, 3)) * scale; // [B, nh, S, S]
-    let probs = softmax_f32(scores + mask_bias.reshape([batch, 1, 1, seq_len]), 3);
-    ember_backend_ext::dropout(probs, dropout).matmul(v)
 }

@@ -33,6 +33,7 @@
 mod attention;
 mod bert;
 pub mod checkpoint;
+pub mod composed;
 mod config;
 mod embed;
 mod error;

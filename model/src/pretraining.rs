@@ -6,7 +6,7 @@
 use burn::module::{Module, Param};
 use burn::nn::{LayerNorm, Linear};
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Int, Tensor};
+use burn::tensor::{Int, Tensor};
 use ember_backend_ext::{DropoutSpec, FusedOp, FusedOps, Kernels, ReferenceOps};
 
 use crate::BertConfig;
@@ -263,7 +263,7 @@ impl<B: FusedOps> BertForPreTraining<B> {
         let loss = if self.bert.encoder.runs_fused(FusedOp::CrossEntropy) {
             cross_entropy
         } else {
-            cross_entropy_composed
+            crate::composed::cross_entropy
         };
         let mlm = loss(output.mlm_logits.clone(), masked_lm_labels);
         let nsp = loss(output.nsp_logits.clone(), next_sentence_labels);
@@ -290,21 +290,4 @@ impl<B: FusedOps> BertForPreTraining<B> {
 /// - output: `[1]`
 pub fn cross_entropy<B: FusedOps>(logits: Tensor<B, 2>, labels: Tensor<B, 1, Int>) -> Tensor<B, 1> {
     ember_backend_ext::cross_entropy(logits, labels)
-}
-
-/// [`cross_entropy`] composed of Burn ops, differentiated by Burn's autodiff: `log_softmax`
-/// in f32, the labels' entries (`gather`) and the negated mean, for `cross_entropy` among the
-/// reference ops (Note [Fused where it pays] in `ember-backend-ext`'s `reference_ops.rs`).
-///
-/// # Shapes
-/// - `logits`: `[N, C]`
-/// - `labels`: `[N]`, values in `0..C`
-/// - output: `[1]`
-pub fn cross_entropy_composed<B: Backend>(
-    logits: Tensor<B, 2>,
-    labels: Tensor<B, 1, Int>,
-) -> Tensor<B, 1> {
-    let [n, _] = logits.dims();
-    let log_probs = burn::tensor::activation::log_softmax(cast_to(logits, DType::F32), 1);
-    log_probs.gather(1, labels.reshape([n, 1])).mean().neg()
 }

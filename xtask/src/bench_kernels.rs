@@ -1,6 +1,7 @@
 //! `cargo xtask bench kernels`: each fused op of `ember-backend-ext` against the reference
-//! composition (the Burn ops the model's `--kernels reference` path runs), on the same backend
-//! and device, at BERT shapes.
+//! composition (`ember_model::composed`: the reference path's Burn ops with the keyed dropout
+//! op, what `--reference-ops` runs in the fused path's place; GELU as `reference::bias_gelu`),
+//! on the same backend and device, at BERT shapes.
 //!
 //! Per op and shape: forward time (the op on the plain backend, dropout on) and forward +
 //! backward time (under autodiff, gradient of all inputs), fused and reference, their ratio,
@@ -14,6 +15,8 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 use burn::backend::Autodiff;
+use burn::module::Param;
+use burn::nn::{LayerNorm, LayerNormConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 use clap::Args;
@@ -168,15 +171,6 @@ pub(crate) fn time<B: Backend>(
     Ok(start.elapsed().as_secs_f64() / iters as f64)
 }
 
-/// Burn's `Dropout` as it runs in training: a Bernoulli mask drawn on the device.
-pub(crate) fn burn_dropout<B: Backend, const D: usize>(x: Tensor<B, D>, p: f64) -> Tensor<B, D> {
-    if p == 0.0 {
-        return x;
-    }
-    let keep = x.random_like(Distribution::Bernoulli(1.0 - p));
-    x * keep * (1.0 / (1.0 - p))
-}
-
 pub(crate) fn normal<B: Backend, const D: usize>(
     shape: [usize; D],
     device: &B::Device,
@@ -184,24 +178,41 @@ pub(crate) fn normal<B: Backend, const D: usize>(
     Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
 }
 
-/// The model's reference path of a residual block's tail: dense bias add, Burn's dropout,
-/// residual add, Burn's LayerNorm op (`B::layer_norm`, what `burn::nn::LayerNorm` calls).
-fn reference_layer_norm<B: Backend>(
+/// The model's composition of a residual block's tail (`--reference-ops layer_norm`): the
+/// dense layer's bias added, the keyed dropout op, the residual added, Burn's `LayerNorm` in
+/// f32 (`ember_model::composed::dropout_add_layer_norm`), on `[R, N]` rows as `[batch, R /
+/// batch, N]`.
+fn reference_layer_norm<B: FusedOps>(
     x: Tensor<B, 2>,
     bias: Tensor<B, 1>,
     residual: Tensor<B, 2>,
+    norm: &LayerNorm<B>,
+    batch: usize,
+    p: f64,
+) -> Tensor<B, 2> {
+    let [r, n] = x.dims();
+    let rows = |t: Tensor<B, 2>| t.reshape([batch, r / batch, n]);
+    ember_model::composed::dropout_add_layer_norm(
+        rows(x + bias.unsqueeze()),
+        rows(residual),
+        norm,
+        DropoutSpec::draw(p),
+    )
+    .reshape([r, n])
+}
+
+/// Burn's `LayerNorm` of `gamma` and `beta` with `eps`, its parameters taking gradients.
+fn layer_norm_module<B: Backend>(
     gamma: Tensor<B, 1>,
     beta: Tensor<B, 1>,
-    p: f64,
     eps: f64,
-) -> Tensor<B, 2> {
-    let y = burn_dropout(x + bias.unsqueeze(), p) + residual;
-    Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(B::layer_norm(
-        y.into_primitive().tensor(),
-        gamma.into_primitive().tensor(),
-        Some(beta.into_primitive().tensor()),
-        eps,
-    )))
+) -> LayerNorm<B> {
+    let mut norm = LayerNormConfig::new(gamma.dims()[0])
+        .with_epsilon(eps)
+        .init(&gamma.device());
+    norm.gamma = Param::from_tensor(gamma.require_grad());
+    norm.beta = Some(Param::from_tensor(beta.require_grad()));
+    norm
 }
 
 /// AdamW and LAMB over every parameter of BERT-`preset` for pre-training: the multi-tensor ops
@@ -413,16 +424,10 @@ where
                     eps,
                 );
             })?;
+            let norm = layer_norm_module(gamma.clone(), beta.clone(), eps);
             let reference_fwd = time::<B>(device, n, || {
-                let _ = reference_layer_norm(
-                    x.clone(),
-                    bias.clone(),
-                    residual.clone(),
-                    gamma.clone(),
-                    beta.clone(),
-                    p,
-                    eps,
-                );
+                let _ =
+                    reference_layer_norm(x.clone(), bias.clone(), residual.clone(), &norm, b, p);
             })?;
             let grad = |t: Tensor<B, 1>| Tensor::<A<B>, 1>::from_inner(t).require_grad();
             let (xa, ra) = (
@@ -442,16 +447,9 @@ where
                 )
                 .backward();
             })?;
+            let norm_a = layer_norm_module(ga.clone(), ta.clone(), eps);
             let reference_fwd_bwd = time::<B>(device, n, || {
-                let out = reference_layer_norm(
-                    xa.clone(),
-                    ba.clone(),
-                    ra.clone(),
-                    ga.clone(),
-                    ta.clone(),
-                    p,
-                    eps,
-                );
+                let out = reference_layer_norm(xa.clone(), ba.clone(), ra.clone(), &norm_a, b, p);
                 let _ = out.backward();
             })?;
             rows.push(Row {

@@ -1,5 +1,7 @@
 //! `bench kernels`' attention rows: the masked softmax with dropout alone and the attention
-//! core around it (`ember_backend_ext::attention`) against the reference composition, and with
+//! core around it (`ember_backend_ext::attention`) against the model's composition (the softmax
+//! in f32, the keyed dropout op: `ember_model::composed::attention`, what `--reference-ops
+//! attention` runs), and with
 //! `--reference pytorch` the core against PyTorch's `scaled_dot_product_attention` on the same
 //! device (`bench/reference/attention.py`; the GPU-speed issue asks for attention at seq 512
 //! no slower than PyTorch's SDPA in the same run).
@@ -10,7 +12,7 @@ use burn::tensor::Tensor;
 use ember_backend_ext::{DropoutSpec, FusedOps};
 use serde_json::json;
 
-use crate::bench_kernels::{KernelArgs, Row, Shape, burn_dropout, normal, time};
+use crate::bench_kernels::{KernelArgs, Row, Shape, normal, time};
 
 type A<B> = Autodiff<B>;
 
@@ -59,8 +61,8 @@ where
         );
     })?;
     let softmax_ref = time::<B>(device, n, || {
-        let probs = burn::tensor::activation::softmax(scores.clone() * scale + mask4.clone(), 3);
-        let _ = burn_dropout(probs, p);
+        let probs = ember_model::softmax_f32(scores.clone() * scale + mask4.clone(), 3);
+        let _ = ember_backend_ext::dropout(probs, DropoutSpec::draw(p));
     })?;
     let (q, k, v) = (
         normal::<B, 4>([b, nh, s, hd], device),
@@ -77,20 +79,19 @@ where
             DropoutSpec::draw(p),
         );
     })?;
-    let reference_attention = |q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>| {
-        let probs = burn::tensor::activation::softmax(
-            q.matmul(k.swap_dims(2, 3)) * scale + mask4.clone(),
-            3,
-        );
-        burn_dropout(probs, p).matmul(v)
-    };
     let attention_ref = time::<B>(device, n, || {
-        let _ = reference_attention(q.clone(), k.clone(), v.clone());
+        let _ = ember_model::composed::attention(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            mask_bias.clone(),
+            scale,
+            DropoutSpec::draw(p),
+        );
     })?;
     let leaf = |t: &Tensor<B, 4>| Tensor::<A<B>, 4>::from_inner(t.clone()).require_grad();
     let (qa, ka, va) = (leaf(&q), leaf(&k), leaf(&v));
     let mask_a = Tensor::<A<B>, 2>::from_inner(mask_bias.clone());
-    let mask4_a = Tensor::<A<B>, 4>::from_inner(mask4.clone());
     let attention_fused_bwd = time::<B>(device, n, || {
         let _ = ember_backend_ext::attention(
             qa.clone(),
@@ -103,11 +104,15 @@ where
         .backward();
     })?;
     let attention_ref_bwd = time::<B>(device, n, || {
-        let probs = burn::tensor::activation::softmax(
-            qa.clone().matmul(ka.clone().swap_dims(2, 3)) * scale + mask4_a.clone(),
-            3,
-        );
-        let _ = burn_dropout(probs, p).matmul(va.clone()).backward();
+        let _ = ember_model::composed::attention(
+            qa.clone(),
+            ka.clone(),
+            va.clone(),
+            mask_a.clone(),
+            scale,
+            DropoutSpec::draw(p),
+        )
+        .backward();
     })?;
     rows.push(Row {
         op: "masked_softmax_dropout",

@@ -6,17 +6,19 @@
 //! added twice would not show).
 //!
 //! Tolerances: in f32 the loss within 1e-5 relative and each gradient within 1e-4 of its
-//! largest entry (the fused kernels and the composition sum in different orders, as in
-//! `fused_training.rs`; measured at most 2.7e-5, and 5e-2 with the attention's scale off by
-//! 5%, which leaves the tiny model's loss within 2e-7). In fp16 (wgpu) the fused ops keep
-//! intermediate values in f32 where the composition rounds them to f16 (GELU's `erf`, the
-//! dense output before its bias), and without loss scaling the activations' gradients are
-//! largely subnormal: the loss within 1e-3 relative and each gradient within 1e-1 of its
-//! largest entry (measured at most 3.3e-2), a gradient whose largest entry is below f16's
-//! smallest normal (2⁻¹⁴: the key bias's, 0 in exact arithmetic) against 2⁻¹⁴, as the packed
-//! QKV test does. That run checks that every composed op's parameters get their gradients in
-//! f32 beside the half copies (Note [Parameter gradients in f32]), not the values to f32's
-//! precision.
+//! largest entry, or of 1e-5 where that is smaller (the key bias's gradient, 0 in exact
+//! arithmetic, is rounding of about 1e-10: the packed QKV test's floor), as the fused kernels
+//! and the composition sum in different orders (`fused_training.rs`; measured at most 1.1e-5,
+//! and 5e-2 with the attention's scale off by 5%, which leaves the tiny model's loss within
+//! 2e-7). In fp16 (wgpu) the fused ops keep intermediate values in f32 where the composition
+//! rounds them to f16 (GELU's `erf`, the dense output before its bias), and without loss
+//! scaling the activations' gradients are largely subnormal: the loss within 1e-3 relative and
+//! each gradient within 1e-1 of its largest entry (measured 3.2e-2, and 4.7e-2 with other
+//! random vectors), a gradient whose largest entry is below f16's smallest normal (2⁻¹⁴: the
+//! key bias's, 0 in exact arithmetic) against 2⁻¹⁴, as the packed QKV test does. That run
+//! checks that every parameter gets its gradient through each composed op beside the fused
+//! path's half copies and f32 masters (Note [Parameter gradients in f32]), roughly right; f32
+//! checks the values.
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::backend::AutodiffBackend;
@@ -69,14 +71,20 @@ fn each_reference_op_equals_the_fused_step<B>(
     config.vocab_size = 211;
     assert!(config.hidden_dropout_prob > 0.0 && config.attention_probs_dropout_prob > 0.0);
     let model = seeded_model::<B>(&config, 17, device).with_kernels(Kernels::Fused);
-    let mut model = model.map(&mut RandomVectors::<B> { device });
+    let mut model = {
+        // The device's generator, seeded and drawn while no other test's run initialises.
+        let _guard = ember_trainer::initialisation_lock();
+        B::seed(device, 19);
+        model.map(&mut RandomVectors::<B> { device })
+    };
     model.set_precision(precision);
     let batch = batch::<B>(config.vocab_size, device);
     let run = |ops: ReferenceOps| {
         let model = model.clone().with_reference_ops(ops);
         let mut result = None;
         let mut step = || {
-            ember_backend_ext::reseed_dropout(5);
+            // The masks keyed on this thread alone, as the trainer keys a micro-batch's.
+            let _scope = ember_backend_ext::DropoutScope::enter(5, 0, 0, 0);
             result = Some(loss_and_gradients(&model, &batch));
         };
         let by_kernel = launches.map(|record| record(&mut step));
@@ -102,7 +110,7 @@ fn each_reference_op_equals_the_fused_step<B>(
             "reference ops {ops}: loss {loss} against the fused step's {loss_fused}"
         );
         let floor = match precision {
-            Precision::F32 => 1e-6,
+            Precision::F32 => 1e-5,
             _ => f32::powi(2.0, -14),
         };
         let worst = grads_fused

@@ -241,6 +241,9 @@ mod tests {
         c.data.prefetch = 8;
         c.data.skip_bad_shards = true;
         c.data.strict = true;
+        // Other kernels: single ops composed, Q, K, V separate.
+        c.model.reference_ops = "attention,layer_norm".parse().unwrap();
+        c.model.qkv_projections = ember_model::QkvProjections::Separate;
         assert!(check_resume_compatible(&base, 2, &c, 2).is_ok());
         c.data.shards = Some("other/".into());
         assert!(refusal(&c, 2).contains("data.shards"));

@@ -232,7 +232,8 @@ pub fn hook_group(path: &str, num_layers: usize) -> usize {
 /// deepest parent's plus one), not by reverse creation order. A parameter that reaches its
 /// layer through a reshape (LayerNorm's gamma and beta, `unsqueeze`d, where the LayerNorm is
 /// composed of Burn ops: the embeddings', the MLM transform's and the encoder's under
-/// `Kernels::Reference`, which the fused ops replace with one op taking gamma and beta as
+/// `Kernels::Reference` or with `layer_norm` among `model.reference_ops`, which the fused
+/// ops replace with one op taking gamma and beta as
 /// direct parents; the MLM output bias until the decoder became one `FusedOps::dense`
 /// op with the bias as a direct parent) sits
 /// behind a depth-1 node, whose backward runs at the very end: at the layer's hook its
