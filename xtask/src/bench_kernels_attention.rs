@@ -16,6 +16,10 @@ use crate::bench_kernels::{KernelArgs, Row, Shape, normal, time};
 
 type A<B> = Autodiff<B>;
 
+/// An attention core: `q`, `k`, `v` `[B, nh, S, hd]`, `mask_bias` `[B, S]`, scale, dropout.
+type Attention<X> =
+    fn(Tensor<X, 4>, Tensor<X, 4>, Tensor<X, 4>, Tensor<X, 2>, f64, DropoutSpec) -> Tensor<X, 4>;
+
 /// The rows of one shape at batch `b`, dropout `p`, `n` timed iterations.
 pub(crate) fn rows<B: FusedOps>(
     device: &B::Device,
@@ -69,51 +73,39 @@ where
         normal::<B, 4>([b, nh, s, hd], device),
         normal::<B, 4>([b, nh, s, hd], device),
     );
-    let attention_fwd = time::<B>(device, n, || {
-        let _ = ember_backend_ext::attention(
-            q.clone(),
-            k.clone(),
-            v.clone(),
-            mask_bias.clone(),
-            scale,
-            DropoutSpec::draw(p),
-        );
-    })?;
-    let attention_ref = time::<B>(device, n, || {
-        let _ = ember_model::composed::attention(
-            q.clone(),
-            k.clone(),
-            v.clone(),
-            mask_bias.clone(),
-            scale,
-            DropoutSpec::draw(p),
-        );
-    })?;
+    // The fused op and the model's composition, forward alone and forward + backward.
+    let forward = |attention: Attention<B>| {
+        time::<B>(device, n, || {
+            let _ = attention(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                mask_bias.clone(),
+                scale,
+                DropoutSpec::draw(p),
+            );
+        })
+    };
+    let attention_fwd = forward(ember_backend_ext::attention::<B>)?;
+    let attention_ref = forward(ember_model::composed::attention::<B>)?;
     let leaf = |t: &Tensor<B, 4>| Tensor::<A<B>, 4>::from_inner(t.clone()).require_grad();
     let (qa, ka, va) = (leaf(&q), leaf(&k), leaf(&v));
     let mask_a = Tensor::<A<B>, 2>::from_inner(mask_bias.clone());
-    let attention_fused_bwd = time::<B>(device, n, || {
-        let _ = ember_backend_ext::attention(
-            qa.clone(),
-            ka.clone(),
-            va.clone(),
-            mask_a.clone(),
-            scale,
-            DropoutSpec::draw(p),
-        )
-        .backward();
-    })?;
-    let attention_ref_bwd = time::<B>(device, n, || {
-        let _ = ember_model::composed::attention(
-            qa.clone(),
-            ka.clone(),
-            va.clone(),
-            mask_a.clone(),
-            scale,
-            DropoutSpec::draw(p),
-        )
-        .backward();
-    })?;
+    let forward_backward = |attention: Attention<A<B>>| {
+        time::<B>(device, n, || {
+            let _ = attention(
+                qa.clone(),
+                ka.clone(),
+                va.clone(),
+                mask_a.clone(),
+                scale,
+                DropoutSpec::draw(p),
+            )
+            .backward();
+        })
+    };
+    let attention_fused_bwd = forward_backward(ember_backend_ext::attention::<A<B>>)?;
+    let attention_ref_bwd = forward_backward(ember_model::composed::attention::<A<B>>)?;
     rows.push(Row {
         op: "masked_softmax_dropout",
         shape: label.clone(),
