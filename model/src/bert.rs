@@ -234,7 +234,8 @@ impl<B: Backend> BertEncoder<B> {
     /// [Packed QKV] in `ember-backend-ext`'s `qkv.rs`), [`QkvProjections::Separate`] (three,
     /// as Hugging Face) or [`QkvProjections::Auto`] (packed where the backend has kernels; the
     /// default). The same parameters and, up to the GEMMs' rounding, the same values either
-    /// way; the reference path always runs three.
+    /// way; the reference path always runs three, and so does the fused path with `attention`
+    /// among its reference ops ([`BertEncoder::set_reference_ops`]).
     pub fn set_qkv_projections(&mut self, projections: QkvProjections) {
         for layer in &mut self.layer {
             layer.qkv_projections = projections;

@@ -39,7 +39,9 @@ pub fn attention<B: FusedOps>(
 
 /// `LayerNorm(residual + dropout(x))` with Burn's `LayerNorm` (its γ, β and ε) in f32, the
 /// result in `x`'s dtype: `BertSelfOutput`'s and `BertOutput`'s tail with the dropout op; `x`
-/// is the dense layer's output with its bias.
+/// is the dense layer's output with its bias. `norm`'s γ and β must be f32, as the model's
+/// parameters are (Burn's CubeCL element-wise ops read the right operand in the left one's
+/// type).
 ///
 /// # Shapes
 /// `x`, `residual` `[B, S, H]` → `[B, S, H]`

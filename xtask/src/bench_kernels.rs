@@ -424,7 +424,13 @@ where
                     eps,
                 );
             })?;
-            let norm = layer_norm_module(gamma.clone(), beta.clone(), eps);
+            // The composition's γ and β in f32, as the model's masters (Burn's LayerNorm
+            // in f32 multiplies by them: a half γ would be read as f32).
+            let (gamma32, beta32) = (
+                ember_model::cast_to(gamma.clone(), burn::tensor::DType::F32),
+                ember_model::cast_to(beta.clone(), burn::tensor::DType::F32),
+            );
+            let norm = layer_norm_module(gamma32.clone(), beta32.clone(), eps);
             let reference_fwd = time::<B>(device, n, || {
                 let _ =
                     reference_layer_norm(x.clone(), bias.clone(), residual.clone(), &norm, b, p);
@@ -447,7 +453,7 @@ where
                 )
                 .backward();
             })?;
-            let norm_a = layer_norm_module(ga.clone(), ta.clone(), eps);
+            let norm_a = layer_norm_module(grad(gamma32), grad(beta32), eps);
             let reference_fwd_bwd = time::<B>(device, n, || {
                 let out = reference_layer_norm(xa.clone(), ba.clone(), ra.clone(), &norm_a, b, p);
                 let _ = out.backward();

@@ -75,7 +75,7 @@ pub struct StepArgs {
     #[arg(long, default_value = "host")]
     cublaslt_sync: ember_backend_ext::CublasltSync,
     /// The query, key and value projections (`model.qkv_projections`): auto, packed (one
-    /// dense layer) or separate (three), to compare
+    /// dense layer) or separate (three; also with attention among --reference-ops), to compare
     #[arg(long, default_value = "auto")]
     qkv_projections: ember_model::QkvProjections,
     /// Fused ops run as their reference composition (`model.reference_ops`: bias_gelu,

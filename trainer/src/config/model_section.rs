@@ -52,7 +52,8 @@ pub struct ModelSection {
     /// of three, two backward instead of six, one bias add and one bias-gradient sum instead
     /// of three each), `separate` (three dense layers, as Hugging Face) or `auto` (packed on
     /// cuda and wgpu, separate on the CPU, where packing did not pay). The parameters and
-    /// checkpoints are Hugging Face's either way; `kernels = "reference"` always runs three.
+    /// checkpoints are Hugging Face's either way; `kernels = "reference"` always runs three,
+    /// and so does `attention` among `reference_ops`.
     /// Default: auto.
     #[arg(long)]
     pub qkv_projections: ember_model::QkvProjections,
