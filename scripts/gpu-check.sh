@@ -53,8 +53,10 @@
 #                  bf16 products, the `sum_dim` and two casts.
 #   kernels        the kernel tests on CUDA (tests/tests/integration/kernels/, module
 #                  `kernels::cuda` of the integration test binary built with `--features cuda`):
-#                  every fused op against the reference, the dropout masks keyed by sample and
-#                  position (kernels = host masks, with a sample offset) and the dropout op; the
+#                  every fused op against the reference (bias + GELU in both forms, erf and
+#                  tanh, each reference also against its f64 formula: Note [Two GELUs]), the
+#                  dropout masks keyed by sample and position (kernels = host masks, with a
+#                  sample offset) and the dropout op; the
 #                  kernels with bf16 storage against the f32 reference (`half_precision.rs`);
 #                  cuBLASLt's products (`model.gemm = "cublaslt"`) against the host in f32 and
 #                  bf16, each of which must have run on cuBLASLt (`cublaslt.rs`; the dense

@@ -11,7 +11,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, FloatDType, Shape, TensorMetadata};
 
-use crate::{CrossEntropyForward, DropoutSpec, FusedOps, LayerNormForward};
+use crate::{CrossEntropyForward, DropoutSpec, FusedOps, Gelu, LayerNormForward};
 
 /// Takes the gradient registered so far for the parent `$node` (a `NodeRef`) out of `$grads`,
 /// if any. `Gradients` finds a gradient by autodiff tensor (or consumes it by node, panicking
@@ -344,9 +344,9 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         )
     }
 
-    fn bias_gelu(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn bias_gelu(x: FloatTensor<Self>, bias: FloatTensor<Self>, gelu: Gelu) -> FloatTensor<Self> {
         let used = bias.primitive.clone();
-        layer_ops::bias_gelu::<B, C>(x, (bias, used))
+        layer_ops::bias_gelu::<B, C>(x, (bias, used), gelu)
     }
 
     fn dropout(x: FloatTensor<Self>, dropout: DropoutSpec) -> FloatTensor<Self> {

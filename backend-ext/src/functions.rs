@@ -4,7 +4,9 @@
 
 use burn::tensor::Tensor;
 
-use crate::{AdamHyper, AdamKind, AdamOutput, AdamTensors, DropoutSpec, FusedOps, float, prim};
+use crate::{
+    AdamHyper, AdamKind, AdamOutput, AdamTensors, DropoutSpec, FusedOps, Gelu, float, prim,
+};
 
 /// `x · weight + bias` through [`FusedOps::dense`] (and its backward under autodiff): Burn's
 /// `Linear::forward` without NdArray's copies.
@@ -141,13 +143,18 @@ fn rows<B: FusedOps, const D: usize>(x: Tensor<B, D>) -> (Tensor<B, 2>, [usize; 
     )
 }
 
-/// `GELU_erf(x + bias)` through [`FusedOps::bias_gelu`] (and its backward under autodiff).
+/// `GELU(x + bias)` of the chosen form (Note [Two GELUs] in `gelu.rs`) through
+/// [`FusedOps::bias_gelu`] (and its backward under autodiff).
 ///
 /// # Shapes
 /// `x` `[.., N]`, `bias` `[N]` → the shape of `x`
-pub fn bias_gelu<B: FusedOps, const D: usize>(x: Tensor<B, D>, bias: Tensor<B, 1>) -> Tensor<B, D> {
+pub fn bias_gelu<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    bias: Tensor<B, 1>,
+    gelu: Gelu,
+) -> Tensor<B, D> {
     let (x, dims) = rows(x);
-    reshape(float::<B, 2>(B::bias_gelu(prim(x), prim(bias))), dims)
+    reshape(float::<B, 2>(B::bias_gelu(prim(x), prim(bias), gelu)), dims)
 }
 
 /// [`bias_gelu`] of `bias_half`, the copy in `x`'s (half) dtype of the master `bias`, through
@@ -161,9 +168,10 @@ pub fn bias_gelu_of_master<B: FusedOps, const D: usize>(
     x: Tensor<B, D>,
     bias: Tensor<B, 1>,
     bias_half: Tensor<B, 1>,
+    gelu: Gelu,
 ) -> Tensor<B, D> {
     let (x, dims) = rows(x);
-    let out = B::bias_gelu_of_master(prim(x), prim(bias), prim(bias_half));
+    let out = B::bias_gelu_of_master(prim(x), prim(bias), prim(bias_half), gelu);
     reshape(float::<B, 2>(out), dims)
 }
 

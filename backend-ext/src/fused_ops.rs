@@ -120,17 +120,19 @@ pub trait FusedOps: MasterOps + BucketOps {
         None
     }
 
-    /// `GELU(x + bias)` with the exact erf GELU (Hendrycks & Gimpel 2016; BERT's `"gelu"`).
+    /// `GELU(x + bias)` of the chosen form (Note [Two GELUs] in `gelu.rs`): the exact erf
+    /// GELU (Hendrycks & Gimpel 2016; Hugging Face's `"gelu"`) or the tanh approximation
+    /// (Google's and NVIDIA's MLPerf BERT; Hugging Face's `"gelu_new"`).
     ///
     /// # Shapes
     /// `x` `[R, N]`, `bias` `[N]` → `[R, N]`
-    fn bias_gelu(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
-        prim(reference::bias_gelu::<Self, 2>(float(x), float(bias)))
+    fn bias_gelu(x: FloatTensor<Self>, bias: FloatTensor<Self>, gelu: Gelu) -> FloatTensor<Self> {
+        prim(reference::bias_gelu::<Self, 2>(float(x), float(bias), gelu))
     }
 
     /// Gradient of [`FusedOps::bias_gelu`] with respect to `x` (and, summed over rows, `bias`):
-    /// `grad · (Φ(z) + z·φ(z))`, `z = x + bias` (the exact derivative, not Burn 0.21's tanh
-    /// approximation).
+    /// `grad · GELU'(z)`, `z = x + bias`, the exact derivative of the chosen form (erf:
+    /// `Φ(z) + z·φ(z)`, not Burn 0.21's tanh derivative of its erf GELU).
     ///
     /// # Shapes
     /// `x`, `grad` `[R, N]`, `bias` `[N]` → `[R, N]`
@@ -138,11 +140,13 @@ pub trait FusedOps: MasterOps + BucketOps {
         x: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        gelu: Gelu,
     ) -> FloatTensor<Self> {
         prim(reference::bias_gelu_backward::<Self, 2>(
             float(x),
             float(bias),
             float(grad),
+            gelu,
         ))
     }
 

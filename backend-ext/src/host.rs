@@ -9,7 +9,7 @@ use burn::tensor::TensorMetadata;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 
 use crate::{
-    AdamHyper, AdamKind, AdamOutput, AdamTensors, CrossEntropyForward, DropoutSpec, FusedOps,
+    AdamHyper, AdamKind, AdamOutput, AdamTensors, CrossEntropyForward, DropoutSpec, FusedOps, Gelu,
     LayerNormBackward, LayerNormForward, MasterOps, SoftmaxForward, cross_entropy, float,
     host_adam, host_embedding, host_layer, host_matmul, host_sum, linear, prim, qkv, reference,
 };
@@ -210,10 +210,10 @@ where
         }
     }
 
-    fn bias_gelu(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
-        match host_layer::bias_gelu(&x, &bias) {
+    fn bias_gelu(x: FloatTensor<Self>, bias: FloatTensor<Self>, gelu: Gelu) -> FloatTensor<Self> {
+        match host_layer::bias_gelu(&x, &bias, gelu) {
             Some(out) => out,
-            None => prim(reference::bias_gelu::<Self, 2>(float(x), float(bias))),
+            None => prim(reference::bias_gelu::<Self, 2>(float(x), float(bias), gelu)),
         }
     }
 
@@ -221,13 +221,15 @@ where
         x: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        gelu: Gelu,
     ) -> FloatTensor<Self> {
-        match host_layer::bias_gelu_backward(&x, &bias, &grad) {
+        match host_layer::bias_gelu_backward(&x, &bias, &grad, gelu) {
             Some(out) => out,
             None => prim(reference::bias_gelu_backward::<Self, 2>(
                 float(x),
                 float(bias),
                 float(grad),
+                gelu,
             )),
         }
     }

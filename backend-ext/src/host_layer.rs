@@ -22,9 +22,9 @@ use burn_ndarray::NdArrayTensor;
 use ndarray::{ArrayD, IxDyn};
 use rayon::prelude::*;
 
-use crate::DropoutSpec;
 use crate::dropout::RowMask;
 use crate::host_math;
+use crate::{DropoutSpec, Gelu};
 
 /// Elements per rayon task (whole rows, at least one).
 const TASK_ELEMENTS: usize = 1 << 14;
@@ -83,8 +83,12 @@ fn masked(mask: RowMask, values: &[f32], n: usize) -> Vec<f32> {
     out
 }
 
-/// `GELU(x + bias)`, the reference's `z · ½(1 + erf(z/√2))`. `x` `[R, N]`, `bias` `[N]`.
-pub(crate) fn bias_gelu(x: &NdArrayTensor, bias: &NdArrayTensor) -> Option<NdArrayTensor> {
+/// `GELU(x + bias)` of the chosen form, as the reference. `x` `[R, N]`, `bias` `[N]`.
+pub(crate) fn bias_gelu(
+    x: &NdArrayTensor,
+    bias: &NdArrayTensor,
+    gelu: Gelu,
+) -> Option<NdArrayTensor> {
     with_values(x, |shape, x| {
         with_values(bias, |bias_shape, bias| {
             let n = *shape.last()?;
@@ -94,17 +98,18 @@ pub(crate) fn bias_gelu(x: &NdArrayTensor, bias: &NdArrayTensor) -> Option<NdArr
             let mut out = par_zeros(x.len());
             out.par_chunks_mut(rows_per_task(n) * n)
                 .zip(x.par_chunks(rows_per_task(n) * n))
-                .for_each(|(out, x)| host_math::bias_gelu_rows(x, bias, out));
+                .for_each(|(out, x)| host_math::bias_gelu_rows(x, bias, out, gelu));
             Some(output(shape, out))
         })
     })
 }
 
-/// `grad · (Φ(z) + z·φ(z))`, `z = x + bias`. `x`, `grad` `[R, N]`, `bias` `[N]`.
+/// `grad · GELU'(z)`, `z = x + bias`. `x`, `grad` `[R, N]`, `bias` `[N]`.
 pub(crate) fn bias_gelu_backward(
     x: &NdArrayTensor,
     bias: &NdArrayTensor,
     grad: &NdArrayTensor,
+    gelu: Gelu,
 ) -> Option<NdArrayTensor> {
     with_values(x, |shape, x| {
         with_values(bias, |bias_shape, bias| {
@@ -118,7 +123,7 @@ pub(crate) fn bias_gelu_backward(
                 out.par_chunks_mut(task)
                     .zip(x.par_chunks(task).zip(grad.par_chunks(task)))
                     .for_each(|(out, (x, grad))| {
-                        host_math::bias_gelu_backward_rows(x, bias, grad, out)
+                        host_math::bias_gelu_backward_rows(x, bias, grad, out, gelu)
                     });
                 Some(output(shape, out))
             })

@@ -21,6 +21,12 @@
 
 use std::f32::consts::{FRAC_1_SQRT_2, LOG2_E};
 
+use crate::Gelu;
+
+/// `√(2/π)` and the cubic coefficient of the tanh GELU, in f32.
+const SQRT_2_OVER_PI: f32 = crate::gelu::SQRT_2_OVER_PI as f32;
+const GELU_TANH_CUBIC: f32 = crate::gelu::GELU_TANH_CUBIC as f32;
+
 /// 1/√(2π), as the reference's f64 constant rounded to f32.
 pub(crate) const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
 
@@ -151,30 +157,68 @@ fn lane_sum(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
     reduce_sum(acc)
 }
 
+/// The tanh GELU's gate `σ(2u) = 1 / (1 + e^(−2u))`, `u = √(2/π)(z + 0.044715 z³)` (Note
+/// [Two GELUs] in `gelu.rs`).
+#[inline(always)]
+fn tanh_gate(z: f32) -> f32 {
+    let cubic = (z * z).mul_add(GELU_TANH_CUBIC * z, z);
+    1.0 / (exp(cubic * (-2.0 * SQRT_2_OVER_PI)) + 1.0)
+}
+
 multiversion! {
-    /// `out = GELU(x + bias)` over rows of `bias.len()`: `z · ½(1 + erf(z/√2))`.
-    pub(crate) fn bias_gelu_rows(x: &[f32], bias: &[f32], out: &mut [f32]) {
+    /// `out = GELU(x + bias)` over rows of `bias.len()`: erf, `z · ½(1 + erf(z/√2))`; tanh,
+    /// `z · σ(2u)`.
+    pub(crate) fn bias_gelu_rows(x: &[f32], bias: &[f32], out: &mut [f32], gelu: Gelu) {
         let n = bias.len();
         for (out, x) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
-            for ((o, &x), &b) in out.iter_mut().zip(x).zip(bias) {
-                let z = x + b;
-                *o = z * ((erf_and_exp(z * FRAC_1_SQRT_2).0 + 1.0) * 0.5);
+            match gelu {
+                Gelu::Erf => {
+                    for ((o, &x), &b) in out.iter_mut().zip(x).zip(bias) {
+                        let z = x + b;
+                        *o = z * ((erf_and_exp(z * FRAC_1_SQRT_2).0 + 1.0) * 0.5);
+                    }
+                }
+                Gelu::Tanh => {
+                    for ((o, &x), &b) in out.iter_mut().zip(x).zip(bias) {
+                        let z = x + b;
+                        *o = z * tanh_gate(z);
+                    }
+                }
             }
         }
     }
 }
 
 multiversion! {
-    /// `out = grad · (Φ(z) + z·φ(z))`, `z = x + bias`, over rows of `bias.len()`.
-    pub(crate) fn bias_gelu_backward_rows(x: &[f32], bias: &[f32], grad: &[f32], out: &mut [f32]) {
+    /// `out = grad · GELU'(z)`, `z = x + bias`, over rows of `bias.len()`: erf,
+    /// `Φ(z) + z·φ(z)`; tanh, `σ(2u) + z · σ(2u)(1 − σ(2u)) · 2u'`.
+    pub(crate) fn bias_gelu_backward_rows(
+        x: &[f32],
+        bias: &[f32],
+        grad: &[f32],
+        out: &mut [f32],
+        gelu: Gelu,
+    ) {
         let n = bias.len();
         for ((out, x), grad) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)).zip(grad.chunks_exact(n)) {
-            for (((o, &x), &b), &g) in out.iter_mut().zip(x).zip(bias).zip(grad) {
-                let z = x + b;
-                let (erf, density) = erf_and_exp(z * FRAC_1_SQRT_2);
-                let cdf = (erf + 1.0) * 0.5;
-                let pdf = density * FRAC_1_SQRT_2PI;
-                *o = g * z.mul_add(pdf, cdf);
+            match gelu {
+                Gelu::Erf => {
+                    for (((o, &x), &b), &g) in out.iter_mut().zip(x).zip(bias).zip(grad) {
+                        let z = x + b;
+                        let (erf, density) = erf_and_exp(z * FRAC_1_SQRT_2);
+                        let cdf = (erf + 1.0) * 0.5;
+                        let pdf = density * FRAC_1_SQRT_2PI;
+                        *o = g * z.mul_add(pdf, cdf);
+                    }
+                }
+                Gelu::Tanh => {
+                    for (((o, &x), &b), &g) in out.iter_mut().zip(x).zip(bias).zip(grad) {
+                        let z = x + b;
+                        let gate = tanh_gate(z);
+                        let du = (z * z).mul_add(3.0 * GELU_TANH_CUBIC, 1.0) * (2.0 * SQRT_2_OVER_PI);
+                        *o = g * z.mul_add(gate * (1.0 - gate) * du, gate);
+                    }
+                }
             }
         }
     }
@@ -301,10 +345,13 @@ mod tests {
         let (x2, g2) = (&x[..rows], &g[..rows]);
         let gamma: Vec<f32> = bias.iter().map(|b| 1.0 + b * 0.5).collect();
         let run = || {
-            let mut gelu = vec![0.0; rows];
-            bias_gelu_rows(x2, &bias, &mut gelu);
-            let mut gelu_grad = vec![0.0; rows];
-            bias_gelu_backward_rows(x2, &bias, g2, &mut gelu_grad);
+            let mut gelu = vec![0.0; 2 * rows];
+            let mut gelu_grad = vec![0.0; 2 * rows];
+            for (k, form) in [Gelu::Erf, Gelu::Tanh].into_iter().enumerate() {
+                let part = k * rows..(k + 1) * rows;
+                bias_gelu_rows(x2, &bias, &mut gelu[part.clone()], form);
+                bias_gelu_backward_rows(x2, &bias, g2, &mut gelu_grad[part], form);
+            }
             let finite = &x[..x.len() - 1];
             let m = max(finite);
             let mut exps = finite.to_vec();
@@ -395,27 +442,43 @@ mod tests {
             .collect();
         let bias: Vec<f32> = (0..n).map(|i| (i as f32 - 18.0) * 0.05).collect();
         let mut out = vec![0.0; n * rows];
-        bias_gelu_rows(&x, &bias, &mut out);
+        bias_gelu_rows(&x, &bias, &mut out, Gelu::Erf);
         for i in 0..n * rows {
             let z = x[i] + bias[i % n];
             let want = z * ((erf_and_exp(z * FRAC_1_SQRT_2).0 + 1.0) * 0.5);
             assert_eq!(out[i].to_bits(), want.to_bits(), "gelu at {i}");
-            let exact = z as f64 * 0.5 * (1.0 + libm::erf(z as f64 / 2f64.sqrt()));
-            assert!(
-                (out[i] as f64 - exact).abs() < 1e-6 * (1.0 + exact.abs()),
-                "gelu {i}"
+        }
+        bias_gelu_rows(&x, &bias, &mut out, Gelu::Tanh);
+        for i in 0..n * rows {
+            let z = x[i] + bias[i % n];
+            assert_eq!(
+                out[i].to_bits(),
+                (z * tanh_gate(z)).to_bits(),
+                "tanh gelu at {i}"
             );
         }
-        bias_gelu_backward_rows(&x, &bias, &g, &mut out);
-        for i in 0..n * rows {
-            let z = (x[i] + bias[i % n]) as f64;
-            let exact = g[i] as f64
-                * (0.5 * (1.0 + libm::erf(z / 2f64.sqrt()))
-                    + z * (-z * z / 2.0).exp() / (2.0 * std::f64::consts::PI).sqrt());
-            assert!(
-                (out[i] as f64 - exact).abs() < 2e-6 * (1.0 + exact.abs()),
-                "gelu' {i}"
-            );
+        // Each form against its f64 formula (Note [Two GELUs]; the tanh form's derivative as
+        // NVIDIA's `bias_gelu_back` writes it).
+        for form in [Gelu::Erf, Gelu::Tanh] {
+            bias_gelu_rows(&x, &bias, &mut out, form);
+            for i in 0..n * rows {
+                let exact = form.value_f64((x[i] + bias[i % n]) as f64);
+                assert!(
+                    (out[i] as f64 - exact).abs() < 1e-6 * (1.0 + exact.abs()),
+                    "{form} {i}: {} vs {exact}",
+                    out[i]
+                );
+            }
+            bias_gelu_backward_rows(&x, &bias, &g, &mut out, form);
+            for i in 0..n * rows {
+                let z = (x[i] + bias[i % n]) as f64;
+                let exact = g[i] as f64 * form.derivative_f64(z);
+                assert!(
+                    (out[i] as f64 - exact).abs() < 2e-6 * (1.0 + exact.abs()),
+                    "{form}' {i}: {} vs {exact}",
+                    out[i]
+                );
+            }
         }
         let row = &x[..n];
         let m = max(row);

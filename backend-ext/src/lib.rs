@@ -40,6 +40,7 @@ mod dropout;
 mod functions;
 mod fused_ops;
 mod fused_outputs;
+mod gelu;
 mod gemm;
 pub mod gemm_layout;
 mod host;
@@ -98,6 +99,7 @@ pub use functions::{
 pub use fused_ops::FusedOps;
 pub use fused_outputs::{DenseGrads, LayerNormBackward, LayerNormForward, SoftmaxForward};
 use fused_outputs::{float, prim};
+pub use gelu::{GELU_TANH_CUBIC, Gelu, SQRT_2_OVER_PI};
 pub use gemm::{
     AUTOTUNE_BUILT, CUBLASLT_BUILT, CublasltSync, Gemm, GemmPrecision, cublaslt_sync, gpu_gemm,
     set_cublaslt_sync, set_gpu_gemm,

@@ -25,7 +25,7 @@ use burn::tensor::FloatDType;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 
-use crate::{DenseGrads, DropoutSpec, FusedOps, LayerNormForward, linear};
+use crate::{DenseGrads, DropoutSpec, FusedOps, Gelu, LayerNormForward, linear};
 
 /// Ops whose parameters come as f32 masters and their half copies (Note [Parameter gradients
 /// in f32]); part of [`FusedOps`], whose supertrait it is.
@@ -79,12 +79,13 @@ pub trait MasterOps: Backend {
         x: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         bias_half: FloatTensor<Self>,
+        gelu: Gelu,
     ) -> FloatTensor<Self>
     where
         Self: FusedOps,
     {
         let _ = bias;
-        Self::bias_gelu(x, bias_half)
+        Self::bias_gelu(x, bias_half, gelu)
     }
 
     /// [`FusedOps::bias_dropout_add_layer_norm`] of `copies` (the bias, γ and β in `x`'s

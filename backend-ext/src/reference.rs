@@ -10,8 +10,10 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 
+use crate::gelu::{GELU_TANH_CUBIC, SQRT_2_OVER_PI};
 use crate::{
-    AdamHyper, AdamKind, AdamOutput, DropoutSpec, LayerNormForward, SoftmaxForward, keep_mask, prim,
+    AdamHyper, AdamKind, AdamOutput, DropoutSpec, Gelu, LayerNormForward, SoftmaxForward,
+    keep_mask, prim,
 };
 
 const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
@@ -20,20 +22,36 @@ pub use crate::cross_entropy::{
     reference_backward as cross_entropy_backward, reference_forward as cross_entropy_forward,
 };
 
-/// `GELU_erf(x + bias)`: `z · Φ(z)`, `Φ(z) = ½ (1 + erf(z/√2))`.
+/// `GELU(x + bias)` of the chosen form (Note [Two GELUs] in `gelu.rs`): erf,
+/// `z · Φ(z)`, `Φ(z) = ½ (1 + erf(z/√2))`; tanh, `z · σ(2u)`, `u = √(2/π)(z + 0.044715 z³)`.
 ///
 /// # Shapes
 /// `x` `[.., N]`, `bias` `[N]` → the shape of `x`
-pub fn bias_gelu<B: Backend, const D: usize>(x: Tensor<B, D>, bias: Tensor<B, 1>) -> Tensor<B, D> {
+pub fn bias_gelu<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    bias: Tensor<B, 1>,
+    gelu: Gelu,
+) -> Tensor<B, D> {
     let z = x + bias.unsqueeze::<D>();
-    let cdf = (z.clone() * std::f64::consts::FRAC_1_SQRT_2)
-        .erf()
-        .add_scalar(1.0)
-        * 0.5;
-    z * cdf
+    z.clone() * gelu_gate(z, gelu)
 }
 
-/// `grad · (Φ(z) + z·φ(z))`, `z = x + bias`, `φ(z) = exp(−z²/2) / √(2π)`.
+/// The gate `g(z)` of `GELU(z) = z · g(z)`: `Φ(z)` (erf) or `σ(2u)` (tanh).
+fn gelu_gate<B: Backend, const D: usize>(z: Tensor<B, D>, gelu: Gelu) -> Tensor<B, D> {
+    match gelu {
+        Gelu::Erf => (z * std::f64::consts::FRAC_1_SQRT_2).erf().add_scalar(1.0) * 0.5,
+        Gelu::Tanh => {
+            // σ(2u), 2u = 2√(2/π)(z + 0.044715 z³), by Burn's sigmoid: `1 / (1 + e^(−2u))`
+            // composed would overflow to ∞ at z ≲ −10, and its autodiff then gives 0·∞ = NaN.
+            // z³ as products: a power of a negative base is undefined on some GPUs' `pow`.
+            let cubic = z.clone() * z.clone() * z.clone() * GELU_TANH_CUBIC + z;
+            burn::tensor::activation::sigmoid(cubic * (2.0 * SQRT_2_OVER_PI))
+        }
+    }
+}
+
+/// `grad · GELU'(z)`, `z = x + bias`: erf, `Φ(z) + z·φ(z)`, `φ(z) = exp(−z²/2) / √(2π)`;
+/// tanh, `σ(2u) + z · σ(2u)(1 − σ(2u)) · 2u'`, `u' = √(2/π)(1 + 3·0.044715 z²)`.
 ///
 /// # Shapes
 /// `x`, `grad` `[.., N]`, `bias` `[N]` → the shape of `x`
@@ -41,14 +59,19 @@ pub fn bias_gelu_backward<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     bias: Tensor<B, 1>,
     grad: Tensor<B, D>,
+    gelu: Gelu,
 ) -> Tensor<B, D> {
     let z = x + bias.unsqueeze::<D>();
-    let cdf = (z.clone() * std::f64::consts::FRAC_1_SQRT_2)
-        .erf()
-        .add_scalar(1.0)
-        * 0.5;
-    let pdf = (z.clone().powi_scalar(2) * -0.5).exp() * FRAC_1_SQRT_2PI;
-    grad * (cdf + z * pdf)
+    let gate = gelu_gate(z.clone(), gelu);
+    let slope = match gelu {
+        Gelu::Erf => (z.clone().powi_scalar(2) * -0.5).exp() * FRAC_1_SQRT_2PI,
+        Gelu::Tanh => {
+            let du = (z.clone() * z.clone() * (3.0 * GELU_TANH_CUBIC)).add_scalar(1.0)
+                * (2.0 * SQRT_2_OVER_PI);
+            gate.clone() * gate.clone().neg().add_scalar(1.0) * du
+        }
+    };
+    grad * (gate + z * slope)
 }
 
 /// The tensors of the LayerNorm forward: output, pre-norm sum, mean `[R, 1]`, rstd `[R, 1]`.

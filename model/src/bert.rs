@@ -8,7 +8,10 @@ use burn::nn::{
 };
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
-use ember_backend_ext::{DropoutSpec, FusedOp, FusedOps, Kernels, QkvProjections, ReferenceOps};
+use ember_backend_ext::{
+    DropoutSpec, FusedOp, FusedOps, GELU_TANH_CUBIC, Gelu, Kernels, QkvProjections, ReferenceOps,
+    SQRT_2_OVER_PI,
+};
 
 use crate::hook::{ForwardHook, NoHook};
 use crate::precision::{Precision, cast_to, dense_as};
@@ -36,6 +39,29 @@ pub fn gelu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
         .add_scalar(1.0)
         * 0.5;
     x * cdf
+}
+
+/// GELU with the tanh approximation, `x · ½ · (1 + tanh(√(2/π) · (x + 0.044715 x³)))`, as
+/// Google's BERT `modeling.py`, NVIDIA's MLPerf BERT and Hugging Face's `"gelu_new"`, computed
+/// as `x · σ(2u)` (Note [Two GELUs] in `ember-backend-ext`'s `gelu.rs`).
+///
+/// # Shapes
+/// any shape; the output has the input's shape.
+pub fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    // x³ as products: a power of a negative base is undefined on some GPUs' `pow`.
+    let u = x.clone() * x.clone() * x.clone() * GELU_TANH_CUBIC + x.clone();
+    x * burn::tensor::activation::sigmoid(u * (2.0 * SQRT_2_OVER_PI))
+}
+
+/// The GELU `hidden_act` chose: [`gelu`] (erf, `"gelu"`) or [`gelu_tanh`] (`"gelu_new"`).
+///
+/// # Shapes
+/// any shape; the output has the input's shape.
+pub fn hidden_act<B: Backend, const D: usize>(x: Tensor<B, D>, form: Gelu) -> Tensor<B, D> {
+    match form {
+        Gelu::Erf => gelu(x),
+        Gelu::Tanh => gelu_tanh(x),
+    }
 }
 
 /// Mean of the token vectors over the real (unpadded) positions: sentence-transformers' pooling.

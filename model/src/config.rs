@@ -8,6 +8,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::ModelError;
+use ember_backend_ext::Gelu;
 
 /// Hyper-parameters of a BERT model, field for field Hugging Face's `BertConfig`
 /// (`transformers/models/bert/configuration_bert.py`). Fields missing from a `config.json` take
@@ -26,8 +27,10 @@ pub struct BertConfig {
     pub num_attention_heads: usize,
     /// Width of the feed-forward layer. Default: 3072.
     pub intermediate_size: usize,
-    /// Activation of the feed-forward layer and the MLM transform. Only `"gelu"` (the exact erf
-    /// form, as BERT and Hugging Face's `"gelu"`) is supported. Default: `"gelu"`.
+    /// Activation of the feed-forward layer and the MLM transform, by Hugging Face's names:
+    /// `"gelu"` (the exact erf form) or `"gelu_new"` (the tanh approximation of Google's and
+    /// NVIDIA's MLPerf BERT; also `"gelu_pytorch_tanh"`, `"gelu_fast"`). Note [Two GELUs] in
+    /// `ember-backend-ext`'s `gelu.rs`. Default: `"gelu"`.
     pub hidden_act: String,
     /// Dropout on embeddings and on each sub-layer's output. Default: 0.1.
     pub hidden_dropout_prob: f64,
@@ -177,6 +180,21 @@ impl BertConfig {
         serde_json::to_string_pretty(&value).expect("a JSON value always serialises")
     }
 
+    /// The GELU form `hidden_act` names ([`Gelu::from_hidden_act`]).
+    ///
+    /// # Panics
+    /// Where `hidden_act` names an activation ember does not implement:
+    /// [`BertConfig::validate`] reports it as an error (call it first on configurations from
+    /// users, as [`BertConfig::load_json`] does).
+    pub fn gelu(&self) -> Gelu {
+        Gelu::from_hidden_act(&self.hidden_act).unwrap_or_else(|| {
+            panic!(
+                "hidden_act {:?} is not a GELU ember implements (BertConfig::validate)",
+                self.hidden_act
+            )
+        })
+    }
+
     /// Width of one attention head, `hidden_size / num_attention_heads`.
     pub fn head_dim(&self) -> usize {
         self.hidden_size / self.num_attention_heads
@@ -186,7 +204,7 @@ impl BertConfig {
     ///
     /// # Errors
     /// [`ModelError::InvalidConfig`] naming the field: a zero size, `hidden_size` not a multiple
-    /// of `num_attention_heads`, an activation other than `"gelu"`, a dropout outside [0, 1).
+    /// of `num_attention_heads`, an activation other than the GELUs ([`Gelu::from_hidden_act`]), a dropout outside [0, 1).
     pub fn validate(&self) -> Result<(), ModelError> {
         let invalid =
             |field: &'static str, reason: String| Err(ModelError::InvalidConfig { field, reason });
@@ -212,14 +230,8 @@ impl BertConfig {
                 ),
             );
         }
-        if self.hidden_act != "gelu" {
-            return invalid(
-                "hidden_act",
-                format!(
-                    "{:?} is not supported; ember implements \"gelu\" (erf)",
-                    self.hidden_act
-                ),
-            );
+        if let Err(reason) = self.hidden_act.parse::<Gelu>() {
+            return invalid("hidden_act", reason);
         }
         for (field, p) in [
             ("hidden_dropout_prob", self.hidden_dropout_prob),
@@ -285,6 +297,23 @@ mod tests {
         };
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("hidden_size"), "{err}");
+        let relu = BertConfig {
+            hidden_act: "relu".into(),
+            ..BertConfig::default()
+        };
+        let err = relu.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("hidden_act") && err.contains("gelu_new"),
+            "{err}"
+        );
+        for (name, form) in [("gelu", Gelu::Erf), ("gelu_new", Gelu::Tanh)] {
+            let c = BertConfig {
+                hidden_act: name.into(),
+                ..BertConfig::default()
+            };
+            c.validate().unwrap();
+            assert_eq!(c.gelu(), form);
+        }
         assert!("huge".parse::<Preset>().is_err());
         assert_eq!("Tiny".parse::<Preset>().unwrap(), Preset::Tiny);
     }

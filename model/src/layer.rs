@@ -7,11 +7,13 @@ use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, LayerNorm, Linear};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use ember_backend_ext::{DropoutSpec, FusedOp, FusedOps, Kernels, QkvProjections, ReferenceOps};
+use ember_backend_ext::{
+    DropoutSpec, FusedOp, FusedOps, Gelu, Kernels, QkvProjections, ReferenceOps,
+};
 
 use crate::BertConfig;
 use crate::attention::{BertSelfAttention, BertSelfOutput};
-use crate::bert::{dense, gelu, layer_norm, reference_dropout, training};
+use crate::bert::{dense, hidden_act, layer_norm, reference_dropout, training};
 use crate::precision::{dense_as, dense_parts, layer_norm_f32};
 use crate::weight_casts::LayerParams;
 use crate::weight_casts::{bias_pair, gamma_beta_pairs};
@@ -54,6 +56,10 @@ pub struct BertLayer<B: Backend> {
     /// ε of the two LayerNorms (Burn's `LayerNorm` keeps its own private), for the fused ops.
     #[module(skip)]
     pub layer_norm_eps: f64,
+    /// The intermediate layer's GELU, `hidden_act`'s form (Note [Two GELUs] in
+    /// `ember-backend-ext`'s `gelu.rs`).
+    #[module(skip)]
+    pub hidden_act: Gelu,
     /// How the fused path runs the query, key and value projections (Note [Packed QKV]; see
     /// [`BertEncoder::set_qkv_projections`](crate::BertEncoder::set_qkv_projections)).
     #[module(skip)]
@@ -87,6 +93,7 @@ impl<B: Backend> BertLayer<B> {
             },
             kernels: Kernels::default(),
             layer_norm_eps: config.layer_norm_eps,
+            hidden_act: config.gelu(),
             qkv_projections: QkvProjections::default(),
             reference_ops: ReferenceOps::default(),
         }
@@ -224,9 +231,10 @@ impl<B: FusedOps> BertLayer<B> {
                 dense_no_bias(attention_output.clone(), dense),
                 bias,
                 bias_copy,
+                self.hidden_act,
             )
         } else {
-            gelu(dense_as(dense, attention_output.clone()))
+            hidden_act(dense_as(dense, attention_output.clone()), self.hidden_act)
         }; // [B, S, I]
         self.dense_dropout_add_norm(
             intermediate,
@@ -274,7 +282,10 @@ impl<B: FusedOps> BertLayer<B> {
             .forward(hidden_states.clone(), mask_bias);
         let attention_output = attention.output.forward(context, hidden_states);
 
-        let intermediate = gelu(dense_as(&self.intermediate.dense, attention_output.clone())); // [B, S, I]
+        let intermediate = hidden_act(
+            dense_as(&self.intermediate.dense, attention_output.clone()),
+            self.hidden_act,
+        ); // [B, S, I]
         let x = reference_dropout(
             dense_as(&self.output.dense, intermediate),
             &self.output.dropout,

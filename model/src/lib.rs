@@ -47,11 +47,12 @@ mod weight_casts;
 
 pub use attention::{BertSelfAttention, BertSelfOutput};
 pub use bert::{
-    BertEmbeddings, BertEncoder, BertModel, BertModelOutput, BertPooler, gelu, mean_pool,
+    BertEmbeddings, BertEncoder, BertModel, BertModelOutput, BertPooler, gelu, gelu_tanh,
+    hidden_act, mean_pool,
 };
 pub use config::{BertConfig, Preset};
 pub use embed::{Activation, Embedder, Hit, Pooling, cos_sim, normalize, semantic_search};
-pub use ember_backend_ext::{FusedOp, Kernels, QkvProjections, ReferenceOps};
+pub use ember_backend_ext::{FusedOp, Gelu, Kernels, QkvProjections, ReferenceOps};
 pub use error::ModelError;
 pub use flops::StepGemm;
 pub use hook::{ForwardHook, NoHook};

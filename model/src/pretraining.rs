@@ -7,10 +7,10 @@ use burn::module::{Module, Param};
 use burn::nn::{LayerNorm, Linear};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
-use ember_backend_ext::{DropoutSpec, FusedOp, FusedOps, Kernels, ReferenceOps};
+use ember_backend_ext::{DropoutSpec, FusedOp, FusedOps, Gelu, Kernels, ReferenceOps};
 
 use crate::BertConfig;
-use crate::bert::{BertModel, dense, gelu, layer_norm};
+use crate::bert::{BertModel, dense, hidden_act, layer_norm};
 use crate::hook::{ForwardHook, NoHook};
 use crate::precision::{Precision, cast_to, dense_as, dense_parts, layer_norm_f32};
 use crate::weight_casts::{LayerParams, layer_scope, param_pair};
@@ -23,6 +23,10 @@ pub struct BertPredictionHeadTransform<B: Backend> {
     pub dense: Linear<B>,
     /// Hugging Face key `LayerNorm`.
     pub layer_norm: LayerNorm<B>,
+    /// The GELU, `hidden_act`'s form (Hugging Face's `transform_act_fn`; Note [Two GELUs] in
+    /// `ember-backend-ext`'s `gelu.rs`).
+    #[module(skip)]
+    pub hidden_act: Gelu,
 }
 
 /// The masked-LM head. Its decoder weight is the word-embedding table (tied), so only the
@@ -85,6 +89,7 @@ impl BertConfig {
                     transform: BertPredictionHeadTransform {
                         dense: dense(h, h, std, device),
                         layer_norm: layer_norm(self, device),
+                        hidden_act: self.gelu(),
                     },
                     bias: Param::from_tensor(Tensor::zeros([self.vocab_size], device)),
                 },
@@ -207,9 +212,13 @@ impl<B: FusedOps> BertForPreTraining<B> {
                 dense_parts(masked_states, &transform.dense.weight, None),
                 bias,
                 bias_copy,
+                transform.hidden_act,
             )
         } else {
-            gelu(dense_as(&transform.dense, masked_states))
+            hidden_act(
+                dense_as(&transform.dense, masked_states),
+                transform.hidden_act,
+            )
         };
         let transformed = if fused_norm {
             let (gamma, beta) = gamma_beta_pairs(&transform.layer_norm, dtype);

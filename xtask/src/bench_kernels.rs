@@ -20,7 +20,7 @@ use burn::nn::{LayerNorm, LayerNormConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 use clap::Args;
-use ember_backend_ext::{DropoutSpec, FusedOps, reference};
+use ember_backend_ext::{DropoutSpec, FusedOps, Gelu, reference};
 
 /// Flags of `bench kernels`.
 #[derive(Args, Debug)]
@@ -374,25 +374,26 @@ where
         let label = format!("{}-{} [{b}x{s}]", shape.name, s);
         let r = b * s;
 
-        // bias + GELU on the FFN's intermediate activations [B·S, 4H].
+        // bias + GELU on the FFN's intermediate activations [B·S, 4H], the erf form (the
+        // tanh form's kernel differs in its formula alone: Note [Two GELUs]).
         if args.ops.iter().any(|o| o == "bias_gelu") {
             let x = normal::<B, 2>([r, 4 * h], device);
             let bias = normal::<B, 1>([4 * h], device);
             let fused_fwd = time::<B>(device, n, || {
-                let _ = ember_backend_ext::bias_gelu(x.clone(), bias.clone());
+                let _ = ember_backend_ext::bias_gelu(x.clone(), bias.clone(), Gelu::Erf);
             })?;
             let reference_fwd = time::<B>(device, n, || {
-                let _ = reference::bias_gelu(x.clone(), bias.clone());
+                let _ = reference::bias_gelu(x.clone(), bias.clone(), Gelu::Erf);
             })?;
             let (xa, ba) = (
                 Tensor::<A<B>, 2>::from_inner(x.clone()).require_grad(),
                 Tensor::<A<B>, 1>::from_inner(bias.clone()).require_grad(),
             );
             let fused_fwd_bwd = time::<B>(device, n, || {
-                let _ = ember_backend_ext::bias_gelu(xa.clone(), ba.clone()).backward();
+                let _ = ember_backend_ext::bias_gelu(xa.clone(), ba.clone(), Gelu::Erf).backward();
             })?;
             let reference_fwd_bwd = time::<B>(device, n, || {
-                let _ = reference::bias_gelu(xa.clone(), ba.clone()).backward();
+                let _ = reference::bias_gelu(xa.clone(), ba.clone(), Gelu::Erf).backward();
             })?;
             rows.push(Row {
                 op: "bias_gelu",

@@ -15,21 +15,21 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, TensorMetadata};
 
 use super::{dense, untracked};
-use crate::{DropoutSpec, FusedOps, LayerNormForward, MasterOps};
+use crate::{DropoutSpec, FusedOps, Gelu, LayerNormForward, MasterOps};
 
 /// `GELU(x + bias)`: parents x, the bias (or its master); state x, the bias the kernel read,
-/// and the dtype of the bias gradient.
+/// the dtype of the bias gradient and the GELU's form.
 #[derive(Debug)]
 struct BiasGeluBackward;
 
 impl<B: FusedOps> Backward<B, 2> for BiasGeluBackward {
-    type State = (FloatTensor<B>, FloatTensor<B>, FloatDType);
+    type State = (FloatTensor<B>, FloatTensor<B>, FloatDType, Gelu);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node_x, node_bias] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
-        let (x, bias, dtype) = ops.state;
-        let grad_z = B::bias_gelu_backward(x, bias, grad);
+        let (x, bias, dtype, gelu) = ops.state;
+        let grad_z = B::bias_gelu_backward(x, bias, grad, gelu);
         if let Some(node) = node_bias {
             let sum = if grad_z.dtype() == DType::from(dtype) {
                 B::sum_rows(grad_z.clone())
@@ -116,6 +116,7 @@ impl<B: FusedOps> Backward<B, 5> for LayerNormBackwardOp {
 pub(super) fn bias_gelu<B: FusedOps, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     (bias, used): (FloatTensor<Autodiff<B, C>>, FloatTensor<B>),
+    gelu: Gelu,
 ) -> FloatTensor<Autodiff<B, C>> {
     let dtype = FloatDType::from(bias.primitive.dtype());
     match BiasGeluBackward
@@ -124,10 +125,10 @@ pub(super) fn bias_gelu<B: FusedOps, C: CheckpointStrategy>(
         .stateful()
     {
         OpsKind::Tracked(prep) => {
-            let output = B::bias_gelu(x.primitive.clone(), used.clone());
-            prep.finish((x.primitive, used, dtype), output)
+            let output = B::bias_gelu(x.primitive.clone(), used.clone(), gelu);
+            prep.finish((x.primitive, used, dtype, gelu), output)
         }
-        OpsKind::UnTracked(prep) => prep.finish(B::bias_gelu(x.primitive, used)),
+        OpsKind::UnTracked(prep) => prep.finish(B::bias_gelu(x.primitive, used, gelu)),
     }
 }
 
@@ -203,8 +204,9 @@ impl<B: FusedOps, C: CheckpointStrategy> MasterOps for Autodiff<B, C> {
         x: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         bias_half: FloatTensor<Self>,
+        gelu: Gelu,
     ) -> FloatTensor<Self> {
-        bias_gelu::<B, C>(x, (bias, bias_half.primitive))
+        bias_gelu::<B, C>(x, (bias, bias_half.primitive), gelu)
     }
 
     fn bias_dropout_add_layer_norm_of_masters(

@@ -60,11 +60,21 @@ fn normal_cdf(z: f32) -> f32 {
     f32::new(0.5) * (f32::new(1.0) + Erf::erf(z * f32::new(std::f32::consts::FRAC_1_SQRT_2)))
 }
 
+/// The tanh GELU's gate `σ(2u) = 1 / (1 + e^(−2u))`, `u = √(2/π)(z + 0.044715 z³)` (Note
+/// [Two GELUs] in `gelu.rs`; 2√(2/π) = 1.5957692).
+#[cube]
+fn tanh_gate(z: f32) -> f32 {
+    let cubic = z + f32::new(0.044_715) * z * z * z;
+    f32::new(1.0) / ((cubic * f32::new(-1.595_769_2)).exp() + f32::new(1.0))
+}
+
+/// `GELU(x + bias)`: erf, `z · Φ(z)`; with `tanh`, `z · σ(2u)`.
 #[cube(launch)]
 pub fn bias_gelu_kernel<F: Float>(
     x: &Tensor<F>,
     bias: &Tensor<F>,
     output: &mut Tensor<F>,
+    #[comptime] tanh: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
@@ -72,15 +82,21 @@ pub fn bias_gelu_kernel<F: Float>(
         terminate!();
     }
     let z = f32::cast_from(x[i]) + f32::cast_from(bias[i % bias.len()]);
-    output[i] = F::cast_from(z * normal_cdf(z));
+    if tanh {
+        output[i] = F::cast_from(z * tanh_gate(z));
+    } else {
+        output[i] = F::cast_from(z * normal_cdf(z));
+    }
 }
 
+/// `grad · GELU'(z)`: erf, `Φ(z) + z·φ(z)`; with `tanh`, `σ(2u) + z · σ(2u)(1 − σ(2u)) · 2u'`.
 #[cube(launch)]
 pub fn bias_gelu_backward_kernel<F: Float>(
     x: &Tensor<F>,
     bias: &Tensor<F>,
     grad: &Tensor<F>,
     output: &mut Tensor<F>,
+    #[comptime] tanh: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
@@ -88,9 +104,17 @@ pub fn bias_gelu_backward_kernel<F: Float>(
         terminate!();
     }
     let z = f32::cast_from(x[i]) + f32::cast_from(bias[i % bias.len()]);
-    // φ(z) = exp(−z²/2) / √(2π)
-    let pdf = (f32::new(-0.5) * z * z).exp() * f32::new(0.398_942_3);
-    output[i] = F::cast_from(f32::cast_from(grad[i]) * (normal_cdf(z) + z * pdf));
+    if tanh {
+        let gate = tanh_gate(z);
+        // 2u' = 2√(2/π)(1 + 3·0.044715 z²)
+        let du = (f32::new(1.0) + f32::new(0.134_145) * z * z) * f32::new(1.595_769_2);
+        let slope = gate * (f32::new(1.0) - gate) * du;
+        output[i] = F::cast_from(f32::cast_from(grad[i]) * (gate + z * slope));
+    } else {
+        // φ(z) = exp(−z²/2) / √(2π)
+        let pdf = (f32::new(-0.5) * z * z).exp() * f32::new(0.398_942_3);
+        output[i] = F::cast_from(f32::cast_from(grad[i]) * (normal_cdf(z) + z * pdf));
+    }
 }
 
 /// `residual + dropout(x + bias)` at element `idx` (column `j`) of a LayerNorm row, in f32.

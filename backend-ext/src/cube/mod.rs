@@ -33,7 +33,7 @@ use multi_tensor::{adam_launch, launches, multi_launch, tensors_per_launch};
 use reductions::row_launch;
 
 use crate::{
-    AdamHyper, AdamKind, AdamOutput, AdamTensors, DropoutSpec, FusedOps, LayerNormBackward,
+    AdamHyper, AdamKind, AdamOutput, AdamTensors, DropoutSpec, FusedOps, Gelu, LayerNormBackward,
     LayerNormForward, SoftmaxForward,
 };
 
@@ -254,7 +254,7 @@ where
         cross_entropy::backward(logits, labels, f32(log_sum_exp), f32(grad))
     }
 
-    fn bias_gelu(x: CubeTensor<R>, bias: CubeTensor<R>) -> CubeTensor<R> {
+    fn bias_gelu(x: CubeTensor<R>, bias: CubeTensor<R>, gelu: Gelu) -> CubeTensor<R> {
         let x = into_contiguous(x);
         let bias = into_contiguous(bias);
         let output = empty_like(&x, x.shape());
@@ -268,6 +268,7 @@ where
             x.clone().into_tensor_arg(),
             bias.into_tensor_arg(),
             output.clone().into_tensor_arg(),
+            gelu == Gelu::Tanh,
             dtype,
         );
         output
@@ -277,6 +278,7 @@ where
         x: CubeTensor<R>,
         bias: CubeTensor<R>,
         grad: CubeTensor<R>,
+        gelu: Gelu,
     ) -> CubeTensor<R> {
         let x = into_contiguous(x);
         let bias = into_contiguous(bias);
@@ -293,6 +295,7 @@ where
             bias.into_tensor_arg(),
             grad.into_tensor_arg(),
             output.clone().into_tensor_arg(),
+            gelu == Gelu::Tanh,
             dtype,
         );
         output

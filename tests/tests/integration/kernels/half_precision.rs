@@ -7,7 +7,7 @@
 
 use burn::backend::NdArray;
 use burn::tensor::{DType, Distribution, Tensor};
-use ember_backend_ext::{DropoutSpec, FusedOps, reference};
+use ember_backend_ext::{DropoutSpec, FusedOps, Gelu, reference};
 
 use super::common::{assert_close, mask_bias};
 
@@ -40,12 +40,14 @@ fn check_half_precision<H: FusedOps>(device: &H::Device, dtype: DType, scale: f3
     let (x, xh) = pair(&[231, 300]);
     let (x, xh) = (x.reshape([231, 300]), xh.reshape([231, 300]));
     let (b, bh) = pair(&[300]);
-    assert_close(
-        "bias_gelu, half precision",
-        to_f32(ember_backend_ext::bias_gelu(xh, bh).reshape([231 * 300])),
-        reference::bias_gelu(x, b).reshape([231 * 300]),
-        tol,
-    );
+    for gelu in [Gelu::Erf, Gelu::Tanh] {
+        assert_close(
+            &format!("bias_gelu {gelu}, half precision"),
+            to_f32(ember_backend_ext::bias_gelu(xh.clone(), bh.clone(), gelu).reshape([231 * 300])),
+            reference::bias_gelu(x.clone(), b.clone(), gelu).reshape([231 * 300]),
+            tol,
+        );
+    }
 
     let dropout = DropoutSpec::new(0.1, 3);
     // Rows of 300 (in registers) and of 4,100 (past the registers' 4,096: the streaming form,

@@ -15,7 +15,7 @@
 
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor};
-use ember_backend_ext::{DropoutSpec, FusedOps, HostSyncs};
+use ember_backend_ext::{DropoutSpec, FusedOps, Gelu, HostSyncs};
 
 use super::common::{random, values};
 
@@ -82,9 +82,14 @@ where
         let copies: Vec<Tensor<A, 1>> = params.iter().map(|p| p.clone().cast(dtype)).collect();
         let gelu_copy = gelu_bias.clone().cast(dtype);
         let hidden = if masters {
-            ember_backend_ext::bias_gelu_of_master(x.clone(), gelu_bias.clone(), gelu_copy)
+            ember_backend_ext::bias_gelu_of_master(
+                x.clone(),
+                gelu_bias.clone(),
+                gelu_copy,
+                Gelu::Tanh,
+            )
         } else {
-            ember_backend_ext::bias_gelu(x.clone(), gelu_copy)
+            ember_backend_ext::bias_gelu(x.clone(), gelu_copy, Gelu::Tanh)
         };
         let y = if masters {
             ember_backend_ext::bias_dropout_add_layer_norm_of_masters(

@@ -18,7 +18,7 @@
 use burn::backend::Autodiff;
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use ember_backend_ext::{DropoutSpec, FusedOps, GemmPrecision, reference};
+use ember_backend_ext::{DropoutSpec, FusedOps, Gelu, GemmPrecision, reference};
 
 mod clip;
 mod column_sums;
@@ -37,7 +37,7 @@ mod packing;
 mod softmax;
 #[cfg(feature = "cuda")]
 mod streams;
-use common::{assert_close, mask_bias, random};
+use common::{assert_close, mask_bias, random, values};
 use dropout::{check_dropout_backward_mask, check_dropout_mask, check_dropout_op};
 use optimizer::check_optimizer_ops;
 
@@ -52,32 +52,59 @@ fn weighted_sum<B: Backend, const D: usize>(
     (out * weight.clone()).sum()
 }
 
-pub fn check_bias_gelu<B: AutodiffBackend + FusedOps>(shape: [usize; 3], device: &B::Device)
-where
+pub fn check_bias_gelu<B: AutodiffBackend + FusedOps>(
+    shape: [usize; 3],
+    gelu: Gelu,
+    device: &B::Device,
+) where
     B::InnerBackend: FusedOps,
 {
     let [.., n] = shape;
     let x = random::<B, 3>(shape, device) * 3.0;
     let bias = random::<B, 1>([n], device);
     let weight = random::<B, 3>(shape, device);
+    let (x_host, bias_host, weight_host) = (
+        values(x.clone()),
+        values(bias.clone()),
+        values(weight.clone()),
+    );
 
     let (xf, bf) = (x.clone().require_grad(), bias.clone().require_grad());
-    let fused = ember_backend_ext::bias_gelu(xf.clone(), bf.clone());
+    let fused = ember_backend_ext::bias_gelu(xf.clone(), bf.clone(), gelu);
     let mut grads = weighted_sum(fused.clone(), &weight).backward();
 
     let (xr, br) = (x.require_grad(), bias.require_grad());
-    let expected = reference::bias_gelu(xr.clone(), br.clone());
+    let expected = reference::bias_gelu(xr.clone(), br.clone(), gelu);
     let mut grads_ref = weighted_sum(expected.clone(), &weight).backward();
-
-    assert_close(&format!("bias_gelu {shape:?}"), fused, expected, FWD);
-    assert_close(
-        &format!("bias_gelu dx {shape:?}"),
+    let (dx, dx_ref) = (
         xf.grad_remove(&mut grads).unwrap(),
         xr.grad_remove(&mut grads_ref).unwrap(),
-        BWD,
     );
+
+    // The reference against its form's formula in f64 (Note [Two GELUs]; the tanh form's
+    // derivative as NVIDIA's `bias_gelu_back` writes it), so that a form computed the other
+    // way on both sides cannot pass.
+    let (value, slope) = (values(expected.clone()), values(dx_ref.clone()));
+    for i in 0..x_host.len() {
+        let z = x_host[i] as f64 + bias_host[i % n] as f64;
+        let want = gelu.value_f64(z);
+        assert!(
+            (value[i] as f64 - want).abs() <= 2e-5 * (1.0 + want.abs()),
+            "reference {gelu}({z}) = {}, formula {want}",
+            value[i]
+        );
+        let want = weight_host[i] as f64 * gelu.derivative_f64(z);
+        assert!(
+            (slope[i] as f64 - want).abs() <= 1e-4 * (1.0 + want.abs()),
+            "reference {gelu}'({z}) · {} = {}, formula {want}",
+            weight_host[i],
+            slope[i]
+        );
+    }
+    assert_close(&format!("bias_gelu {gelu} {shape:?}"), fused, expected, FWD);
+    assert_close(&format!("bias_gelu {gelu} dx {shape:?}"), dx, dx_ref, BWD);
     assert_close(
-        &format!("bias_gelu dbias {shape:?}"),
+        &format!("bias_gelu {gelu} dbias {shape:?}"),
         bf.grad_remove(&mut grads).unwrap(),
         br.grad_remove(&mut grads_ref).unwrap(),
         (1e-3, 1e-4),
@@ -339,7 +366,9 @@ macro_rules! kernel_tests {
         fn bias_gelu_matches_reference() {
             let device = $device;
             for shape in GELU_SHAPES {
-                check_bias_gelu::<B>(shape, &device);
+                for gelu in [Gelu::Erf, Gelu::Tanh] {
+                    check_bias_gelu::<B>(shape, gelu, &device);
+                }
             }
         }
 

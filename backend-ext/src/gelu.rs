@@ -1,0 +1,171 @@
+//! Which GELU the model's activations compute: BERT's `hidden_act` (Note [Two GELUs]).
+//!
+//! Note [Two GELUs]: GELU(z) = z·Φ(z) (Hendrycks & Gimpel 2016, arXiv 1606.08415). Two forms
+//! train BERT:
+//! - **erf**, `z · ½(1 + erf(z/√2))`: Hugging Face's `"gelu"` (`GELUActivation`,
+//!   `torch.nn.functional.gelu`), the activation of the checkpoints ember loads and exports.
+//! - **tanh**, `z · ½(1 + tanh(√(2/π)·(z + 0.044715·z³)))`: Google's BERT `modeling.py`,
+//!   Hugging Face's `"gelu_new"` (also `"gelu_pytorch_tanh"`, `"gelu_fast"`: the same
+//!   formula), and the fused `bias_gelu` of NVIDIA's MLPerf BERT
+//!   (`training_results_v1.1/NVIDIA/.../model/layers/activations.py`), which Samsung's
+//!   submission runs: the method's own code computes this form (`../shared/REFERENCES.md`),
+//!   and so does cuBLASLt's GELU epilogue.
+//!
+//! The two differ by at most 4.7e-4 (near z = ±2.7) and their derivatives by at most 8.7e-4.
+//! ember's default is erf, Hugging Face's `"gelu"`, so that its models match the checkpoints
+//! it reads and writes; `hidden_act = "gelu_new"` (`model.hidden_act`) trains as the MLPerf
+//! submissions did. Every path computes the chosen form: the reference composition of Burn
+//! ops, NdArray's host loops and the CubeCL kernels, each with the exact derivative of its
+//! form. The tanh form is evaluated as `z · σ(2u)`, `u = √(2/π)·(z + 0.044715·z³)`, since
+//! `½(1 + tanh(u)) = σ(2u) = 1 / (1 + e^(−2u))`: one exponential, no cancellation near 0;
+//! its derivative is `σ(2u) + z · σ(2u)·(1 − σ(2u)) · 2u'`, `u' = √(2/π)·(1 + 3·0.044715·z²)`,
+//! the same value as NVIDIA's `bias_gelu_back` (written with `tanh`).
+
+/// `√(2/π)`, the tanh form's scale.
+pub const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+
+/// The tanh form's cubic coefficient.
+pub const GELU_TANH_CUBIC: f64 = 0.044_715;
+
+/// Which GELU a model computes (Note [Two GELUs]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Gelu {
+    /// `z · ½(1 + erf(z/√2))`: Hugging Face's `"gelu"`.
+    #[default]
+    Erf,
+    /// `z · ½(1 + tanh(√(2/π)·(z + 0.044715·z³)))`: Hugging Face's `"gelu_new"`, Google's and
+    /// NVIDIA's (MLPerf) BERT.
+    Tanh,
+}
+
+impl Gelu {
+    /// The form named by a Hugging Face `hidden_act`: `"gelu"` → [`Gelu::Erf`];
+    /// `"gelu_new"`, `"gelu_pytorch_tanh"`, `"gelu_fast"` → [`Gelu::Tanh`]; `None` for
+    /// anything else (other activations ember does not implement).
+    pub fn from_hidden_act(name: &str) -> Option<Self> {
+        match name {
+            "gelu" => Some(Gelu::Erf),
+            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Some(Gelu::Tanh),
+            _ => None,
+        }
+    }
+
+    /// The `hidden_act` name written for this form: `"gelu"` or `"gelu_new"`.
+    pub fn hidden_act(self) -> &'static str {
+        match self {
+            Gelu::Erf => "gelu",
+            Gelu::Tanh => "gelu_new",
+        }
+    }
+
+    /// GELU(z) in f64, the formula of each form: the oracle of the tests.
+    pub fn value_f64(self, z: f64) -> f64 {
+        match self {
+            Gelu::Erf => 0.5 * z * (1.0 + libm::erf(z * std::f64::consts::FRAC_1_SQRT_2)),
+            Gelu::Tanh => {
+                let u = SQRT_2_OVER_PI * (z + GELU_TANH_CUBIC * z * z * z);
+                0.5 * z * (1.0 + u.tanh())
+            }
+        }
+    }
+
+    /// dGELU/dz in f64, written as the sources write it (for erf `Φ(z) + z·φ(z)`; for tanh
+    /// NVIDIA's `bias_gelu_back`: `½(1 + t) + ½z(1 − t²)·√(2/π)(1 + 3·0.044715·z²)`,
+    /// `t = tanh(u)`): the tests' oracle for the kernels' σ form.
+    pub fn derivative_f64(self, z: f64) -> f64 {
+        match self {
+            Gelu::Erf => {
+                let cdf = 0.5 * (1.0 + libm::erf(z * std::f64::consts::FRAC_1_SQRT_2));
+                let pdf = (-0.5 * z * z).exp() / (2.0 * std::f64::consts::PI).sqrt();
+                cdf + z * pdf
+            }
+            Gelu::Tanh => {
+                let t = (SQRT_2_OVER_PI * (z + GELU_TANH_CUBIC * z * z * z)).tanh();
+                let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_TANH_CUBIC * z * z);
+                0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * du
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Gelu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.hidden_act())
+    }
+}
+
+impl std::str::FromStr for Gelu {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Gelu::from_hidden_act(s).ok_or_else(|| {
+            format!(
+                "unknown hidden_act `{s}` (expected gelu (erf), or gelu_new, \
+                 gelu_pytorch_tanh or gelu_fast (the tanh approximation))"
+            )
+        })
+    }
+}
+
+impl serde::Serialize for Gelu {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.hidden_act())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Gelu {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        name.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_hugging_faces() {
+        assert_eq!(Gelu::from_hidden_act("gelu"), Some(Gelu::Erf));
+        for tanh in ["gelu_new", "gelu_pytorch_tanh", "gelu_fast"] {
+            assert_eq!(tanh.parse::<Gelu>(), Ok(Gelu::Tanh));
+        }
+        assert_eq!(Gelu::Tanh.to_string(), "gelu_new");
+        let err = "relu".parse::<Gelu>().unwrap_err();
+        assert!(err.contains("`relu`") && err.contains("gelu_new"), "{err}");
+        #[derive(serde::Deserialize, serde::Serialize, PartialEq, Debug)]
+        struct S {
+            hidden_act: Gelu,
+        }
+        let s: S = toml::from_str("hidden_act = \"gelu_pytorch_tanh\"").unwrap();
+        assert_eq!(s.hidden_act, Gelu::Tanh);
+        assert_eq!(
+            toml::to_string(&s).unwrap().trim(),
+            "hidden_act = \"gelu_new\""
+        );
+        assert!(toml::from_str::<S>("hidden_act = \"swish\"").is_err());
+    }
+
+    /// The two forms: close (at most 4.7e-4 apart) but not equal, and each derivative equal to
+    /// a central difference of its own value.
+    #[test]
+    fn the_forms_and_their_derivatives() {
+        let mut widest: f64 = 0.0;
+        for i in -800..=800 {
+            let z = i as f64 * 0.01;
+            widest = widest.max((Gelu::Erf.value_f64(z) - Gelu::Tanh.value_f64(z)).abs());
+            for gelu in [Gelu::Erf, Gelu::Tanh] {
+                let h = 1e-5;
+                let numeric = (gelu.value_f64(z + h) - gelu.value_f64(z - h)) / (2.0 * h);
+                let d = gelu.derivative_f64(z);
+                assert!(
+                    (numeric - d).abs() < 1e-8,
+                    "{gelu}' at {z}: {d} vs {numeric}"
+                );
+            }
+        }
+        assert!(widest > 4e-4 && widest < 5e-4, "{widest}");
+        // GELU(1) of each form (tanh: Google's BERT; erf: 0.5·(1 + erf(1/√2))).
+        assert!((Gelu::Erf.value_f64(1.0) - 0.841_344_746_068_542_9).abs() < 1e-15);
+        assert!((Gelu::Tanh.value_f64(1.0) - 0.841_191_990_608_276_8).abs() < 1e-12);
+    }
+}
