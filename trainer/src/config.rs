@@ -137,6 +137,9 @@ impl TrainConfig {
         if let Some(p) = self.model.attention_probs_dropout_prob {
             config.attention_probs_dropout_prob = p;
         }
+        if let Some(gelu) = self.model.hidden_act {
+            config.hidden_act = gelu.hidden_act().to_string();
+        }
         config
     }
 
@@ -544,6 +547,9 @@ mod tests {
             Some(vec![768, 384, 256, 640])
         );
         assert_eq!(adam.parallel.bucket_clip_count, Some(22));
+        // Samsung's model path computes the tanh GELU (../shared/REFERENCES.md).
+        assert_eq!(adam.model.hidden_act, Some(ember_model::Gelu::Tanh));
+        assert_eq!(adam.bert_config(30_522).gelu(), ember_model::Gelu::Tanh);
         let schedule = crate::schedule::WarmupPolyDecay::new(
             adam.optimizer.lr,
             adam.warmup_steps(),

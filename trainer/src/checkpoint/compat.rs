@@ -1,7 +1,7 @@
 //! What a resumed run may change (Note [What a resume may change]).
 //!
 //! Note [What a resume may change]: a checkpoint continues the run that wrote it. The model's
-//! shape, the world size, the global batch size, the optimizer, the data and the seed must stay
+//! shape and activation (`model.hidden_act`), the world size, the global batch size, the optimizer, the data and the seed must stay
 //! as they were: with any of them changed the saved moments, sampler positions or dropout keys
 //! describe another run, and the resumed run would be neither that run nor a fresh one.
 //! Everything else may change: more steps (the schedule's decay then stretches to the new
@@ -26,10 +26,11 @@ use super::RunState;
 use crate::{TrainConfig, TrainError};
 
 /// The settings compared, as `section` or `section.field` of the TOML configuration.
-const KEPT: [&str; 7] = [
+const KEPT: [&str; 8] = [
     "model.preset",
     "model.hidden_dropout_prob",
     "model.attention_probs_dropout_prob",
+    "model.hidden_act",
     "optimizer",
     "data",
     "instances",
@@ -200,6 +201,14 @@ mod tests {
         let e = refusal(&c, 2);
         assert!(
             e.contains("global batch size") && e.contains("64") && e.contains("128"),
+            "{e}"
+        );
+
+        let mut c = base.clone();
+        c.model.hidden_act = Some(ember_model::Gelu::Tanh);
+        let e = refusal(&c, 2);
+        assert!(
+            e.contains("model.hidden_act") && e.contains("gelu_new"),
             "{e}"
         );
 

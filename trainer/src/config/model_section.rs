@@ -18,6 +18,13 @@ pub struct ModelSection {
     /// Overrides the preset's `attention_probs_dropout_prob` (0.1) when set.
     #[arg(long)]
     pub attention_probs_dropout_prob: Option<f64>,
+    /// Overrides the preset's `hidden_act` (`gelu`, the exact erf GELU, as Hugging Face's
+    /// BERT checkpoints) when set: `gelu_new` is the tanh approximation that Google's BERT,
+    /// NVIDIA's and Samsung's MLPerf BERT train with (Hugging Face's name; `gelu_pytorch_tanh`
+    /// and `gelu_fast` are read as the same). Every path computes it: the reference ops, the
+    /// host loops and the kernels (Note [Two GELUs] in backend-ext/src/gelu.rs).
+    #[arg(long)]
+    pub hidden_act: Option<ember_model::Gelu>,
     /// Encoder implementation: `fused` (ember-backend-ext's ops: CubeCL kernels on cuda and
     /// wgpu, host loops on the CPU), `reference` (Burn ops composed module by module) or
     /// `auto` (fused where the backend has them: cuda, wgpu and cpu). Default: auto.
@@ -73,6 +80,7 @@ impl Default for ModelSection {
             preset: Preset::Tiny,
             hidden_dropout_prob: None,
             attention_probs_dropout_prob: None,
+            hidden_act: None,
             kernels: Kernels::Auto,
             gemm_threads: crate::blas::GemmThreads::Rayon,
             gemm: ember_backend_ext::Gemm::Auto,
