@@ -19,13 +19,23 @@
 //! form. The tanh form is evaluated as `z · σ(2u)`, `u = √(2/π)·(z + 0.044715·z³)`, since
 //! `½(1 + tanh(u)) = σ(2u) = 1 / (1 + e^(−2u))`: one exponential, no cancellation near 0;
 //! its derivative is `σ(2u) + z · σ(2u)·(1 − σ(2u)) · 2u'`, `u' = √(2/π)·(1 + 3·0.044715·z²)`,
-//! the same value as NVIDIA's `bias_gelu_back` (written with `tanh`).
+//! the same value as NVIDIA's `bias_gelu_back` (written with `tanh`). The gate and its slope
+//! take `z` clamped to ±15 ([`GELU_TANH_CLAMP`]), which changes no f32 value and keeps every
+//! intermediate finite. Google's BERT first released the erf form and later switched to tanh;
+//! Hugging Face's `"gelu"` is the erf of the released checkpoints.
 
 /// `√(2/π)`, the tanh form's scale.
 pub const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 
 /// The tanh form's cubic coefficient.
 pub const GELU_TANH_CUBIC: f64 = 0.044_715;
+
+/// Where every implementation clamps `z` inside the tanh form's gate and slope: past ±15 the
+/// gate `σ(2u)` is 0 or 1 in f32 (`2u` is ±265) and its slope 0, so the clamp changes no
+/// value, while `e^(−2u)`, `z³` and `u'` stay finite (without it `e^(−2u)` overflows at
+/// z < −10.4, an infinity that fast-math GPU code need not honour, and in half precision
+/// `z³` overflows past 40, giving 0·∞ = NaN gradients).
+pub const GELU_TANH_CLAMP: f64 = 15.0;
 
 /// Which GELU a model computes (Note [Two GELUs]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -143,6 +153,54 @@ mod tests {
             "hidden_act = \"gelu_new\""
         );
         assert!(toml::from_str::<S>("hidden_act = \"swish\"").is_err());
+    }
+
+    /// The reference composition and its explicit backward (the default bodies of
+    /// `FusedOps::bias_gelu` and `bias_gelu_backward`) against each form's f64 formula, on
+    /// NdArray, from z = −1e30 to 1e30: finite everywhere, the clamp changing no value.
+    #[test]
+    fn the_reference_is_each_form_and_stays_finite() {
+        use burn::backend::NdArray;
+        use burn::tensor::{Tensor, TensorData};
+        let mut z: Vec<f32> = (-400..=400).map(|i| i as f32 * 0.05).collect();
+        z.extend([
+            -1e30, -1e4, -60.0, -15.5, -10.5, 10.5, 15.5, 60.0, 1e4, 1e30,
+        ]);
+        let n = z.len();
+        let device = Default::default();
+        let x = Tensor::<NdArray, 2>::from_data(TensorData::new(z.clone(), [1, n]), &device);
+        let bias = Tensor::<NdArray, 1>::zeros([n], &device);
+        let grad = Tensor::<NdArray, 2>::ones([1, n], &device);
+        for gelu in [Gelu::Erf, Gelu::Tanh] {
+            let value = crate::reference::bias_gelu(x.clone(), bias.clone(), gelu);
+            let slope =
+                crate::reference::bias_gelu_backward(x.clone(), bias.clone(), grad.clone(), gelu);
+            let value = value.into_data().to_vec::<f32>().unwrap();
+            let slope = slope.into_data().to_vec::<f32>().unwrap();
+            for i in 0..n {
+                let (v, d) = (
+                    gelu.value_f64(z[i] as f64),
+                    gelu.derivative_f64(z[i] as f64),
+                );
+                assert!(
+                    value[i].is_finite() && slope[i].is_finite(),
+                    "{gelu} at {}",
+                    z[i]
+                );
+                assert!(
+                    (value[i] as f64 - v).abs() <= 5e-6 * (1.0 + v.abs()),
+                    "{gelu}({}) = {}, formula {v}",
+                    z[i],
+                    value[i]
+                );
+                assert!(
+                    (slope[i] as f64 - d).abs() <= 1e-5 * (1.0 + d.abs()),
+                    "{gelu}'({}) = {}, formula {d}",
+                    z[i],
+                    slope[i]
+                );
+            }
+        }
     }
 
     /// The two forms: close (at most 4.7e-4 apart) but not equal, and each derivative equal to

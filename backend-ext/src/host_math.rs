@@ -26,6 +26,7 @@ use crate::Gelu;
 /// `√(2/π)` and the cubic coefficient of the tanh GELU, in f32.
 const SQRT_2_OVER_PI: f32 = crate::gelu::SQRT_2_OVER_PI as f32;
 const GELU_TANH_CUBIC: f32 = crate::gelu::GELU_TANH_CUBIC as f32;
+const GELU_TANH_CLAMP: f32 = crate::gelu::GELU_TANH_CLAMP as f32;
 
 /// 1/√(2π), as the reference's f64 constant rounded to f32.
 pub(crate) const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
@@ -161,6 +162,7 @@ fn lane_sum(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
 /// [Two GELUs] in `gelu.rs`).
 #[inline(always)]
 fn tanh_gate(z: f32) -> f32 {
+    let z = z.clamp(-GELU_TANH_CLAMP, GELU_TANH_CLAMP);
     let cubic = (z * z).mul_add(GELU_TANH_CUBIC * z, z);
     1.0 / (exp(cubic * (-2.0 * SQRT_2_OVER_PI)) + 1.0)
 }
@@ -215,7 +217,8 @@ multiversion! {
                     for (((o, &x), &b), &g) in out.iter_mut().zip(x).zip(bias).zip(grad) {
                         let z = x + b;
                         let gate = tanh_gate(z);
-                        let du = (z * z).mul_add(3.0 * GELU_TANH_CUBIC, 1.0) * (2.0 * SQRT_2_OVER_PI);
+                        let c = z.clamp(-GELU_TANH_CLAMP, GELU_TANH_CLAMP);
+                        let du = (c * c).mul_add(3.0 * GELU_TANH_CUBIC, 1.0) * (2.0 * SQRT_2_OVER_PI);
                         *o = g * z.mul_add(gate * (1.0 - gate) * du, gate);
                     }
                 }

@@ -5,7 +5,7 @@
 //!
 //! | op | what it computes | apex / NVIDIA counterpart |
 //! |---|---|---|
-//! | [`bias_gelu`] | `GELU_erf(x + bias)` | `bias_gelu` in `modeling.py` (fused by nvFuser) |
+//! | [`bias_gelu`] | `GELU(x + bias)`, erf or tanh form ([`Gelu`]) | `bias_gelu` (tanh) in `model/layers/activations.py` (fused by nvFuser) |
 //! | [`bias_dropout_add_layer_norm`] | `LayerNorm(residual + dropout(x + bias))` | `FastLayerNorm` + `bias_dropout_add` |
 //! | [`attention`] | `dropout(softmax(Q·Kᵀ·scale + mask)) · V` | `FastUnpadBertSelfAttention`, fmha |
 //! | [`attention_qkv`] | the same of Q, K, V packed in one `[B, S, 3·H]` tensor (fused QKV) | fmha's packed `qkv` |
@@ -99,7 +99,7 @@ pub use functions::{
 pub use fused_ops::FusedOps;
 pub use fused_outputs::{DenseGrads, LayerNormBackward, LayerNormForward, SoftmaxForward};
 use fused_outputs::{float, prim};
-pub use gelu::{GELU_TANH_CUBIC, Gelu, SQRT_2_OVER_PI};
+pub use gelu::{GELU_TANH_CLAMP, GELU_TANH_CUBIC, Gelu, SQRT_2_OVER_PI};
 pub use gemm::{
     AUTOTUNE_BUILT, CUBLASLT_BUILT, CublasltSync, Gemm, GemmPrecision, cublaslt_sync, gpu_gemm,
     set_cublaslt_sync, set_gpu_gemm,

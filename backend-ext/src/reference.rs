@@ -10,7 +10,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 
-use crate::gelu::{GELU_TANH_CUBIC, SQRT_2_OVER_PI};
+use crate::gelu::{GELU_TANH_CLAMP, GELU_TANH_CUBIC, SQRT_2_OVER_PI};
 use crate::{
     AdamHyper, AdamKind, AdamOutput, DropoutSpec, Gelu, LayerNormForward, SoftmaxForward,
     keep_mask, prim,
@@ -44,6 +44,8 @@ fn gelu_gate<B: Backend, const D: usize>(z: Tensor<B, D>, gelu: Gelu) -> Tensor<
             // σ(2u), 2u = 2√(2/π)(z + 0.044715 z³), by Burn's sigmoid: `1 / (1 + e^(−2u))`
             // composed would overflow to ∞ at z ≲ −10, and its autodiff then gives 0·∞ = NaN.
             // z³ as products: a power of a negative base is undefined on some GPUs' `pow`.
+            // z clamped as every implementation does ([`GELU_TANH_CLAMP`]).
+            let z = z.clamp(-GELU_TANH_CLAMP, GELU_TANH_CLAMP);
             let cubic = z.clone() * z.clone() * z.clone() * GELU_TANH_CUBIC + z;
             burn::tensor::activation::sigmoid(cubic * (2.0 * SQRT_2_OVER_PI))
         }
@@ -66,8 +68,9 @@ pub fn bias_gelu_backward<B: Backend, const D: usize>(
     let slope = match gelu {
         Gelu::Erf => (z.clone().powi_scalar(2) * -0.5).exp() * FRAC_1_SQRT_2PI,
         Gelu::Tanh => {
-            let du = (z.clone() * z.clone() * (3.0 * GELU_TANH_CUBIC)).add_scalar(1.0)
-                * (2.0 * SQRT_2_OVER_PI);
+            let c = z.clone().clamp(-GELU_TANH_CLAMP, GELU_TANH_CLAMP);
+            let du =
+                (c.clone() * c * (3.0 * GELU_TANH_CUBIC)).add_scalar(1.0) * (2.0 * SQRT_2_OVER_PI);
             gate.clone() * gate.clone().neg().add_scalar(1.0) * du
         }
     };

@@ -9,8 +9,8 @@ use burn::nn::{
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 use ember_backend_ext::{
-    DropoutSpec, FusedOp, FusedOps, GELU_TANH_CUBIC, Gelu, Kernels, QkvProjections, ReferenceOps,
-    SQRT_2_OVER_PI,
+    DropoutSpec, FusedOp, FusedOps, GELU_TANH_CLAMP, GELU_TANH_CUBIC, Gelu, Kernels,
+    QkvProjections, ReferenceOps, SQRT_2_OVER_PI,
 };
 
 use crate::hook::{ForwardHook, NoHook};
@@ -26,7 +26,8 @@ use crate::layer::BertLayer;
 const MASKED_SCORE: f32 = -10000.0;
 
 /// GELU with the exact erf form, `x · ½ · (1 + erf(x / √2))` (Hendrycks & Gimpel 2016), as
-/// BERT's and Hugging Face's `"gelu"`.
+/// Hugging Face's `"gelu"` and the first release of Google's BERT (which later switched to the
+/// tanh form, [`gelu_tanh`]).
 ///
 /// Composed of Burn ops on purpose: Burn 0.21's own `gelu` has the erf forward but the tanh
 /// approximation's derivative (2.7e-3 off in dx), and BERT's gradients must match PyTorch's.
@@ -48,8 +49,10 @@ pub fn gelu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
 /// # Shapes
 /// any shape; the output has the input's shape.
 pub fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    // x³ as products: a power of a negative base is undefined on some GPUs' `pow`.
-    let u = x.clone() * x.clone() * x.clone() * GELU_TANH_CUBIC + x.clone();
+    // The gate of x clamped to ±15, where σ(2u) is 0 or 1 in f32 (x³ would overflow a half
+    // type past 40); x³ as products: a power of a negative base is undefined on some GPUs' `pow`.
+    let c = x.clone().clamp(-GELU_TANH_CLAMP, GELU_TANH_CLAMP);
+    let u = c.clone() * c.clone() * c.clone() * GELU_TANH_CUBIC + c;
     x * burn::tensor::activation::sigmoid(u * (2.0 * SQRT_2_OVER_PI))
 }
 

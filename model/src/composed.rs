@@ -7,8 +7,8 @@
 //! the device instead). Differentiated by Burn's autodiff; the dropout op has its own
 //! backward.
 //!
-//! The GELU after a dense layer needs none: it is [`crate::gelu`] of the dense layer's output
-//! with its bias.
+//! The GELU after a dense layer needs none: it is [`crate::hidden_act`] of the dense layer's
+//! output with its bias.
 
 use burn::nn::LayerNorm;
 use burn::tensor::backend::Backend;

@@ -64,6 +64,7 @@ fn normal_cdf(z: f32) -> f32 {
 /// [Two GELUs] in `gelu.rs`; 2√(2/π) = 1.5957692).
 #[cube]
 fn tanh_gate(z: f32) -> f32 {
+    let z = clamp(z, f32::new(-15.0), f32::new(15.0)); // GELU_TANH_CLAMP
     let cubic = z + f32::new(0.044_715) * z * z * z;
     f32::new(1.0) / ((cubic * f32::new(-1.595_769_2)).exp() + f32::new(1.0))
 }
@@ -107,7 +108,8 @@ pub fn bias_gelu_backward_kernel<F: Float>(
     if tanh {
         let gate = tanh_gate(z);
         // 2u' = 2√(2/π)(1 + 3·0.044715 z²)
-        let du = (f32::new(1.0) + f32::new(0.134_145) * z * z) * f32::new(1.595_769_2);
+        let c = clamp(z, f32::new(-15.0), f32::new(15.0)); // GELU_TANH_CLAMP
+        let du = (f32::new(1.0) + f32::new(0.134_145) * c * c) * f32::new(1.595_769_2);
         let slope = gate * (f32::new(1.0) - gate) * du;
         output[i] = F::cast_from(f32::cast_from(grad[i]) * (gate + z * slope));
     } else {

@@ -26,11 +26,10 @@ use super::RunState;
 use crate::{TrainConfig, TrainError};
 
 /// The settings compared, as `section` or `section.field` of the TOML configuration.
-const KEPT: [&str; 8] = [
+const KEPT: [&str; 7] = [
     "model.preset",
     "model.hidden_dropout_prob",
     "model.attention_probs_dropout_prob",
-    "model.hidden_act",
     "optimizer",
     "data",
     "instances",
@@ -81,6 +80,16 @@ pub fn check_resume_compatible(
             "global batch size (train.batch_size × parallel.grad_accum × world size)".into(),
             g_saved.to_string(),
             g_given.to_string(),
+        );
+    }
+    // The GELU as resolved: unset is the presets' `gelu`, so `--hidden-act gelu` resumes a
+    // run that left it unset.
+    let gelu = |c: &TrainConfig| c.model.hidden_act.unwrap_or_default();
+    if gelu(saved) != gelu(given) {
+        return mismatch(
+            "model.hidden_act".into(),
+            gelu(saved).to_string(),
+            gelu(given).to_string(),
         );
     }
     let (a, b) = (as_value(saved), as_value(given));
@@ -211,6 +220,9 @@ mod tests {
             e.contains("model.hidden_act") && e.contains("gelu_new"),
             "{e}"
         );
+        // Unset is the presets' erf GELU: naming it resumes.
+        c.model.hidden_act = Some(ember_model::Gelu::Erf);
+        assert!(check_resume_compatible(&base, 2, &c, 2).is_ok());
 
         let mut c = base.clone();
         c.optimizer.name = OptimizerKind::Lamb;

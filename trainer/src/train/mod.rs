@@ -474,6 +474,21 @@ fn init_from<B: GradHookBackend>(
                 report.initialised.join(", ")
             );
         }
+        // The weights' own config.json names the GELU they were trained with (Note [Two
+        // GELUs]): training them with the other form is allowed (the forms differ by at most
+        // 4.7e-4), but not silently.
+        let source = file.path().with_file_name("config.json");
+        let trained_with = ember_model::BertConfig::load_json(&source).map(|c| c.gelu());
+        let runs = model.bert.encoder.layer.first().map(|l| l.hidden_act);
+        if let (Ok(trained_with), Some(runs)) = (trained_with, runs)
+            && trained_with != runs
+        {
+            tracing::warn!(
+                "{} says hidden_act = {trained_with}, this run trains with {runs} \
+                 (model.hidden_act, --hidden-act {trained_with} keeps the weights' GELU)",
+                source.display()
+            );
+        }
     }
     Ok((model, report))
 }
