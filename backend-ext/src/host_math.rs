@@ -158,13 +158,16 @@ fn lane_sum(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
     reduce_sum(acc)
 }
 
-/// The tanh GELU's gate `σ(2u) = 1 / (1 + e^(−2u))`, `u = √(2/π)(z + 0.044715 z³)` (Note
-/// [Two GELUs] in `gelu.rs`).
+/// The tanh GELU's gate `σ(2u)`, `u = √(2/π)(z + 0.044715 z³)` (Note [Two GELUs] in
+/// `gelu.rs`), without an exponential that can overflow.
 #[inline(always)]
 fn tanh_gate(z: f32) -> f32 {
     let z = z.clamp(-GELU_TANH_CLAMP, GELU_TANH_CLAMP);
-    let cubic = (z * z).mul_add(GELU_TANH_CUBIC * z, z);
-    1.0 / (exp(cubic * (-2.0 * SQRT_2_OVER_PI)) + 1.0)
+    let t = (z * z).mul_add(GELU_TANH_CUBIC * z, z) * (2.0 * SQRT_2_OVER_PI);
+    // σ(t) from e = e^(−|t|) ≤ 1: `1 / (1 + e)` for t ≥ 0, `e / (1 + e)` below.
+    let e = exp(-t.abs());
+    let r = 1.0 / (1.0 + e);
+    if t >= 0.0 { r } else { e * r }
 }
 
 multiversion! {

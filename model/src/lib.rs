@@ -6,9 +6,10 @@
 //! [`checkpoint`]), so Hub checkpoints load and ember checkpoints open in `transformers`.
 //!
 //! The model is post-LN BERT (Devlin et al. 2019): embeddings + LayerNorm, N encoder layers
-//! (self-attention with a padding mask, then a GELU feed-forward (erf, or `hidden_act = "gelu_new"`'s tanh form), each followed by dropout,
-//! a residual add and LayerNorm), a tanh pooler, a masked-LM head tied to the word embeddings and
-//! evaluated only at the masked positions (MLPerf's `dense_seq_output`), and a next-sentence head.
+//! (self-attention with a padding mask, then a GELU feed-forward: erf, or the tanh form of
+//! `hidden_act = "gelu_new"`; each followed by dropout, a residual add and LayerNorm), a tanh
+//! pooler, a masked-LM head tied to the word embeddings and evaluated only at the masked
+//! positions (MLPerf's `dense_seq_output`), and a next-sentence head.
 //!
 //! # Shapes
 //! Letters used in every `# Shapes` section of this crate:

@@ -583,3 +583,16 @@ fn the_cpu_gemm_runs_on_this_cpus_vector_units() {
         assert!(!log.contains("starting again"), "{log}");
     }
 }
+
+/// `--hidden-act` (`model.hidden_act`) takes Hugging Face's names, and a refused one is named
+/// with the accepted ones.
+#[test]
+fn hidden_act_takes_hugging_faces_names() {
+    let parse =
+        |value: &str| xtask::parse_error(&["train".into(), "--hidden-act".into(), value.into()]);
+    for name in ["gelu", "gelu_new", "gelu_pytorch_tanh"] {
+        assert_eq!(parse(name), None, "{name}");
+    }
+    let e = parse("relu").expect("relu is refused");
+    assert!(e.contains("relu") && e.contains("gelu_new"), "{e}");
+}

@@ -60,13 +60,24 @@ fn normal_cdf(z: f32) -> f32 {
     f32::new(0.5) * (f32::new(1.0) + Erf::erf(z * f32::new(std::f32::consts::FRAC_1_SQRT_2)))
 }
 
-/// The tanh GELU's gate `σ(2u) = 1 / (1 + e^(−2u))`, `u = √(2/π)(z + 0.044715 z³)` (Note
-/// [Two GELUs] in `gelu.rs`; 2√(2/π) = 1.5957692).
+/// The tanh GELU's gate `σ(t)`, `t = 2u = 2√(2/π)(z + 0.044715 z³)` (Note [Two GELUs] in
+/// `gelu.rs`; 2√(2/π) = 1.5957692): `1 / (1 + e)` for `t ≥ 0`, `e / (1 + e)` below, with
+/// `e = e^(−|t|) ≤ 1`, so that no exponential overflows.
 #[cube]
 fn tanh_gate(z: f32) -> f32 {
     let z = clamp(z, f32::new(-15.0), f32::new(15.0)); // GELU_TANH_CLAMP
-    let cubic = z + f32::new(0.044_715) * z * z * z;
-    f32::new(1.0) / ((cubic * f32::new(-1.595_769_2)).exp() + f32::new(1.0))
+    let t = (z + f32::new(0.044_715) * z * z * z) * f32::new(1.595_769_2);
+    let mut neg_abs = t;
+    if t > f32::new(0.0) {
+        neg_abs = -t;
+    }
+    let e = neg_abs.exp();
+    let r = f32::new(1.0) / (f32::new(1.0) + e);
+    let mut gate = e * r;
+    if t >= f32::new(0.0) {
+        gate = r;
+    }
+    gate
 }
 
 /// `GELU(x + bias)`: erf, `z · Φ(z)`; with `tanh`, `z · σ(2u)`.

@@ -223,6 +223,13 @@ mod tests {
         // Unset is the presets' erf GELU: naming it resumes.
         c.model.hidden_act = Some(ember_model::Gelu::Erf);
         assert!(check_resume_compatible(&base, 2, &c, 2).is_ok());
+        // A gelu_new run resumed without the setting is refused.
+        let mut tanh = base.clone();
+        tanh.model.hidden_act = Some(ember_model::Gelu::Tanh);
+        let e = check_resume_compatible(&tanh, 2, &base, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("gelu_new") && e.contains("gelu"), "{e}");
 
         let mut c = base.clone();
         c.optimizer.name = OptimizerKind::Lamb;

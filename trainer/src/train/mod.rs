@@ -477,15 +477,19 @@ fn init_from<B: GradHookBackend>(
         // The weights' own config.json names the GELU they were trained with (Note [Two
         // GELUs]): training them with the other form is allowed (the forms differ by at most
         // 4.7e-4), but not silently.
+        // Only `hidden_act` is read, and nothing about it stops the run.
         let source = file.path().with_file_name("config.json");
-        let trained_with = ember_model::BertConfig::load_json(&source).map(|c| c.gelu());
+        let named = std::fs::read_to_string(&source)
+            .ok()
+            .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+            .and_then(|json| json.get("hidden_act")?.as_str().map(str::to_owned));
         let runs = model.bert.encoder.layer.first().map(|l| l.hidden_act);
-        if let (Ok(trained_with), Some(runs)) = (trained_with, runs)
-            && trained_with != runs
+        if let (Some(named), Some(runs)) = (named, runs)
+            && ember_model::Gelu::from_hidden_act(&named) != Some(runs)
         {
             tracing::warn!(
-                "{} says hidden_act = {trained_with}, this run trains with {runs} \
-                 (model.hidden_act, --hidden-act {trained_with} keeps the weights' GELU)",
+                "{} says hidden_act = {named:?}; this run trains with {runs} \
+                 (model.hidden_act; ember implements gelu and gelu_new)",
                 source.display()
             );
         }
