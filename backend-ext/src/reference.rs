@@ -32,7 +32,16 @@ pub fn bias_gelu<B: Backend, const D: usize>(
     bias: Tensor<B, 1>,
     gelu: Gelu,
 ) -> Tensor<B, D> {
-    let z = x + bias.unsqueeze::<D>();
+    self::gelu(x + bias.unsqueeze::<D>(), gelu)
+}
+
+/// `GELU(z)` of the chosen form composed of Burn ops, differentiated by Burn's autodiff: erf,
+/// `z · Φ(z)`; tanh, `z · σ(2u)` (Note [Two GELUs] in `gelu.rs`). What the model's reference
+/// path and [`bias_gelu`] compute.
+///
+/// # Shapes
+/// any shape; the output has the input's shape.
+pub fn gelu<B: Backend, const D: usize>(z: Tensor<B, D>, gelu: Gelu) -> Tensor<B, D> {
     z.clone() * gelu_gate(z, gelu)
 }
 

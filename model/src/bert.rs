@@ -9,8 +9,7 @@ use burn::nn::{
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 use ember_backend_ext::{
-    DropoutSpec, FusedOp, FusedOps, GELU_TANH_CLAMP, GELU_TANH_CUBIC, Gelu, Kernels,
-    QkvProjections, ReferenceOps, SQRT_2_OVER_PI,
+    DropoutSpec, FusedOp, FusedOps, Gelu, Kernels, QkvProjections, ReferenceOps,
 };
 
 use crate::hook::{ForwardHook, NoHook};
@@ -35,11 +34,7 @@ const MASKED_SCORE: f32 = -10000.0;
 /// # Shapes
 /// any shape; the output has the input's shape.
 pub fn gelu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    let cdf = (x.clone() * std::f64::consts::FRAC_1_SQRT_2)
-        .erf()
-        .add_scalar(1.0)
-        * 0.5;
-    x * cdf
+    ember_backend_ext::reference::gelu(x, Gelu::Erf)
 }
 
 /// GELU with the tanh approximation, `x · ½ · (1 + tanh(√(2/π) · (x + 0.044715 x³)))`, as
@@ -49,11 +44,7 @@ pub fn gelu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
 /// # Shapes
 /// any shape; the output has the input's shape.
 pub fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    // The gate of x clamped to ±15, where σ(2u) is 0 or 1 in f32 (x³ would overflow a half
-    // type past 40); x³ as products: a power of a negative base is undefined on some GPUs' `pow`.
-    let c = x.clone().clamp(-GELU_TANH_CLAMP, GELU_TANH_CLAMP);
-    let u = c.clone() * c.clone() * c.clone() * GELU_TANH_CUBIC + c;
-    x * burn::tensor::activation::sigmoid(u * (2.0 * SQRT_2_OVER_PI))
+    ember_backend_ext::reference::gelu(x, Gelu::Tanh)
 }
 
 /// The GELU `hidden_act` chose: [`gelu`] (erf, `"gelu"`) or [`gelu_tanh`] (`"gelu_new"`).
@@ -61,10 +52,7 @@ pub fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
 /// # Shapes
 /// any shape; the output has the input's shape.
 pub fn hidden_act<B: Backend, const D: usize>(x: Tensor<B, D>, form: Gelu) -> Tensor<B, D> {
-    match form {
-        Gelu::Erf => gelu(x),
-        Gelu::Tanh => gelu_tanh(x),
-    }
+    ember_backend_ext::reference::gelu(x, form)
 }
 
 /// Mean of the token vectors over the real (unpadded) positions: sentence-transformers' pooling.
