@@ -18,7 +18,7 @@
 //! one thread. A split product agrees with the whole one to f32 rounding, not bit for bit
 //! (OpenBLAS's kernels do not promise the same bits for a product cut into other calls); the
 //! cut depends only on the shape and the number of parts, so a run is as deterministic as
-//! before (tested below and in `tests/tests/data_parallel/determinism.rs`).
+//! before (tested below and in `tests/tests/integration/data_parallel/determinism.rs`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::Command;
 
 /// Tiny model without dropout; one masked token per sample so that rank means average to the
-/// global mean (as in tests/tests/data_parallel.rs).
+/// global mean (as in tests/tests/integration/data_parallel/mod.rs).
 const CONFIG: &str = r#"
 [model]
 preset = "tiny"

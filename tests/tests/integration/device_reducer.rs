@@ -1,7 +1,7 @@
 //! Device-resident gradient buckets on wgpu (Mesa's lavapipe in CI), through the real training
 //! loop: two in-process ranks with device buckets end three steps with the weights of one rank
 //! with the whole batch where the clip mode makes that exact (`none`, `global`; host buckets
-//! equal one rank there in `tests/tests/data_parallel/main.rs`), and with the weights of two
+//! equal one rank there in `tests/tests/integration/data_parallel/mod.rs`), and with the weights of two
 //! ranks with host buckets where it does not (`local-global`, `bucket`); and a step with device
 //! buckets never makes the host wait for the device, counted by the CubeCL runtime wrapper of
 //! `ember-backend-ext`.

@@ -1,9 +1,8 @@
-//! Most of the workspace's integration tests, as one test binary: each binary links (and, at
-//! opt-level 3, monomorphises) Burn, the model and the trainer again, about 1.5 minutes of a
-//! 2-core build apiece. One other binary, `data_parallel`, holds the tests that need NdArray's
-//! process-wide random generator to themselves, one at a time: data-parallel runs must start
-//! from bit-identical initial weights, and same-seed runs must draw the same dropout masks (a
-//! concurrent test with dropout draws from the generator while a run initialises). The fused
+//! The workspace's integration tests, as one test binary: each binary links (and, at opt-level
+//! 3, monomorphises) Burn, the model and the trainer again, about 1.5 minutes of a 2-core build
+//! apiece. The data-parallel tests (`data_parallel/`) were a second binary, for NdArray's
+//! process-wide random generator; each test now draws its weights under the trainer's
+//! initialisation lock, and nextest runs every test in a process of its own. The fused
 //! kernels' own tests (`kernels/`) are here too, on this binary's wgpu backend type.
 
 // OpenBLAS's kernels for this CPU (a restart before the harness starts where it chose slower).
@@ -11,6 +10,7 @@ ember_tests::openblas_kernels_of_this_cpu!();
 // The allocator of `ember`'s binary: mimalloc, keeping freed pages.
 ember_tests::ember_binarys_allocator!();
 
+mod data_parallel;
 mod device_reducer;
 mod docs;
 mod embed;

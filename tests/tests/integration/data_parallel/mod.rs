@@ -1,14 +1,12 @@
-//! Data-parallel training, one test binary (NdArray's process-wide generator: runs must start
-//! from bit-identical initial weights): in-process ranks against one rank with the whole batch
-//! and gradient accumulation (here), hooks (`hooks.rs`), clipping (`clipping.rs`), loss
+//! Data-parallel training: in-process ranks against one rank with the whole batch and
+//! gradient accumulation (here), hooks (`hooks.rs`), clipping (`clipping.rs`), loss
 //! normalisation and dropout keys (`details.rs`), start-up agreement and failing ranks
 //! (`failures.rs`), 1-bit Adam and LAMB (`onebit.rs`), mixed precision (`precision.rs`); and
-//! same seed, same run (`determinism.rs`), which needs the generator to itself too.
-
-// OpenBLAS's kernels for this CPU (a restart before the harness starts where it chose slower).
-ember_tests::openblas_kernels_of_this_cpu!();
-// The allocator of `ember`'s binary: mimalloc, keeping freed pages.
-ember_tests::ember_binarys_allocator!();
+//! same seed, same run (`determinism.rs`). Runs must start from bit-identical initial weights,
+//! drawn from NdArray's process-wide generator: the runs draw theirs under the trainer's
+//! initialisation lock, the models built here under the same lock ([`tiny_model`]), and each
+//! test holds [`serial`] besides, so that under `cargo test` (threads, not nextest's processes)
+//! no two of these tests train at once.
 
 mod clipping;
 mod details;
@@ -28,7 +26,6 @@ use burn::backend::{Autodiff, NdArray};
 use burn::module::ParamId;
 use burn::optim::GradientsParams;
 use burn::tensor::TensorData;
-use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensorOps;
 use ember_data::{Batch, InstanceLoader};
 use ember_model::{BertConfig, BertForPreTraining, Preset};
@@ -46,8 +43,7 @@ use ember_trainer::{
 
 type B = Autodiff<NdArray>;
 
-/// NdArray's random generator is process-wide: a test that seeds it while another test's ranks
-/// initialise their models would change those models. Each test holds this lock.
+/// One data-parallel test at a time in a process (see the module's documentation).
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
@@ -170,14 +166,14 @@ fn gradient_accumulation_equals_one_step_on_the_whole_batch() {
     assert_same_weights(&reference, &run(&accumulated, 2), 1e-5);
 }
 
+/// The tiny model with `layers` layers and dropout off, from generator seed 7, its parameters
+/// drawn under the trainer's initialisation lock.
 fn tiny_model(layers: usize) -> BertForPreTraining<B> {
-    let device = Default::default();
     let mut config = BertConfig::preset(Preset::Tiny);
     config.num_hidden_layers = layers;
     config.hidden_dropout_prob = 0.0;
     config.attention_probs_dropout_prob = 0.0;
-    B::seed(&device, 7);
-    config.init_for_pretraining(&device)
+    crate::fused_training::seeded_model(&config, 7, &Default::default())
 }
 
 fn batches(n: usize, batch_size: usize) -> Vec<Batch<B>> {
@@ -254,17 +250,4 @@ fn on_ranks<T: Send>(
 
 fn norm(values: &[f64]) -> f64 {
     values.iter().map(|x| x * x).sum::<f64>().sqrt()
-}
-
-/// The test binary runs on this CPU's OpenBLAS kernels (`openblas_kernels_of_this_cpu!`
-/// above), as ember's own binary does: these tests train for minutes on the CPU.
-#[test]
-fn this_test_binary_runs_this_cpus_openblas_kernels() {
-    ember_tests::assert_this_cpus_openblas_kernels();
-}
-
-/// The test binary allocates as ember's binary does (`ember_binarys_allocator!` above): mimalloc, keeping the pages it frees.
-#[test]
-fn this_test_binary_allocates_as_embers_binary() {
-    ember_tests::assert_ember_binarys_allocator();
 }

@@ -33,11 +33,9 @@ fn dropout_p20_config(out: &Path) -> TrainConfig {
 
 /// The tiny model with dropout 0.1 on both sites.
 fn tiny_model_with_dropout() -> BertForPreTraining<B> {
-    let device = Default::default();
     let mut config = BertConfig::preset(Preset::Tiny);
     config.num_hidden_layers = 2;
-    B::seed(&device, 7);
-    config.init_for_pretraining(&device)
+    crate::fused_training::seeded_model(&config, 7, &Default::default())
 }
 
 /// Eight held-out samples sorted by length, longest first (`--padding grouped`): the local
