@@ -118,3 +118,48 @@ pub fn unigram_baseline<'a>(
         },
     )
 }
+
+/// Evaluates the held-out set split over the ranks (batch i on rank i mod W) and sums the
+/// counts over ranks, so every rank gets the whole set's result.
+pub(crate) fn evaluate_sharded<B: crate::parallel::GradHookBackend>(
+    model: &ember_model::BertForPreTraining<B>,
+    eval_loader: &ember_data::InstanceLoader,
+    device: &B::Device,
+    comm: &crate::parallel::CommThread<B::InnerBackend>,
+) -> Result<EvalResult, crate::TrainError> {
+    let (rank, world_size) = (comm.rank(), comm.world_size());
+    let mine = eval_loader
+        .sequential_batches()
+        .enumerate()
+        .filter(|(i, _)| i % world_size == rank)
+        .map(|(_, b)| b);
+    let local = evaluate(&burn::module::AutodiffModule::valid(model), mine, device);
+    if world_size == 1 {
+        return Ok(local);
+    }
+    // Counts are integers (exact in f32 below 2^24); loss sums lose only f32 rounding.
+    let (n, s) = (local.num_predictions as f64, local.num_samples as f64);
+    let sums = [
+        (local.mlm_accuracy * n).round(),
+        local.mlm_loss * n,
+        n,
+        (local.nsp_accuracy * s).round(),
+        local.nsp_loss * s,
+        s,
+    ]
+    .map(|x| x as f32);
+    let sums = comm.call(move |c| {
+        let mut sums = sums;
+        c.allreduce(&mut sums, crate::parallel::ReduceOp::Sum)
+            .map(|()| sums)
+    })?;
+    let per = |x: f32, n: f32| if n > 0.0 { f64::from(x / n) } else { 0.0 };
+    Ok(EvalResult {
+        mlm_accuracy: per(sums[0], sums[2]),
+        mlm_loss: per(sums[1], sums[2]),
+        nsp_accuracy: per(sums[3], sums[5]),
+        nsp_loss: per(sums[4], sums[5]),
+        num_predictions: sums[2].round() as usize,
+        num_samples: sums[5].round() as usize,
+    })
+}

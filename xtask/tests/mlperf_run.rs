@@ -209,7 +209,9 @@ fn mlperf_run_streams_evaluates_and_logs_as_the_rules_say() {
     let start = &records(&one, "start")[0];
     assert_eq!(start["eval_instances"], 128);
 
-    // The target stops the run at the first evaluation at or above it.
+    // The target stops the run at the first evaluation at or above it. This run also makes
+    // Samsung's init passes before `run_start` (two here, on both ranks), which update
+    // nothing: it trains as the run without them did, and reaches the target where it did.
     let target = accuracies.iter().copied().fold(f64::MIN, f64::max);
     let first = accuracies.iter().position(|&a| a >= target).unwrap();
     let target_arg = format!("{target}");
@@ -221,8 +223,24 @@ fn mlperf_run_streams_evaluates_and_logs_as_the_rules_say() {
             &target_arg,
             "--mllog",
             "target.mllog",
+            "--init-passes",
+            "2",
         ],
     );
+    let passes = &records(&stopped, "init_passes")[0];
+    assert_eq!(passes["passes"], 2);
+    let pass_losses = passes["losses"].as_array().unwrap();
+    assert_eq!(pass_losses.len(), 2);
+    assert_eq!(pass_losses[0], pass_losses[1]);
+    let trained = |out: &Path| -> Vec<(Value, Value)> {
+        records(out, "train")
+            .into_iter()
+            .map(|r| (r["loss"].clone(), r["grad_norm"].clone()))
+            .collect()
+    };
+    let (with_passes, without) = (trained(&stopped), trained(&one));
+    assert!(!with_passes.is_empty());
+    assert_eq!(with_passes, without[..with_passes.len()]);
     let end = &records(&stopped, "end")[0];
     assert_eq!(end["reached_target"], true);
     assert_eq!(end["steps"].as_u64().unwrap(), steps[first]);

@@ -6,7 +6,7 @@
 //! describe another run, and the resumed run would be neither that run nor a fresh one.
 //! Everything else may change: more steps (the schedule's decay then stretches to the new
 //! end, as Hugging Face's Trainer does on `resume_from_checkpoint` with more epochs), the
-//! evaluation and logging cadence, the evaluation set (`data.eval_shards`), the checkpoint
+//! evaluation and logging cadence, the init passes (`train.init_passes`), the evaluation set (`data.eval_shards`), the checkpoint
 //! cadence, the output folder, the kernels, the GEMMs (`model.gemm_threads`, `model.gemm`,
 //! `model.cublaslt_sync`, `model.qkv_projections`, `model.reference_ops`), the
 //! bucket sizes, the reader's prefetch, the handling of bad input (`skip_bad_shards`,

@@ -56,6 +56,12 @@ pub struct LoopConfig {
 
     #[arg(long)]
     pub loss_normalization: LossNormalization,
+    /// Forward and backward passes on a dummy batch of the run's shape before the timed run
+    /// (MLPerf's `init_stop`/`run_start`), updating nothing: the first kernels, collectives
+    /// and allocations happen there, as in Samsung's MLPerf v1.1 BERT, which runs 10 (Note
+    /// [Init passes] in `trainer/src/train/init_passes.rs`). Default: 0.
+    #[arg(long)]
+    pub init_passes: u32,
     /// The dtype the model computes in: `f32`, `bf16` or `fp16`, with f32 weights and
     /// optimizer state (Note [Autocast] in `ember_model`'s `precision.rs`). fp16 turns on
     /// dynamic loss scaling unless `loss_scale.mode` says otherwise. Default: bf16 where the
@@ -165,6 +171,7 @@ impl Default for LoopConfig {
             out: PathBuf::from("runs/latest"),
             loss_normalization: LossNormalization::MicroBatch,
             precision: None,
+            init_passes: 0,
         }
     }
 }

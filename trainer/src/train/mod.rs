@@ -8,6 +8,7 @@
 
 mod checkpointing;
 mod data;
+mod init_passes;
 mod local;
 mod output;
 mod setup;
@@ -26,11 +27,11 @@ use data::RankData;
 pub use data::{PreparedData, prepare_data};
 pub use local::{train, train_in_process, train_in_process_with_data};
 use output::{RunLog, prepare_output_dir, write_atomically};
-use setup::Trainer;
+use setup::{Trainer, init_from};
 pub use step::loss_weights;
 
 use crate::checkpoint::RunState;
-use crate::eval::{EvalResult, evaluate};
+use crate::eval::{EvalResult, evaluate_sharded};
 use crate::loss_scale::LossScaler;
 use crate::mllog::MlLog;
 use crate::parallel::consistency::check_due;
@@ -132,6 +133,10 @@ pub struct TrainSummary {
     pub stopped_by: Option<String>,
     /// What `checkpoint.init_from` loaded and initialised, when set.
     pub init: Option<ember_model::LoadReport>,
+    /// This rank's loss (MLM + NSP) of each of the `train.init_passes` passes before the
+    /// first step (Note [Init passes]): the passes update nothing, so each computes what the
+    /// first did (bit for bit where the kernels are deterministic, as on the CPU).
+    pub init_pass_losses: Vec<f64>,
 }
 
 /// One data-parallel rank of a training run: the whole loop, with `comm` connecting it to
@@ -213,9 +218,13 @@ pub fn train_rank<B: GradHookBackend>(
         &rank_data,
         resumed.as_ref(),
     )?;
+    // Note [Init passes]: outside the timed run, the dropout masks of the first step.
+    let first_step = resumed.as_ref().map_or(0, |r| r.run.step);
+    let init_pass_losses;
+    (model, init_pass_losses) =
+        trainer.init_passes(model, config, first_step, device, &options, &mut log)?;
 
     // The loop.
-    let first_step = resumed.as_ref().map_or(0, |r| r.run.step);
     let eval_interval = config
         .train
         .eval_interval_samples
@@ -448,53 +457,8 @@ pub fn train_rank<B: GradHookBackend>(
         resumed_from: resumed.map(|r| r.run.step),
         stopped_by: stopped_by.map(str::to_string),
         init: init_report,
+        init_pass_losses,
     })
-}
-
-/// Every rank loads the same weights file (so they start equal without a broadcast); rank 0
-/// logs what it initialised instead.
-fn init_from<B: GradHookBackend>(
-    model: ember_model::BertForPreTraining<B>,
-    from: &std::path::Path,
-    rank: usize,
-) -> Result<(ember_model::BertForPreTraining<B>, ember_model::LoadReport), TrainError> {
-    let file = ember_model::WeightsFile::find(from)?;
-    let (model, report) = model.load_pretrained(&file)?;
-    if rank == 0 {
-        info!(
-            from = %file.path().display(),
-            loaded = report.loaded.len(),
-            initialised = report.initialised.len(),
-            "starting from pre-trained weights with a fresh optimizer and schedule"
-        );
-        if !report.initialised.is_empty() {
-            tracing::warn!(
-                "not in {}, initialised: {}",
-                file.path().display(),
-                report.initialised.join(", ")
-            );
-        }
-        // The weights' own config.json names the GELU they were trained with (Note [Two
-        // GELUs]): training them with the other form is allowed (the forms differ by at most
-        // 4.7e-4), but not silently.
-        // Only `hidden_act` is read, and nothing about it stops the run.
-        let source = file.path().with_file_name("config.json");
-        let named = std::fs::read_to_string(&source)
-            .ok()
-            .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
-            .and_then(|json| json.get("hidden_act")?.as_str().map(str::to_owned));
-        let runs = model.bert.encoder.layer.first().map(|l| l.hidden_act);
-        if let (Some(named), Some(runs)) = (named, runs)
-            && ember_model::Gelu::from_hidden_act(&named) != Some(runs)
-        {
-            tracing::warn!(
-                "{} says hidden_act = {named:?}; this run trains with {runs} \
-                 (model.hidden_act; ember implements gelu and gelu_new)",
-                source.display()
-            );
-        }
-    }
-    Ok((model, report))
 }
 
 /// The signal that asks the run to stop after this step, agreed over the ranks (one scalar
@@ -600,48 +564,4 @@ fn start_run<B: GradHookBackend>(
         }),
         resumed.map(|r| (r.dir.as_path(), &r.run)),
     )
-}
-
-/// Evaluates the held-out set split over the ranks (batch i on rank i mod W) and sums the
-/// counts over ranks, so every rank gets the whole set's result.
-fn evaluate_sharded<B: GradHookBackend>(
-    model: &ember_model::BertForPreTraining<B>,
-    eval_loader: &ember_data::InstanceLoader,
-    device: &B::Device,
-    comm: &CommThread<B::InnerBackend>,
-) -> Result<EvalResult, TrainError> {
-    let (rank, world_size) = (comm.rank(), comm.world_size());
-    let mine = eval_loader
-        .sequential_batches()
-        .enumerate()
-        .filter(|(i, _)| i % world_size == rank)
-        .map(|(_, b)| b);
-    let local = evaluate(&model.valid(), mine, device);
-    if world_size == 1 {
-        return Ok(local);
-    }
-    // Counts are integers (exact in f32 below 2^24); loss sums lose only f32 rounding.
-    let (n, s) = (local.num_predictions as f64, local.num_samples as f64);
-    let sums = [
-        (local.mlm_accuracy * n).round(),
-        local.mlm_loss * n,
-        n,
-        (local.nsp_accuracy * s).round(),
-        local.nsp_loss * s,
-        s,
-    ]
-    .map(|x| x as f32);
-    let sums = comm.call(move |c| {
-        let mut sums = sums;
-        c.allreduce(&mut sums, ReduceOp::Sum).map(|()| sums)
-    })?;
-    let per = |x: f32, n: f32| if n > 0.0 { f64::from(x / n) } else { 0.0 };
-    Ok(EvalResult {
-        mlm_accuracy: per(sums[0], sums[2]),
-        mlm_loss: per(sums[1], sums[2]),
-        nsp_accuracy: per(sums[3], sums[5]),
-        nsp_loss: per(sums[4], sums[5]),
-        num_predictions: sums[2].round() as usize,
-        num_samples: sums[5].round() as usize,
-    })
 }

@@ -360,6 +360,17 @@ impl<B: Backend> RunLog<B> {
         Ok(())
     }
 
+    /// Writes `record` to the metrics (rank 0; the other ranks write none).
+    ///
+    /// # Errors
+    /// [`TrainError::Output`] when the metrics file cannot be written.
+    pub(crate) fn write(&mut self, record: serde_json::Value) -> Result<(), TrainError> {
+        match self.metrics.as_mut() {
+            Some(metrics) => metrics.write(record),
+            None => Ok(()),
+        }
+    }
+
     /// Clears the progress bar and writes the `end` record.
     pub(crate) fn end(&mut self, end: serde_json::Value) -> Result<(), TrainError> {
         self.progress.finish_and_clear();

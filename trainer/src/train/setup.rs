@@ -298,3 +298,49 @@ fn broadcast_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
     }
     Ok(module.map(&mut Write(values)))
 }
+
+/// Every rank loads the same weights file (so they start equal without a broadcast); rank 0
+/// logs what it initialised instead.
+pub(super) fn init_from<B: GradHookBackend>(
+    model: ember_model::BertForPreTraining<B>,
+    from: &std::path::Path,
+    rank: usize,
+) -> Result<(ember_model::BertForPreTraining<B>, ember_model::LoadReport), TrainError> {
+    let file = ember_model::WeightsFile::find(from)?;
+    let (model, report) = model.load_pretrained(&file)?;
+    if rank == 0 {
+        tracing::info!(
+            from = %file.path().display(),
+            loaded = report.loaded.len(),
+            initialised = report.initialised.len(),
+            "starting from pre-trained weights with a fresh optimizer and schedule"
+        );
+        if !report.initialised.is_empty() {
+            tracing::warn!(
+                "not in {}, initialised: {}",
+                file.path().display(),
+                report.initialised.join(", ")
+            );
+        }
+        // The weights' own config.json names the GELU they were trained with (Note [Two
+        // GELUs]): training them with the other form is allowed (the forms differ by at most
+        // 4.7e-4), but not silently.
+        // Only `hidden_act` is read, and nothing about it stops the run.
+        let source = file.path().with_file_name("config.json");
+        let named = std::fs::read_to_string(&source)
+            .ok()
+            .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+            .and_then(|json| json.get("hidden_act")?.as_str().map(str::to_owned));
+        let runs = model.bert.encoder.layer.first().map(|l| l.hidden_act);
+        if let (Some(named), Some(runs)) = (named, runs)
+            && ember_model::Gelu::from_hidden_act(&named) != Some(runs)
+        {
+            tracing::warn!(
+                "{} says hidden_act = {named:?}; this run trains with {runs} \
+                 (model.hidden_act; ember implements gelu and gelu_new)",
+                source.display()
+            );
+        }
+    }
+    Ok((model, report))
+}

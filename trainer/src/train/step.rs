@@ -56,6 +56,25 @@ impl<B: GradHookBackend> Trainer<B> {
         device: &B::Device,
         options: &RunOptions,
     ) -> Result<(BertForPreTraining<B>, StepRecord<B::InnerBackend>), TrainError> {
+        self.pass(model, step, micro_batches, device, options, Update::Apply)
+    }
+
+    /// A step's forward and backward passes, the gradient hooks, buckets and allreduces
+    /// included, with `update` saying whether the step then updates anything: with
+    /// [`Update::None`] (`train.init_passes`, `init_passes.rs`) the loss scaler, the optimizer,
+    /// its state and the schedule are left as they were, no fault is injected, no gradient
+    /// re-checked, and the reduced gradients wait in the buckets for the next step to
+    /// overwrite them.
+    pub(crate) fn pass(
+        &mut self,
+        model: BertForPreTraining<B>,
+        step: u64,
+        micro_batches: Vec<HostBatch>,
+        device: &B::Device,
+        options: &RunOptions,
+        update: Update,
+    ) -> Result<(BertForPreTraining<B>, StepRecord<B::InnerBackend>), TrainError> {
+        let updates = update == Update::Apply;
         let started = Instant::now();
         let count = || options.host_sync_counter.map(|count| count());
         let syncs_at_start = count();
@@ -76,9 +95,10 @@ impl<B: GradHookBackend> Trainer<B> {
             self.reducer.set_loss_scale(scale);
         }
         // Tests inject an overflow by a non-finite factor on the loss of a chosen rank and step.
-        let fault = options
-            .loss_fault
-            .map_or(1.0, |f| f64::from(f(step, self.rank)));
+        let fault = match options.loss_fault {
+            Some(f) if updates => f64::from(f(step, self.rank)),
+            _ => 1.0,
+        };
         let factor = loss_scale.unwrap_or(1.0) * fault;
         self.reducer.begin_step(
             micro_batches
@@ -90,7 +110,7 @@ impl<B: GradHookBackend> Trainer<B> {
             let batch = host.to_device::<B>(device);
             self.reducer.prepare_backward(micro == 0, micro + 1 == k);
             // Note [Re-checking late gradients]: every `check_gradients_every` steps.
-            let check = self.checks_gradients(step).then(DeliveryCheck::default);
+            let check = (updates && self.checks_gradients(step)).then(DeliveryCheck::default);
             let callback = match &check {
                 Some(check) => check.wrap(self.reducer.callback()),
                 None => self.reducer.callback(),
@@ -141,7 +161,7 @@ impl<B: GradHookBackend> Trainer<B> {
         let syncs_at_wait = count();
         let reduced = self.reducer.finalize_backward()?;
         let mut skipped = false;
-        if let Some(scaler) = self.loss_scaler.as_mut() {
+        if let (Some(scaler), true) = (self.loss_scaler.as_mut(), updates) {
             // One read of the averaged gradient's squared norm (Note [Agreeing on an overflow]).
             let sq = reduced
                 .reduced_sq_norm
@@ -162,7 +182,7 @@ impl<B: GradHookBackend> Trainer<B> {
             }
         }
         let lr = self.schedule.lr(step);
-        let (model, onebit) = if skipped {
+        let (model, onebit) = if skipped || !updates {
             (model, OnebitStep::default())
         } else {
             let grads = self.reducer.gradients::<B, _>(&model, device);
@@ -210,6 +230,15 @@ impl<B: GradHookBackend> Trainer<B> {
         };
         Ok((model, record))
     }
+}
+
+/// Whether a [`Trainer::pass`] updates the model (a training step) or only runs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Update {
+    /// A step: the loss scaler, the optimizer and the schedule move on.
+    Apply,
+    /// Forward and backward only (`train.init_passes`).
+    None,
 }
 
 /// Waits for `device` (for timing backward: [`RunOptions::sync_backward`]).

@@ -13,6 +13,7 @@ mod details;
 mod determinism;
 mod failures;
 mod hooks;
+mod init_passes;
 mod onebit;
 mod precision;
 
