@@ -9,7 +9,8 @@
 #                                       # 2026-12-06, 16 minutes on 2 cores)
 #   scripts/gpu-check.sh run [PART...]  # on the GPU machine; PART: launch, step, gemm, kernels,
 #                                       # bench-kernels, resume, onebit, train-step, largest-batch,
-#                                       # streaming, precision, embed (default: all, in that order);
+#                                       # streaming, precision, embed, init-passes (default: all,
+#                                       # in that order);
 #                                       # logs in $OUT (or
 #                                       # gpu-check/out), one table per part
 #
@@ -177,7 +178,7 @@ build)
 run)
     shift
     parts=("$@")
-    [ ${#parts[@]} -gt 0 ] || parts=(launch step gemm kernels bench-kernels resume onebit train-step largest-batch streaming precision embed)
+    [ ${#parts[@]} -gt 0 ] || parts=(launch step gemm kernels bench-kernels resume onebit train-step largest-batch streaming precision embed init-passes)
     out="${OUT:-$dir/out}"
     mkdir -p "$out"
     if [ ! -x "$dir/xtask" ] || [ ! -x "$dir/kernels" ]; then

@@ -246,17 +246,7 @@ fn the_trainer_accumulates_as_one_step_on_the_whole_batch_with_dropout() {
     let mut one = dropout_p20_config(&dir.path().join("one"));
     one.train.batch_size = 4;
     one.train.loss_normalization = LossNormalization::Batch;
-    let run_on = |config: &TrainConfig| {
-        train_in_process_with_data::<B>(
-            config,
-            1,
-            &Default::default(),
-            RunOptions::default(),
-            Some(data.clone()),
-        )
-        .unwrap()
-        .checkpoint
-    };
+    let run_on = |config: &TrainConfig| summary(config, 1, data.clone()).checkpoint;
     let reference = run_on(&one);
     let mut accumulated = one.clone();
     accumulated.train.batch_size = 2;

@@ -1,5 +1,7 @@
-//! Same seed, same run. It holds the binary's lock (`serial()`) because NdArray's random
-//! generator is process-wide: a test running in parallel would draw from it between steps.
+//! Same seed, same run. It holds the data-parallel tests' lock (`serial()`) because NdArray's
+//! random generator is process-wide: a test running in parallel would draw from it between
+//! steps (nextest runs each test in a process of its own; `cargo test` runs this binary one
+//! test at a time, .ci/run).
 
 use ember_trainer::{RunOptions, train};
 

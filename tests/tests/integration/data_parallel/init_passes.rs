@@ -6,6 +6,21 @@ use ember_trainer::loss_scale::LossScaleMode;
 
 use super::*;
 
+/// `config` trained by two in-process ranks, then again with `passes` init passes (its output
+/// in `dir/passes`).
+fn without_and_with_passes(
+    config: &TrainConfig,
+    passes: u32,
+    dir: &Path,
+) -> (ember_trainer::TrainSummary, ember_trainer::TrainSummary) {
+    let data = Arc::new(prepare_data(config).unwrap());
+    let plain = summary(config, 2, data.clone());
+    let mut with_passes = config.clone();
+    with_passes.train.init_passes = passes;
+    with_passes.train.out = dir.join("passes");
+    (plain, summary(&with_passes, 2, data))
+}
+
 /// Two in-process ranks, two micro-batches a step, bucket-wise clipping, dropout on and up to
 /// 8 masked positions a sample: 3 init passes change no loss and no weight of a 4-step run;
 /// each pass computes a real loss (an untrained model's, near ln V + ln 2), the same in every
@@ -20,24 +35,8 @@ fn init_passes_update_nothing_and_compute_the_dummy_batchs_loss() {
     config.train.batch_size = 4;
     config.parallel.grad_accum = 2;
     config.parallel.clip = ClipMode::Bucket;
-    let data = Arc::new(prepare_data(&config).unwrap());
-    let train = |config: &TrainConfig| {
-        train_in_process_with_data::<B>(
-            config,
-            2,
-            &Default::default(),
-            RunOptions::default(),
-            Some(data.clone()),
-        )
-        .unwrap()
-    };
-    let plain = train(&config);
+    let (plain, passed) = without_and_with_passes(&config, 3, dir.path());
     assert!(plain.init_pass_losses.is_empty());
-
-    let mut with_passes = config.clone();
-    with_passes.train.init_passes = 3;
-    with_passes.train.out = dir.path().join("passes");
-    let passed = train(&with_passes);
 
     assert_eq!(
         passed.losses, plain.losses,
@@ -102,22 +101,7 @@ fn init_passes_leave_the_loss_scale() {
     config.loss_scale.mode = LossScaleMode::Dynamic;
     config.loss_scale.init_scale = 1024.0;
     config.loss_scale.growth_interval = 1;
-    let data = Arc::new(prepare_data(&config).unwrap());
-    let train = |config: &TrainConfig| {
-        train_in_process_with_data::<B>(
-            config,
-            2,
-            &Default::default(),
-            RunOptions::default(),
-            Some(data.clone()),
-        )
-        .unwrap()
-    };
-    let plain = train(&config);
-    let mut with_passes = config.clone();
-    with_passes.train.init_passes = 2;
-    with_passes.train.out = dir.path().join("passes");
-    let passed = train(&with_passes);
+    let (plain, passed) = without_and_with_passes(&config, 2, dir.path());
     let scales = |summary: &ember_trainer::TrainSummary| -> Vec<f64> {
         std::fs::read_to_string(&summary.metrics)
             .unwrap()

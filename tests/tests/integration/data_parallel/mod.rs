@@ -1,12 +1,15 @@
 //! Data-parallel training: in-process ranks against one rank with the whole batch and
 //! gradient accumulation (here), hooks (`hooks.rs`), clipping (`clipping.rs`), loss
 //! normalisation and dropout keys (`details.rs`), start-up agreement and failing ranks
-//! (`failures.rs`), 1-bit Adam and LAMB (`onebit.rs`), mixed precision (`precision.rs`); and
-//! same seed, same run (`determinism.rs`). Runs must start from bit-identical initial weights,
-//! drawn from NdArray's process-wide generator: the runs draw theirs under the trainer's
-//! initialisation lock, the models built here under the same lock ([`tiny_model`]), and each
-//! test holds [`serial`] besides, so that under `cargo test` (threads, not nextest's processes)
-//! no two of these tests train at once.
+//! (`failures.rs`), 1-bit Adam and LAMB (`onebit.rs`), mixed precision (`precision.rs`), init
+//! passes (`init_passes.rs`); and same seed, same run (`determinism.rs`). Runs must start from
+//! bit-identical initial weights, drawn from NdArray's process-wide generator, and compare
+//! runs bit for bit under process-wide settings (the GEMMs' split of the cores,
+//! `ember_trainer::blas::share_cores`; the dropout seed). Under nextest every test has a
+//! process of its own. Under `cargo test` the tests of this binary share one, so `.ci/run`'s
+//! fallback runs it one test at a time (`--test-threads 1`); the runs draw their weights under
+//! the trainer's initialisation lock and the models built here under the same lock
+//! ([`tiny_model`]), and each test holds [`serial`] besides.
 
 mod clipping;
 mod details;
@@ -73,6 +76,22 @@ fn run(config: &TrainConfig, world_size: usize) -> std::path::PathBuf {
     .unwrap();
     assert_eq!(summary.world_size, world_size);
     summary.checkpoint
+}
+
+/// The summary of a run of `config` by `world_size` in-process ranks on `data`.
+fn summary(
+    config: &TrainConfig,
+    world_size: usize,
+    data: Arc<PreparedData>,
+) -> ember_trainer::TrainSummary {
+    train_in_process_with_data::<B>(
+        config,
+        world_size,
+        &Default::default(),
+        RunOptions::default(),
+        Some(data),
+    )
+    .unwrap()
 }
 
 fn first_grad_norm(metrics: &Path) -> f64 {

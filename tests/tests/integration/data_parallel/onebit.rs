@@ -6,21 +6,6 @@
 use super::*;
 use ember_trainer::config::OptimizerKind;
 
-fn summary(
-    config: &TrainConfig,
-    world_size: usize,
-    data: Arc<PreparedData>,
-) -> ember_trainer::TrainSummary {
-    train_in_process_with_data::<B>(
-        config,
-        world_size,
-        &Default::default(),
-        RunOptions::default(),
-        Some(data),
-    )
-    .unwrap()
-}
-
 #[test]
 fn warm_up_is_the_exact_optimizer_and_compression_sends_over_16_times_fewer_bytes() {
     let _serial = serial();
