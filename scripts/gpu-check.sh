@@ -256,6 +256,20 @@ run)
             timeout 150 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
                 --seq-len 128 --steps 4 --buckets device --gemm cublaslt --cublaslt-sync device 2>&1 \
                 | grep -E "^GEMMs|^\| (model|large)|rror|cublaslt_sync" | tee -a "$out/gemm.md" || status=$?
+            # The vocabulary padded (model.make_vocab_size_divisible_by, Note [Padded
+            # vocabulary]): the MLM decoder's three products at 30,522, 30,528 and 30,592 rows,
+            # then the cuBLASLt step with NVIDIA's padding to 8 (compare with its row above).
+            echo "   the MLM decoder's products with the vocabulary padded to a multiple of 1, 8, 128"
+            for multiple in 1 8 128; do
+                timeout 120 "$dir/xtask" bench gemm --device cuda --preset large --iters 10 \
+                    --only mlm-decoder --make-vocab-size-divisible-by "$multiple" \
+                    "${reference[@]}" --out "$out/gemm-vocab-$multiple" 2>&1 \
+                    | grep -vE "^\s*$|INFO" | tee -a "$out/gemm-vocab.md" || status=$?
+            done
+            timeout 150 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
+                --seq-len 128 --steps 4 --buckets device --gemm cublaslt \
+                --make-vocab-size-divisible-by 8 2>&1 \
+                | grep -E "^GEMMs|^\| (model|large)|rror" | tee -a "$out/gemm.md" || status=$?
             du -sh "$out/kernel-cache"/build-*/* 2>/dev/null || echo "no kernel cache written"
             ;;
         kernels)

@@ -44,6 +44,7 @@ mod layer;
 mod precision;
 mod pretrained;
 mod pretraining;
+mod vocab_padding;
 mod weight_casts;
 
 pub use attention::{BertSelfAttention, BertSelfOutput};
@@ -64,3 +65,4 @@ pub use pretraining::{
     BertForPreTraining, BertLMPredictionHead, BertPreTrainingHeads, BertPredictionHeadTransform,
     PreTrainingLoss, PreTrainingOutput, cross_entropy,
 };
+pub use vocab_padding::padded_vocab_size;

@@ -12,7 +12,8 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
 use burn_store::{
-    ApplyError, ApplyResult, ModuleSnapshot, PyTorchToBurnAdapter, PytorchStore, SafetensorsStore,
+    ApplyError, ApplyResult, ModuleSnapshot, ModuleStore, PyTorchToBurnAdapter, PytorchStore,
+    SafetensorsStore,
 };
 
 use crate::checkpoint::ember_path_to_hf;
@@ -202,7 +203,28 @@ impl<B: Backend> BertForPreTraining<B> {
     /// of another shape (naming it and both shapes), a tensor the model has no place for.
     pub fn load_pretrained(mut self, file: &WeightsFile) -> Result<(Self, LoadReport), ModelError> {
         let path = file.path();
-        let result = match file {
+        let result = match Store::open(file) {
+            Store::Safetensors(mut store, _) => {
+                self.load_from(&mut store).map_err(|e| e.to_string())
+            }
+            Store::PyTorch(mut store, _) => self.load_from(&mut store).map_err(|e| e.to_string()),
+        }
+        .map_err(|e| load_error(path, e))?;
+        let report = report(file, result)?;
+        Ok((self, report))
+    }
+}
+
+/// A weights file opened with ember's key remappings (tensors read lazily).
+pub(crate) enum Store<'a> {
+    Safetensors(SafetensorsStore, &'a Path),
+    PyTorch(PytorchStore, &'a Path),
+}
+
+impl<'a> Store<'a> {
+    pub(crate) fn open(file: &'a WeightsFile) -> Self {
+        let path = file.path();
+        match file {
             WeightsFile::Safetensors(_) => {
                 let mut store = SafetensorsStore::from_file(path)
                     .with_from_adapter(PyTorchToBurnAdapter)
@@ -210,19 +232,41 @@ impl<B: Backend> BertForPreTraining<B> {
                 for (from, to) in TO_EMBER {
                     store = store.with_key_remapping(from, to);
                 }
-                self.load_from(&mut store)
-                    .map_err(|e| load_error(path, e.to_string()))?
+                Self::Safetensors(store, path)
             }
             WeightsFile::PyTorch(_) => {
                 let mut store = PytorchStore::from_file(path).allow_partial(true);
                 for (from, to) in TO_EMBER {
                     store = store.with_key_remapping(from, to);
                 }
-                self.load_from(&mut store)
-                    .map_err(|e| load_error(path, e.to_string()))?
+                Self::PyTorch(store, path)
             }
+        }
+    }
+
+    /// Dimension 0 of the tensor ember's module path `key` names in the file (its header
+    /// only); `None` when the file has no such tensor.
+    ///
+    /// # Errors
+    /// [`ModelError::Checkpoint`] naming the file when it cannot be read.
+    pub(crate) fn rows(&mut self, key: &str) -> Result<Option<usize>, ModelError> {
+        let (found, path) = match self {
+            Self::Safetensors(store, path) => (
+                store
+                    .get_snapshot(key)
+                    .map(|s| s.map(|s| s.shape.clone()))
+                    .map_err(|e| e.to_string()),
+                *path,
+            ),
+            Self::PyTorch(store, path) => (
+                store
+                    .get_snapshot(key)
+                    .map(|s| s.map(|s| s.shape.clone()))
+                    .map_err(|e| e.to_string()),
+                *path,
+            ),
         };
-        let report = report(file, result)?;
-        Ok((self, report))
+        let shape = found.map_err(|e| load_error(path, e))?;
+        Ok(shape.and_then(|s| s.first().copied()))
     }
 }

@@ -127,10 +127,12 @@ impl TrainConfig {
     }
 
     /// The model configuration: the preset with the overrides, and `vocab_size` taken from the
-    /// vocabulary actually used.
+    /// vocabulary actually used, rounded up to `model.make_vocab_size_divisible_by` (Note
+    /// [Padded vocabulary] in `ember-model`'s `vocab_padding.rs`).
     pub fn bert_config(&self, vocab_size: usize) -> BertConfig {
         let mut config = BertConfig::preset(self.model.preset);
-        config.vocab_size = vocab_size;
+        config.vocab_size =
+            ember_model::padded_vocab_size(vocab_size, self.model.make_vocab_size_divisible_by);
         if let Some(p) = self.model.hidden_dropout_prob {
             config.hidden_dropout_prob = p;
         }
@@ -218,6 +220,12 @@ impl TrainConfig {
         }
         if t.batch_size == 0 {
             return invalid("train.batch_size", "must be at least 1".into());
+        }
+        if self.model.make_vocab_size_divisible_by == 0 {
+            return invalid(
+                "model.make_vocab_size_divisible_by",
+                "must be at least 1 (1: no padding)".into(),
+            );
         }
         if t.eval_every == Some(0) || t.log_every == 0 {
             return invalid("train.eval_every/log_every", "must be at least 1".into());
@@ -417,6 +425,10 @@ mod tests {
         };
         assert!(refused(&|c| c.data.bin_quota = Some(vec![16, 16])).contains("data.bin_quota"));
         assert!(refused(&|c| c.data.prefetch = 65).contains("data.prefetch"));
+        assert!(
+            refused(&|c| c.model.make_vocab_size_divisible_by = 0)
+                .contains("model.make_vocab_size_divisible_by")
+        );
         assert!(refused(&|c| c.train.eval_samples = 0).contains("train.eval_samples"));
         assert!(
             refused(&|c| c.train.eval_interval_samples = Some(EvalInterval::Samples(0)))
@@ -550,6 +562,8 @@ mod tests {
         // Samsung's model path computes the tanh GELU (../shared/REFERENCES.md).
         assert_eq!(adam.model.hidden_act, Some(ember_model::Gelu::Tanh));
         assert_eq!(adam.bert_config(30_522).gelu(), ember_model::Gelu::Tanh);
+        // Its vocabulary padded to a multiple of 8, as NVIDIA's code it runs on pads it.
+        assert_eq!(adam.bert_config(30_522).vocab_size, 30_528);
         let schedule = crate::schedule::WarmupPolyDecay::new(
             adam.optimizer.lr,
             adam.warmup_steps(),
@@ -561,6 +575,12 @@ mod tests {
         assert_eq!(lamb.train.batch_size * 8, 448);
         assert_eq!(lamb.optimizer.name, OptimizerKind::Lamb);
         assert!(!lamb.optimizer.nvlamb);
+        assert_eq!(lamb.bert_config(30_522).vocab_size, 30_528);
+        // Unset, the vocabulary is the tokenizer's (Hugging Face's model).
+        assert_eq!(
+            TrainConfig::default().bert_config(30_522).vocab_size,
+            30_522
+        );
     }
 
     #[test]

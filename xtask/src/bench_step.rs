@@ -82,6 +82,10 @@ pub struct StepArgs {
     /// layer_norm, attention, cross_entropy, comma-separated; none), to compare
     #[arg(long, default_value = "none")]
     reference_ops: ember_model::ReferenceOps,
+    /// The vocabulary rounded up to a multiple of this (`model.make_vocab_size_divisible_by`:
+    /// 8 pads BERT's 30,522 tokens to 30,528 rows, NVIDIA's MLPerf BERT), to compare
+    #[arg(long, default_value_t = 1)]
+    make_vocab_size_divisible_by: usize,
     /// Compute precision (`train.precision`): f32, bf16 or fp16; unset, the device's default
     /// (bf16 on cuda, f32 elsewhere)
     #[arg(long)]
@@ -194,6 +198,7 @@ fn config(
     config.model.cublaslt_sync = args.cublaslt_sync;
     config.model.qkv_projections = args.qkv_projections;
     config.model.reference_ops = args.reference_ops;
+    config.model.make_vocab_size_divisible_by = args.make_vocab_size_divisible_by;
     config.train.precision = args.precision;
     config.loss_scale.mode = args.loss_scale;
     config.parallel.bucket_cap_mb = args.bucket_cap_mb;

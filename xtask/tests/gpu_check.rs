@@ -18,6 +18,7 @@ fn expand(word: &str) -> Vec<String> {
         "\"$comp\"" => owned(&["gzip"]),
         "\"$seq\"" => owned(&["512"]),
         "\"$batch\"" => owned(&["8"]),
+        "\"$multiple\"" => owned(&["128"]),
         "\"$prec\"" => owned(&["fp16"]),
         "\"$ops\"" => owned(&["layer_norm,attention"]),
         w if w.contains('$') => owned(&["/tmp/gpu-check/path"]),

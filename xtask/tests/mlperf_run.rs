@@ -105,8 +105,11 @@ fn datasets(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     (dir.join("strat1"), dir.join("strat4"), eval)
 }
 
-const RUN: [&str; 22] = [
+const RUN: [&str; 24] = [
     "train",
+    // NVIDIA's and Samsung's vocabulary padding (30,522 tokens, 30,528 rows).
+    "--make-vocab-size-divisible-by",
+    "8",
     "--steps",
     "12",
     "--batch-size",
@@ -208,6 +211,10 @@ fn mlperf_run_streams_evaluates_and_logs_as_the_rules_say() {
         .collect();
     let start = &records(&one, "start")[0];
     assert_eq!(start["eval_instances"], 128);
+    // The model's vocabulary is padded, and the exported configuration says so.
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(one.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["vocab_size"], 30_528);
 
     // The target stops the run at the first evaluation at or above it. This run also makes
     // Samsung's init passes before `run_start` (two here, on both ranks), which update

@@ -24,6 +24,7 @@ mod pretrained;
 mod reference_ops;
 mod shard_training;
 mod train;
+mod vocab_padding;
 
 /// The wgpu backend of these tests (Mesa's lavapipe in CI): CubeCL's wgpu runtime wrapped in
 /// ember's host-synchronisation counter, which changes nothing else (one backend type for all

@@ -157,6 +157,56 @@ fn init_from_starts_from_the_given_weights() {
     );
 }
 
+/// `model.make_vocab_size_divisible_by`: a run started from another run's weights of the
+/// tokenizer's 30,522 tokens pads them to 30,592 rows (128), saves the padded size in its
+/// `config.json`, and its padding rows start at zero (a learning rate too small to move them).
+#[test]
+fn init_from_pads_the_vocabulary_with_zero_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = quick_config(&dir.path().join("first"), 3);
+    run(&first).unwrap();
+    let mut second = quick_config(&dir.path().join("second"), 3);
+    second.model.make_vocab_size_divisible_by = 128;
+    second.checkpoint.init_from = Some(dir.path().join("first"));
+    second.optimizer.lr = 1e-12;
+    let summary = run(&second).unwrap();
+    let init = summary.init.expect("init_from reports what it loaded");
+    assert!(init.initialised.is_empty(), "{:?}", init.initialised);
+    assert_eq!(init.loaded.len(), 46);
+
+    let table = |run: &str| {
+        let config =
+            ember_model::BertConfig::load_json(&dir.path().join(run).join("config.json")).unwrap();
+        let model: BertForPreTraining<NdArray> = config
+            .init_for_pretraining(&Default::default())
+            .load_hf_safetensors(&dir.path().join(run).join("model.safetensors"))
+            .unwrap();
+        let weight = model.bert.embeddings.word_embeddings.weight.val();
+        (
+            config.vocab_size,
+            weight.into_data().to_vec::<f32>().unwrap(),
+        )
+    };
+    let ((v, a), (padded, b)) = (table("first"), table("second"));
+    assert_eq!((v, padded), (30_522, 30_592));
+    let hidden = a.len() / v;
+    let largest = |x: &[f32], y: &[f32]| {
+        x.iter()
+            .zip(y)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max)
+    };
+    assert!(
+        largest(&a, &b[..a.len()]) < 1e-6,
+        "the vocabulary's rows moved"
+    );
+    assert_eq!(b.len(), padded * hidden);
+    assert!(
+        b[a.len()..].iter().all(|x| x.abs() < 1e-6),
+        "the padding rows do not start at zero"
+    );
+}
+
 fn expect_error(config: &TrainConfig, needles: &[&str]) {
     let err = run(config).expect_err("the run should be refused");
     let text = err.to_string();

@@ -1,7 +1,8 @@
 //! What a resumed run may change (Note [What a resume may change]).
 //!
 //! Note [What a resume may change]: a checkpoint continues the run that wrote it. The model's
-//! shape and activation (`model.hidden_act`), the world size, the global batch size, the optimizer, the data and the seed must stay
+//! shape (`model.preset`, the vocabulary's padding `model.make_vocab_size_divisible_by`) and
+//! activation (`model.hidden_act`), the world size, the global batch size, the optimizer, the data and the seed must stay
 //! as they were: with any of them changed the saved moments, sampler positions or dropout keys
 //! describe another run, and the resumed run would be neither that run nor a fresh one.
 //! Everything else may change: more steps (the schedule's decay then stretches to the new
@@ -26,8 +27,9 @@ use super::RunState;
 use crate::{TrainConfig, TrainError};
 
 /// The settings compared, as `section` or `section.field` of the TOML configuration.
-const KEPT: [&str; 7] = [
+const KEPT: [&str; 8] = [
     "model.preset",
+    "model.make_vocab_size_divisible_by",
     "model.hidden_dropout_prob",
     "model.attention_probs_dropout_prob",
     "optimizer",
@@ -196,6 +198,14 @@ mod tests {
         let e = refusal(&c, 2);
         assert!(
             e.contains("model.preset") && e.contains("tiny") && e.contains("mini"),
+            "{e}"
+        );
+
+        let mut c = base.clone();
+        c.model.make_vocab_size_divisible_by = 8;
+        let e = refusal(&c, 2);
+        assert!(
+            e.contains("model.make_vocab_size_divisible_by") && e.contains('1') && e.contains('8'),
             "{e}"
         );
 

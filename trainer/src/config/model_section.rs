@@ -25,6 +25,16 @@ pub struct ModelSection {
     /// host loops and the kernels (Note [Two GELUs] in backend-ext/src/gelu.rs).
     #[arg(long)]
     pub hidden_act: Option<ember_model::Gelu>,
+    /// Rounds the model's vocabulary up to a multiple of this (Megatron-LM's
+    /// `--make-vocab-size-divisible-by`): the word embeddings (the tied MLM decoder) and the
+    /// MLM output bias get rows no token id reaches, as NVIDIA's and Samsung's MLPerf BERT pad
+    /// BERT's 30,522 tokens to 30,528 with 8, so that the decoder's GEMMs have aligned leading
+    /// dimensions on tensor cores. The padding rows are softmax classes like any other
+    /// (Note [Padded vocabulary] in model/src/vocab_padding.rs); weights of the unpadded
+    /// vocabulary (`checkpoint.init_from`) load with zero rows there. Default: 1 (no
+    /// padding: Hugging Face's model).
+    #[arg(long)]
+    pub make_vocab_size_divisible_by: usize,
     /// Encoder implementation: `fused` (ember-backend-ext's ops: CubeCL kernels on cuda and
     /// wgpu, host loops on the CPU), `reference` (Burn ops composed module by module) or
     /// `auto` (fused where the backend has them: cuda, wgpu and cpu). Default: auto.
@@ -81,6 +91,7 @@ impl Default for ModelSection {
             hidden_dropout_prob: None,
             attention_probs_dropout_prob: None,
             hidden_act: None,
+            make_vocab_size_divisible_by: 1,
             kernels: Kernels::Auto,
             gemm_threads: crate::blas::GemmThreads::Rayon,
             gemm: ember_backend_ext::Gemm::Auto,

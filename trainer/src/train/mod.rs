@@ -194,7 +194,7 @@ pub fn train_rank<B: GradHookBackend>(
     let init_report = match (&config.checkpoint.init_from, &config.checkpoint.resume) {
         (Some(from), None) => {
             let report;
-            (model, report) = init_from(model, from, rank)?;
+            (model, report) = init_from(model, from, data.tokenizer.vocab_size(), rank)?;
             Some(report)
         }
         _ => None,

@@ -300,14 +300,17 @@ fn broadcast_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
 }
 
 /// Every rank loads the same weights file (so they start equal without a broadcast); rank 0
-/// logs what it initialised instead.
+/// logs what it initialised instead. Weights of the tokenizer's `vocab_size` tokens load into
+/// a model whose vocabulary `model.make_vocab_size_divisible_by` padded, with zero padding
+/// rows (Note [Padded vocabulary] in `ember-model`'s `vocab_padding.rs`).
 pub(super) fn init_from<B: GradHookBackend>(
     model: ember_model::BertForPreTraining<B>,
     from: &std::path::Path,
+    vocab_size: usize,
     rank: usize,
 ) -> Result<(ember_model::BertForPreTraining<B>, ember_model::LoadReport), TrainError> {
     let file = ember_model::WeightsFile::find(from)?;
-    let (model, report) = model.load_pretrained(&file)?;
+    let (model, report) = model.load_pretrained_padded(&file, vocab_size)?;
     if rank == 0 {
         tracing::info!(
             from = %file.path().display(),
