@@ -360,6 +360,10 @@ run)
             timeout 180 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
                 --seq-len 128 --precision f32,bf16 --steps 3 --rounds 2 --reference none \
                 --gemm cublaslt --cublaslt-sync device --out "$out/train-step-cublaslt" 2>&1 | tail -10 || status=$?
+            echo "   both models' vocabulary padded to 30,528 (NVIDIA's MLPerf BERT; model.make_vocab_size_divisible_by = 8), bf16"
+            timeout 180 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
+                --seq-len 128 --precision bf16 --steps 3 --rounds 2 "${reference[@]}" \
+                --make-vocab-size-divisible-by 8 --out "$out/train-step-vocab8" 2>&1 | tail -10 || status=$?
             ;;
         largest-batch)
             echo "== the largest batch that fits: BERT-large, bf16, seq 512 (ember against PyTorch)"

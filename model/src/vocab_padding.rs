@@ -7,14 +7,15 @@
 //! is built on it, round `vocab_size` up to a multiple of 8 before building the model: BERT's
 //! 30,522 WordPiece tokens become 30,528 rows of the word embeddings (the tied MLM decoder) and
 //! of the MLM output bias. Megatron-LM does the same with `--make-vocab-size-divisible-by`
-//! (default 128), the name ember's setting takes (`model.make_vocab_size_divisible_by`,
+//! (default 128, times the tensor-parallel size there), the name ember's setting takes (`model.make_vocab_size_divisible_by`,
 //! default 1: no padding, Hugging Face's model). The reason is the largest GEMMs of a step:
 //! the decoder's `[N, H]·[H, V]` and its two gradients have V as a leading dimension, and
 //! tensor-core GEMMs (cuBLASLt, CubeCL's) want leading dimensions that are multiples of 16
-//! bytes (8 half values) and vectorise by the largest line width that divides them: 30,522 is
-//! divisible by 2 only. With 128, the f32 output bias (30,592 × 4 bytes) is also a multiple of
-//! CUDA's 512-byte allocation alignment, so the parameters after it in a gradient bucket stay
-//! views (`bucket_ops.rs`).
+//! bytes (8 half values) and vectorise by a line width that divides them: the largest power of
+//! two dividing 30,522 is 2. With 128, the f32 output bias (30,592 × 4 bytes) is also a
+//! multiple of CUDA's 512-byte allocation alignment, so it no longer shifts the parts after it
+//! in a gradient bucket off that alignment (`bucket_ops.rs`; the NSP bias's 2 values still
+//! do); with 8 it does not (30,528 × 4 bytes is 238.5 × 512).
 //!
 //! What the padding rows are, as in those sources:
 //! - No token id reaches them (the tokenizer's ids are below its vocabulary's size), so the
@@ -25,11 +26,18 @@
 //!   unpadded one from the same weights; it learns to push those logits down.
 //! - A fresh model draws them as every row, N(0, `initializer_range`²) (NVIDIA builds the
 //!   padded model and initialises it whole).
-//! - Weights of the unpadded vocabulary loaded into a padded model get zero rows, as
-//!   DeepSpeed's `convert_bert_ckpt_to_deepspeed.py` pads a Hugging Face or TensorFlow
-//!   checkpoint for its 8-aligned BERT ([`BertForPreTraining::load_pretrained_padded`]).
+//! - Weights of the unpadded vocabulary loaded into a padded model get zero rows, as NVIDIA's
+//!   `modeling.load_tf_weights_in_bert` fills a padded tensor from a smaller TensorFlow one
+//!   ("If copying smaller into larger, assume padded": zeroed, then the leading slice copied;
+//!   its `convert_tf_checkpoint.py` makes the MLPerf phase-1 checkpoint so) and DeepSpeed's
+//!   `convert_bert_ckpt_to_deepspeed.py` pads a Hugging Face or TensorFlow checkpoint for its
+//!   8-aligned BERT ([`BertForPreTraining::load_pretrained_padded`]).
 //!   Hugging Face's `resize_token_embeddings` draws new rows instead (or their mean); ember
 //!   follows the BERT pre-training code.
+//! - The padding changes how many values the word embeddings draw at initialisation, so with
+//!   the same seed every parameter drawn after them differs from the unpadded model's.
+//! - FLOP counts (`BertConfig::train_step_flops`, MFU) count the padded V, as Megatron-LM's:
+//!   compare a padded and an unpadded run by time, not TFLOP/s.
 //! - Saved checkpoints keep the padded rows and say `vocab_size` = the padded size in their
 //!   `config.json`: `transformers` loads them as they are (its tokenizer's ids stay below).
 
@@ -95,38 +103,47 @@ impl<B: Backend> BertForPreTraining<B> {
     /// [`BertForPreTraining::load_pretrained`] into a model whose vocabulary may be padded
     /// beyond the `vocab_rows` tokens of its tokenizer (`model.make_vocab_size_divisible_by`,
     /// Note [Padded vocabulary]): a file whose word embeddings have `vocab_rows` rows (a
-    /// Hugging Face or TensorFlow BERT of the same vocabulary) loads into the first rows, the
-    /// padding rows zero, as DeepSpeed's converter pads them; any other file loads as
-    /// [`BertForPreTraining::load_pretrained`] loads it (one of the model's own size, or an
-    /// encoder-only file without word embeddings, as it is).
+    /// Hugging Face BERT of the same vocabulary, or one converted from TensorFlow) loads into
+    /// the first rows, the padding rows zero, as NVIDIA's and DeepSpeed's converters pad them;
+    /// any other file loads as [`BertForPreTraining::load_pretrained`] loads it (one of the
+    /// model's own size, or a file without word embeddings, whose padding rows stay as
+    /// initialised).
     ///
     /// # Errors
-    /// As [`BertForPreTraining::load_pretrained`]; a vocabulary of another size is refused
-    /// naming its shape, the model's, and the unpadded size the model also takes.
+    /// As [`BertForPreTraining::load_pretrained`]. A file whose vocabulary has another number
+    /// of rows is refused naming both shapes and what the model takes: the tokenizer's
+    /// `vocab_rows` or the padded size, or (an unpadded model given more rows than its
+    /// tokenizer has: a padded run's weights) the setting that pads it.
     pub fn load_pretrained_padded(
         self,
         file: &WeightsFile,
         vocab_rows: usize,
     ) -> Result<(Self, LoadReport), ModelError> {
         let padded = self.vocab_size();
-        match file_vocab_rows(file)? {
+        let rows = file_vocab_rows(file)?;
+        let hint = match rows {
             Some(rows) if rows == vocab_rows && rows < padded => {
                 let (model, report) = self.with_vocab_rows(vocab_rows).load_pretrained(file)?;
-                Ok((model.with_vocab_rows(padded), report))
+                return Ok((model.with_vocab_rows(padded), report));
             }
-            _ if vocab_rows < padded => self.load_pretrained(file).map_err(|e| match e {
-                ModelError::Checkpoint { path, reason } => ModelError::Checkpoint {
-                    path,
-                    reason: format!(
-                        "{reason} (the model's vocabulary is {vocab_rows} tokens padded to \
-                         {padded} rows by model.make_vocab_size_divisible_by; it takes \
-                         either size)"
-                    ),
-                },
-                other => other,
-            }),
-            _ => self.load_pretrained(file),
-        }
+            Some(rows) if rows != padded && padded > vocab_rows => format!(
+                "the model's vocabulary is {vocab_rows} tokens padded to {padded} rows by \
+                 model.make_vocab_size_divisible_by; it takes either size, not {rows}"
+            ),
+            Some(rows) if rows > padded => format!(
+                "the file's vocabulary has {rows} rows, more than the tokenizer's {vocab_rows}: \
+                 weights of a run whose vocabulary was padded load with \
+                 model.make_vocab_size_divisible_by set so that {vocab_rows} rounds up to {rows}"
+            ),
+            _ => return self.load_pretrained(file),
+        };
+        self.load_pretrained(file).map_err(|e| match e {
+            ModelError::Checkpoint { path, reason } => ModelError::Checkpoint {
+                path,
+                reason: format!("{reason} ({hint})"),
+            },
+            other => other,
+        })
     }
 }
 

@@ -183,7 +183,8 @@ pub(crate) fn run(args: &TrainStepArgs, python: Option<&Path>, threads: usize) -
     // The reference's versions and attention implementation (its `ready` message).
     let mut versions = Value::Null;
     for &preset in &args.presets {
-        let config = crate::bench_train_step_ember::bench_config(preset);
+        let config =
+            crate::bench_train_step_ember::bench_config(preset, args.make_vocab_size_divisible_by);
         for &seq_len in &args.seq_len {
             for &precision in &args.precision {
                 let start = args.batch_size[0];
@@ -196,7 +197,7 @@ pub(crate) fn run(args: &TrainStepArgs, python: Option<&Path>, threads: usize) -
                         eprintln!("{preset} seq {seq_len} {precision}: PyTorch's tries");
                         Some(reference_search(
                             args,
-                            &config,
+                            (&config, crate::bench_train_step_ember::token_vocab(preset)),
                             python,
                             threads,
                             (precision, start, seq_len),
@@ -272,7 +273,11 @@ fn ember_fits(
         .args(["--gemm", args.gemm.name()])
         .args(["--cublaslt-sync", args.cublaslt_sync.name()])
         .args(["--gemm-threads", &args.gemm_threads[0].to_string()])
-        .args(["--lr", &args.lr.to_string()]);
+        .args(["--lr", &args.lr.to_string()])
+        .args([
+            "--make-vocab-size-divisible-by",
+            &args.make_vocab_size_divisible_by.to_string(),
+        ]);
     let timeout = std::time::Duration::from_secs(args.largest_batch_timeout_s);
     let (status, stdout, stderr) = run_with_timeout(command, timeout)
         .with_context(|| format!("a try of batch {batch} ({})", exe.display()))?;
@@ -334,7 +339,7 @@ pub fn run_with_timeout(
 /// which it tiles to each try's batch.
 fn reference_search(
     args: &TrainStepArgs,
-    config: &BertConfig,
+    (config, tokens): (&BertConfig, usize),
     python: &Path,
     threads: usize,
     (precision, start, seq_len): (Precision, usize, usize),
@@ -345,7 +350,7 @@ fn reference_search(
         config.init_for_pretraining(&Default::default());
     model.save_hf_safetensors(&dir.path().join("model.safetensors"))?;
     std::fs::write(dir.path().join("config.json"), config.to_hf_json())?;
-    HostInputs::random(config, start, seq_len, args.max_predictions)
+    HostInputs::random(tokens, start, seq_len, args.max_predictions)
         .write_safetensors(&dir.path().join("batch.safetensors"))?;
     let optimizer = OptimizerConfig {
         lr: args.lr,
@@ -404,11 +409,13 @@ pub(crate) fn probe<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     }));
     let (preset, precision) = (args.presets[0], args.precision[0]);
     let (batch_size, seq_len) = (args.batch_size[0], args.seq_len[0]);
-    let config = crate::bench_train_step_ember::bench_config(preset);
+    let config =
+        crate::bench_train_step_ember::bench_config(preset, args.make_vocab_size_divisible_by);
     crate::bench_train_step_ember::check_shape(&config, seq_len, args.max_predictions)?;
     let mut model: BertForPreTraining<B> = config.init_for_pretraining(device);
     model.set_precision(precision);
-    let inputs = HostInputs::random(&config, batch_size, seq_len, args.max_predictions);
+    let tokens = crate::bench_train_step_ember::token_vocab(preset);
+    let inputs = HostInputs::random(tokens, batch_size, seq_len, args.max_predictions);
     let mut ember = EmberStep::new(model, &inputs, args.lr, device, None);
     ember.timed_steps(2);
     let reserved = ember.reserved.map_or(String::new(), |bytes| {

@@ -10,7 +10,6 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use anyhow::{Context, Result, bail};
 use burn::tensor::{Int, Tensor, TensorData};
 use ember_data::Batch;
-use ember_model::BertConfig;
 use ember_trainer::config::OptimizerConfig;
 use serde_json::{Value, json};
 
@@ -136,11 +135,11 @@ pub(crate) struct HostInputs {
 }
 
 impl HostInputs {
-    /// A random batch without padding: tokens drawn from the vocabulary above the special
-    /// ids, segment B the second half, `predictions` distinct sorted positions per sequence
+    /// A random batch without padding: tokens drawn from the `tokens` ids of the vocabulary
+    /// (the tokenizer's: below a padded model's padding rows) above the special ids, segment B the second half, `predictions` distinct sorted positions per sequence
     /// (never [CLS] at 0), labels drawn from the vocabulary. SplitMix64 from a fixed seed.
     pub(crate) fn random(
-        config: &BertConfig,
+        tokens: usize,
         batch_size: usize,
         seq_len: usize,
         predictions: usize,
@@ -153,7 +152,7 @@ impl HostInputs {
             z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
             ((z ^ (z >> 31)) % bound as u64) as i64
         };
-        let vocab = config.vocab_size - 1000;
+        let vocab = tokens - 1000;
         let mut inputs = HostInputs {
             batch_size,
             seq_len,

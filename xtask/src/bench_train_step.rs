@@ -138,6 +138,11 @@ pub struct TrainStepArgs {
     /// `--largest-batch` on the CPU: the cap on each try's address space, MiB
     #[arg(long)]
     pub(crate) memory_limit_mib: Option<u64>,
+    /// The vocabulary of both sides rounded up to a multiple of this
+    /// (`model.make_vocab_size_divisible_by`: 8 pads BERT's 30,522 tokens to 30,528, as
+    /// NVIDIA's MLPerf BERT); the batches' ids stay below 30,522
+    #[arg(long, default_value_t = 1)]
+    pub(crate) make_vocab_size_divisible_by: usize,
     /// A try of `--largest-batch`: two steps at the first configuration, then "fits" on
     /// stdout (an allocation failure ends the process)
     #[arg(long, hide = true)]
@@ -338,7 +343,8 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     // PyTorch's GEMM rate per precision, measured once.
     let mut reference_gemm: Vec<(Precision, f64)> = Vec::new();
     for &preset in &args.presets {
-        let config = crate::bench_train_step_ember::bench_config(preset);
+        let config =
+            crate::bench_train_step_ember::bench_config(preset, args.make_vocab_size_divisible_by);
         for &precision in &args.precision {
             for &batch_size in &args.batch_size {
                 for &seq_len in &args.seq_len {
@@ -429,7 +435,8 @@ fn bench_row<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     model.save_hf_safetensors(&dir.path().join("model.safetensors"))?;
     std::fs::write(dir.path().join("config.json"), config.to_hf_json())?;
     model.set_precision(precision);
-    let inputs = HostInputs::random(config, batch_size, seq_len, args.max_predictions);
+    let tokens = crate::bench_train_step_ember::token_vocab(preset);
+    let inputs = HostInputs::random(tokens, batch_size, seq_len, args.max_predictions);
     inputs.write_safetensors(&dir.path().join("batch.safetensors"))?;
     let parameters = burn::module::Module::num_params(&model);
     let mut ember = EmberStep::new(model, &inputs, args.lr, device, launches);

@@ -18,13 +18,24 @@ use ember_trainer::optim::PreTrainingOptimizer;
 use crate::bench_reference::HostInputs;
 
 /// The model both sides of `bench train-step` (and `--largest-batch`'s tries) run: `preset`
-/// with dropout 0, so that the two steps compute the same function.
-pub(crate) fn bench_config(preset: Preset) -> BertConfig {
+/// with dropout 0, so that the two steps compute the same function, its vocabulary padded to
+/// a multiple of `vocab_multiple` (`--make-vocab-size-divisible-by`, Note [Padded vocabulary]
+/// in `model/src/vocab_padding.rs`; PyTorch's side gets the same `config.json`, as NVIDIA's
+/// code pads its Hugging Face-style model).
+pub(crate) fn bench_config(preset: Preset, vocab_multiple: usize) -> BertConfig {
+    let config = BertConfig::preset(preset);
     BertConfig {
         hidden_dropout_prob: 0.0,
         attention_probs_dropout_prob: 0.0,
-        ..BertConfig::preset(preset)
+        vocab_size: ember_model::padded_vocab_size(config.vocab_size, vocab_multiple),
+        ..config
     }
+}
+
+/// The ids the benchmark's batches draw from: the preset's own vocabulary, so that no id
+/// reaches a padding row.
+pub(crate) fn token_vocab(preset: Preset) -> usize {
+    BertConfig::preset(preset).vocab_size
 }
 
 /// Refuses a sequence length `config` has no positions for, and `max_predictions` outside

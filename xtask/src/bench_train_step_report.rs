@@ -108,6 +108,13 @@ pub(crate) fn write(
         },
         n = args.gemm_size,
     );
+    if args.make_vocab_size_divisible_by > 1 {
+        markdown.push_str(&format!(
+            "Both models' vocabulary padded to a multiple of {} (`--make-vocab-size-divisible-by`; \
+             FLOPs count the padded rows).\n\n",
+            args.make_vocab_size_divisible_by
+        ));
+    }
     markdown.push_str(&header(references));
     for row in rows {
         markdown.push_str(&row_line(row, Some(peak(row.precision))));
@@ -153,6 +160,7 @@ pub(crate) fn write(
         "threads": threads,
         "ember_gemm": names.join("; "),
         "gemm_size": args.gemm_size,
+        "make_vocab_size_divisible_by": args.make_vocab_size_divisible_by,
         "gemm_gflops": {
             "ember_by_setting": ember_gemms.iter().map(|(p, g, name)| json!({"precision": p.to_string(), "gemm": name, "gflops": g})).collect::<Vec<_>>(),
             "pytorch": reference_gemm.iter().map(|(p, g)| json!({"precision": p.to_string(), "gflops": g})).collect::<Vec<_>>(),

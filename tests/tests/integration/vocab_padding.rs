@@ -1,9 +1,10 @@
 //! A vocabulary padded to a multiple (`model.make_vocab_size_divisible_by`, Note [Padded
 //! vocabulary] in `model/src/vocab_padding.rs`): Hugging Face weights of the tokenizer's
 //! vocabulary (the parity fixture's 97 tokens, safetensors and PyTorch `.bin`) load into a
-//! model of 104 rows with zero padding rows; the padding rows are softmax classes (the loss
-//! and the output bias's gradient computed here from the logits on the host); files of
-//! another vocabulary are refused naming both sizes the model takes.
+//! model of 104 rows with zero padding rows, padded weights load as they are, weights without
+//! a vocabulary leave it as initialised; the padding rows are softmax classes that train (the
+//! loss and the output bias's gradient computed here from the logits on the host); files of
+//! another vocabulary are refused naming the sizes the model takes, or the setting.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -56,6 +57,22 @@ fn tensors(path: &Path) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
         .collect()
 }
 
+fn write(path: &Path, tensors: &BTreeMap<String, (Vec<usize>, Vec<f32>)>) {
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(name, (shape, values))| {
+            let data = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+            (name.clone(), shape.clone(), data)
+        })
+        .collect();
+    let views = bytes.iter().map(|(name, shape, data)| {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data);
+        (name.clone(), view.unwrap())
+    });
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
 fn saved(model: &BertForPreTraining<B>, dir: &Path) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
     let path = dir.join("saved.safetensors");
     model.save_hf_safetensors(&path).unwrap();
@@ -103,20 +120,49 @@ fn weights_of_the_tokenizers_vocabulary_load_into_a_padded_model_with_zero_rows(
         );
         assert_eq!(report.loaded.len(), 46, "{source}");
         assert_eq!(model.vocab_size(), PADDED);
+        let embeddings = &model.bert.embeddings.word_embeddings.weight;
+        assert!(embeddings.val().is_require_grad(), "{source}: still trains");
+        assert!(model.cls.predictions.bias.val().is_require_grad());
         expect_padded(&saved(&model, dir.path()), &original);
     }
 
-    // A file of the padded size (an ember checkpoint of a padded run) loads as it is.
+    // A file of the padded size (an ember checkpoint of a padded run: its padding rows drawn,
+    // not zero) loads as it is.
     let padded_file = dir.path().join("padded.safetensors");
-    let file = WeightsFile::find(&fixture("hf_tiny_bert")).unwrap();
-    let (model, _) = padded_model().load_pretrained_padded(&file, V).unwrap();
-    model.save_hf_safetensors(&padded_file).unwrap();
+    let drawn = padded_model();
+    drawn.save_hf_safetensors(&padded_file).unwrap();
+    let drawn = tensors(&padded_file);
+    let rows = &drawn["bert.embeddings.word_embeddings.weight"].1;
+    assert!(rows[V * 32..].iter().any(|&x| x != 0.0));
     let (again, report) = padded_model()
         .load_pretrained_padded(&WeightsFile::Safetensors(padded_file), V)
         .unwrap();
     assert!(report.initialised.is_empty());
-    assert!(saved(&again, dir.path()) == saved(&model, dir.path()));
+    assert!(saved(&again, dir.path()) == drawn);
 
+    // A file without the vocabulary's tensors (an encoder from elsewhere) leaves them as
+    // initialised, at the padded size, and lists them.
+    let partial_file = dir.path().join("partial.safetensors");
+    let mut partial = original.clone();
+    partial.remove("bert.embeddings.word_embeddings.weight");
+    partial.remove("cls.predictions.bias");
+    partial.remove("cls.predictions.decoder.bias");
+    write(&partial_file, &partial);
+    let (model, report) = padded_model()
+        .load_pretrained_padded(&WeightsFile::Safetensors(partial_file), V)
+        .unwrap();
+    let mut initialised = report.initialised.clone();
+    initialised.sort();
+    assert_eq!(
+        initialised,
+        [
+            "bert.embeddings.word_embeddings.weight",
+            "cls.predictions.bias"
+        ]
+    );
+    assert_eq!(model.vocab_size(), PADDED);
+
+    let file = WeightsFile::find(&fixture("hf_tiny_bert")).unwrap();
     // An unpadded model loads the fixture as load_pretrained does.
     let unpadded: BertForPreTraining<B> = config().init_for_pretraining(&Default::default());
     let (unpadded, _) = unpadded.load_pretrained_padded(&file, V).unwrap();
@@ -142,6 +188,23 @@ fn weights_of_another_vocabulary_are_refused_naming_both_sizes() {
             && e.contains("[97, 32]")
             && e.contains("[96, 32]")
             && e.contains("90 tokens padded to 96")
+            && e.contains("not 97")
+            && e.contains("model.make_vocab_size_divisible_by"),
+        "{e}"
+    );
+    // A padded run's weights (104 rows) given to an unpadded model of the 97 tokens: the
+    // error names the setting that would take them.
+    let padded_file = dir.path().join("padded.safetensors");
+    padded_model().save_hf_safetensors(&padded_file).unwrap();
+    let unpadded: BertForPreTraining<B> = self::config().init_for_pretraining(&Default::default());
+    let e = unpadded
+        .load_pretrained_padded(&WeightsFile::Safetensors(padded_file), V)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("[104, 32]")
+            && e.contains("104 rows, more than the tokenizer's 97")
             && e.contains("model.make_vocab_size_divisible_by"),
         "{e}"
     );
@@ -181,7 +244,6 @@ fn the_padding_rows_are_softmax_classes_that_train() {
     let (unpadded, _) = unpadded.load_pretrained(&file).unwrap();
     let padded = unpadded.clone().with_vocab_rows(PADDED);
     assert_eq!(param_ids(&padded), param_ids(&unpadded), "ids kept");
-    assert!(padded.cls.predictions.bias.val().is_require_grad());
 
     // Two samples of 12, the second padded after 9; five masked positions over both.
     let ids: Vec<i64> = (0..24).map(|i| 5 + (i * 7) % (V as i64 - 5)).collect();
@@ -257,6 +319,25 @@ fn the_padding_rows_are_softmax_classes_that_train() {
         .to_vec::<f32>()
         .unwrap();
     assert_eq!(bias_grad.len(), PADDED);
+    // The tied decoder trains the padding rows of the word embeddings too.
+    let table_grad = padded
+        .bert
+        .embeddings
+        .word_embeddings
+        .weight
+        .grad(&grads)
+        .expect("the word embeddings have a gradient")
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    let hidden = table_grad.len() / PADDED;
+    for row in V..PADDED {
+        let norm: f32 = table_grad[row * hidden..(row + 1) * hidden]
+            .iter()
+            .map(|g| g * g)
+            .sum();
+        assert!(norm > 0.0, "padding row {row} has no gradient");
+    }
     for (k, expected) in expected_grad.iter().enumerate() {
         let expected = expected / labels.len() as f64;
         let got = f64::from(bias_grad[V + k]);

@@ -1,7 +1,8 @@
 //! What a resumed run may change (Note [What a resume may change]).
 //!
 //! Note [What a resume may change]: a checkpoint continues the run that wrote it. The model's
-//! shape (`model.preset`, the vocabulary's padding `model.make_vocab_size_divisible_by`) and
+//! shape (`model.preset`, the vocabulary's padding `model.make_vocab_size_divisible_by`: the
+//! multiple itself is compared, so 1 → 2 is refused even for an even vocabulary) and
 //! activation (`model.hidden_act`), the world size, the global batch size, the optimizer, the data and the seed must stay
 //! as they were: with any of them changed the saved moments, sampler positions or dropout keys
 //! describe another run, and the resumed run would be neither that run nor a fresh one.
