@@ -128,33 +128,37 @@ fn init_from_starts_from_the_given_weights() {
         init.loaded
     );
 
-    let weights = |run: &str| {
-        let config =
-            ember_model::BertConfig::load_json(&dir.path().join(run).join("config.json")).unwrap();
-        let model: BertForPreTraining<NdArray> = config
-            .init_for_pretraining(&Default::default())
-            .load_hf_safetensors(&dir.path().join(run).join("model.safetensors"))
-            .unwrap();
-        model
-            .bert
-            .embeddings
-            .word_embeddings
-            .weight
-            .val()
-            .into_data()
-            .to_vec::<f32>()
-            .unwrap()
-    };
-    let (a, b) = (weights("first"), weights("second"));
-    let largest = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0f32, f32::max);
+    let ((_, a), (_, b)) = (
+        exported_word_embeddings(&dir.path().join("first")),
+        exported_word_embeddings(&dir.path().join("second")),
+    );
+    let largest = largest_difference(&a, &b);
     assert!(
         largest < 1e-6,
         "the second run moved away from the first's weights by {largest}"
     );
+}
+
+/// The vocabulary size and the word-embedding table a run exported (its `config.json` and
+/// `model.safetensors`).
+fn exported_word_embeddings(run: &Path) -> (usize, Vec<f32>) {
+    let config = ember_model::BertConfig::load_json(&run.join("config.json")).unwrap();
+    let model: BertForPreTraining<NdArray> = config
+        .init_for_pretraining(&Default::default())
+        .load_hf_safetensors(&run.join("model.safetensors"))
+        .unwrap();
+    let weight = model.bert.embeddings.word_embeddings.weight.val();
+    (
+        config.vocab_size,
+        weight.into_data().to_vec::<f32>().unwrap(),
+    )
+}
+
+fn largest_difference(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max)
 }
 
 /// `model.make_vocab_size_divisible_by`: a run started from another run's weights of the
@@ -174,30 +178,14 @@ fn init_from_pads_the_vocabulary_with_zero_rows() {
     assert!(init.initialised.is_empty(), "{:?}", init.initialised);
     assert_eq!(init.loaded.len(), 46);
 
-    let table = |run: &str| {
-        let config =
-            ember_model::BertConfig::load_json(&dir.path().join(run).join("config.json")).unwrap();
-        let model: BertForPreTraining<NdArray> = config
-            .init_for_pretraining(&Default::default())
-            .load_hf_safetensors(&dir.path().join(run).join("model.safetensors"))
-            .unwrap();
-        let weight = model.bert.embeddings.word_embeddings.weight.val();
-        (
-            config.vocab_size,
-            weight.into_data().to_vec::<f32>().unwrap(),
-        )
-    };
-    let ((v, a), (padded, b)) = (table("first"), table("second"));
+    let ((v, a), (padded, b)) = (
+        exported_word_embeddings(&dir.path().join("first")),
+        exported_word_embeddings(&dir.path().join("second")),
+    );
     assert_eq!((v, padded), (30_522, 30_592));
     let hidden = a.len() / v;
-    let largest = |x: &[f32], y: &[f32]| {
-        x.iter()
-            .zip(y)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0f32, f32::max)
-    };
     assert!(
-        largest(&a, &b[..a.len()]) < 1e-6,
+        largest_difference(&a, &b[..a.len()]) < 1e-6,
         "the vocabulary's rows moved"
     );
     assert_eq!(b.len(), padded * hidden);
