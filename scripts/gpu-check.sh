@@ -258,7 +258,8 @@ run)
                 | grep -E "^GEMMs|^\| (model|large)|rror|cublaslt_sync" | tee -a "$out/gemm.md" || status=$?
             # The vocabulary padded (model.make_vocab_size_divisible_by, Note [Padded
             # vocabulary]): the MLM decoder's three products at 30,522, 30,528 and 30,592 rows,
-            # then the cuBLASLt step with NVIDIA's padding to 8 (compare with its row above).
+            # then the cuBLASLt step (host waits) with NVIDIA's padding to 8: compare with the
+            # loop's cublaslt row above, not the device-sync one.
             echo "   the MLM decoder's products with the vocabulary padded to a multiple of 1, 8, 128"
             for multiple in 1 8 128; do
                 timeout 120 "$dir/xtask" bench gemm --device cuda --preset large --iters 10 \

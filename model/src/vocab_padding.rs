@@ -34,8 +34,10 @@
 //!   8-aligned BERT ([`BertForPreTraining::load_pretrained_padded`]).
 //!   Hugging Face's `resize_token_embeddings` draws new rows instead (or their mean); ember
 //!   follows the BERT pre-training code.
-//! - The padding changes how many values the word embeddings draw at initialisation, so with
-//!   the same seed every parameter drawn after them differs from the unpadded model's.
+//! - The padding changes how many values the word embeddings draw at initialisation. On
+//!   NdArray, whose generator is one stream, every parameter drawn after them then differs
+//!   from the unpadded model's with the same seed; CubeCL's backends seed each random tensor
+//!   from the host generator, so there only the word embeddings differ.
 //! - FLOP counts (`BertConfig::train_step_flops`, MFU) count the padded V, as Megatron-LM's:
 //!   compare a padded and an unpadded run by time, not TFLOP/s.
 //! - Saved checkpoints keep the padded rows and say `vocab_size` = the padded size in their
@@ -106,14 +108,16 @@ impl<B: Backend> BertForPreTraining<B> {
     /// Hugging Face BERT of the same vocabulary, or one converted from TensorFlow) loads into
     /// the first rows, the padding rows zero, as NVIDIA's and DeepSpeed's converters pad them;
     /// any other file loads as [`BertForPreTraining::load_pretrained`] loads it (one of the
-    /// model's own size, or a file without word embeddings, whose padding rows stay as
-    /// initialised).
+    /// model's own size, or a file with neither the word embeddings nor the output bias, whose
+    /// padding rows stay as initialised). The file's vocabulary size is its word embeddings'
+    /// rows, else its output bias's: a file with the bias alone, of the tokenizer's size, also
+    /// zeroes the word embeddings' padding rows.
     ///
     /// # Errors
     /// As [`BertForPreTraining::load_pretrained`]. A file whose vocabulary has another number
     /// of rows is refused naming both shapes and what the model takes: the tokenizer's
     /// `vocab_rows` or the padded size, or (an unpadded model given more rows than its
-    /// tokenizer has: a padded run's weights) the setting that pads it.
+    /// tokenizer has: perhaps a padded run's weights) the setting that would pad it.
     pub fn load_pretrained_padded(
         self,
         file: &WeightsFile,
@@ -132,8 +136,8 @@ impl<B: Backend> BertForPreTraining<B> {
             ),
             Some(rows) if rows > padded => format!(
                 "the file's vocabulary has {rows} rows, more than the tokenizer's {vocab_rows}: \
-                 weights of a run whose vocabulary was padded load with \
-                 model.make_vocab_size_divisible_by set so that {vocab_rows} rounds up to {rows}"
+                 if these are the weights of a run whose vocabulary was padded, set \
+                 model.make_vocab_size_divisible_by so that {vocab_rows} rounds up to {rows}"
             ),
             _ => return self.load_pretrained(file),
         };

@@ -58,7 +58,7 @@ pub struct GemmArgs {
     python: Option<PathBuf>,
     /// The vocabulary rounded up to a multiple of this (`model.make_vocab_size_divisible_by`),
     /// for the MLM decoder's products: 8 pads BERT's 30,522 tokens to 30,528
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     make_vocab_size_divisible_by: usize,
     /// Only the products whose name contains this (e.g. `ffn`, `attn`)
     #[arg(long)]

@@ -484,6 +484,12 @@ fn report(args: &TrainStepArgs, threads: usize, rows: &[Value], versions: &Value
             tries(&row["ember"]),
         ));
     }
+    if args.make_vocab_size_divisible_by > 1 {
+        markdown.push_str(&format!(
+            "\nBoth models' vocabulary padded to a multiple of {} (`--make-vocab-size-divisible-by`).\n",
+            args.make_vocab_size_divisible_by
+        ));
+    }
     if args.device == "cpu" {
         markdown.push_str("\nPyTorch is not tried on the CPU: its libraries alone map about a GiB of address space, so the same cap would not measure the same thing.\n");
     }
@@ -498,6 +504,7 @@ fn report(args: &TrainStepArgs, threads: usize, rows: &[Value], versions: &Value
         "memory_limit_mib": args.memory_limit_mib,
         "step": args.largest_batch_step,
         "gemm": args.gemm.name(),
+        "make_vocab_size_divisible_by": args.make_vocab_size_divisible_by,
         "reference": versions,
         "rows": rows,
     });

@@ -84,7 +84,7 @@ pub struct StepArgs {
     reference_ops: ember_model::ReferenceOps,
     /// The vocabulary rounded up to a multiple of this (`model.make_vocab_size_divisible_by`:
     /// 8 pads BERT's 30,522 tokens to 30,528 rows, NVIDIA's MLPerf BERT), to compare
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     make_vocab_size_divisible_by: usize,
     /// Compute precision (`train.precision`): f32, bf16 or fp16; unset, the device's default
     /// (bf16 on cuda, f32 elsewhere)

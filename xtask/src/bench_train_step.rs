@@ -141,7 +141,7 @@ pub struct TrainStepArgs {
     /// The vocabulary of both sides rounded up to a multiple of this
     /// (`model.make_vocab_size_divisible_by`: 8 pads BERT's 30,522 tokens to 30,528, as
     /// NVIDIA's MLPerf BERT); the batches' ids stay below 30,522
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub(crate) make_vocab_size_divisible_by: usize,
     /// A try of `--largest-batch`: two steps at the first configuration, then "fits" on
     /// stdout (an allocation failure ends the process)

@@ -122,6 +122,33 @@ fn train_step_bench_on_the_cpu_writes_its_results() {
     check_results("cpu", out.path(), &output, &[Some("rayon"), Some("blas")]);
 }
 
+/// `--make-vocab-size-divisible-by 8`: both models padded to 30,528 rows, said in the table and
+/// the JSON, the step's FLOPs those of the padded model, the first loss a uniform predictor's
+/// over the padded vocabulary.
+#[test]
+fn train_step_bench_pads_the_vocabulary() {
+    let out = tempfile::tempdir().unwrap();
+    let output = bench("cpu", out.path(), &["--make-vocab-size-divisible-by", "8"]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let (json, results) = result_json(out.path());
+    let markdown = std::fs::read_to_string(json.with_extension("md")).unwrap();
+    assert!(markdown.contains("padded to a multiple of 8"), "{markdown}");
+    assert_eq!(results["make_vocab_size_divisible_by"], 8);
+    let row = &results["rows"][0];
+    let padded = BertConfig {
+        vocab_size: 30_528,
+        ..BertConfig::preset(Preset::Tiny)
+    };
+    let flops = padded.train_step_flops(BATCH, SEQ_LEN, BATCH * MAX_PREDICTIONS);
+    assert_eq!(row["step_flops"].as_f64(), Some(flops));
+    let loss = row["ember"]["first_loss"].as_f64().unwrap();
+    assert!((10.5..11.5).contains(&loss), "untrained first loss {loss}");
+}
+
 /// A half precision where the backend has none is refused before any step, naming the flag.
 #[test]
 fn train_step_bench_refuses_a_precision_the_device_lacks_and_a_sync_without_cublaslt() {
@@ -311,6 +338,37 @@ fn gemm_bench_times_the_step_products() {
             .contains("model.gemm = \"cublaslt\" runs on --device cuda only"),
         "{}",
         String::from_utf8_lossy(&cublaslt.stderr)
+    );
+    // The MLM decoder's products with the vocabulary padded (NVIDIA's 30,528 rows); 0 refused.
+    let padded = gemm(&[
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--max-predictions",
+        "4",
+        "--only",
+        "mlm-decoder",
+        "--make-vocab-size-divisible-by",
+        "8",
+    ]);
+    assert!(
+        padded.status.success(),
+        "{}",
+        String::from_utf8_lossy(&padded.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&padded.stdout)
+            .contains("| mlm-decoder fwd | 1 | 1 × 8 × 128 × 30528ᵀ |"),
+        "{}",
+        String::from_utf8_lossy(&padded.stdout)
+    );
+    let zero = gemm(&["--make-vocab-size-divisible-by", "0"]);
+    assert!(!zero.status.success());
+    assert!(
+        String::from_utf8_lossy(&zero.stderr).contains("--make-vocab-size-divisible-by"),
+        "{}",
+        String::from_utf8_lossy(&zero.stderr)
     );
     let mismatched = gemm(&["--seq-len", "128,512", "--batch-size", "8"]);
     assert!(!mismatched.status.success());

@@ -127,18 +127,45 @@ fn weights_of_the_tokenizers_vocabulary_load_into_a_padded_model_with_zero_rows(
     }
 
     // A file of the padded size (an ember checkpoint of a padded run: its padding rows drawn,
-    // not zero) loads as it is.
+    // not zero) loads as it is, into a model whose padding rows were zero.
     let padded_file = dir.path().join("padded.safetensors");
     let drawn = padded_model();
     drawn.save_hf_safetensors(&padded_file).unwrap();
     let drawn = tensors(&padded_file);
-    let rows = &drawn["bert.embeddings.word_embeddings.weight"].1;
-    assert!(rows[V * 32..].iter().any(|&x| x != 0.0));
-    let (again, report) = padded_model()
-        .load_pretrained_padded(&WeightsFile::Safetensors(padded_file), V)
+    let drawn_rows = |t: &BTreeMap<String, (Vec<usize>, Vec<f32>)>| {
+        t["bert.embeddings.word_embeddings.weight"].1[V * 32..].to_vec()
+    };
+    assert!(drawn_rows(&drawn).iter().any(|&x| x != 0.0));
+    let zeroed = padded_model().with_vocab_rows(V).with_vocab_rows(PADDED);
+    assert!(
+        drawn_rows(&saved(&zeroed, dir.path()))
+            .iter()
+            .all(|&x| x == 0.0)
+    );
+    let (again, report) = zeroed
+        .load_pretrained_padded(&WeightsFile::Safetensors(padded_file.clone()), V)
         .unwrap();
     assert!(report.initialised.is_empty());
     assert!(saved(&again, dir.path()) == drawn);
+
+    // In a file that fits the padded vocabulary, a tensor of another shape is refused as
+    // load_pretrained refuses it, with no word about the vocabulary.
+    let misshaped_file = dir.path().join("misshaped.safetensors");
+    let mut misshaped = drawn.clone();
+    let dense = misshaped
+        .get_mut("cls.predictions.transform.dense.bias")
+        .unwrap();
+    *dense = (vec![31], dense.1[..31].to_vec());
+    write(&misshaped_file, &misshaped);
+    let e = padded_model()
+        .load_pretrained_padded(&WeightsFile::Safetensors(misshaped_file), V)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("cls.predictions.transform.dense.bias") && !e.contains("make_vocab"),
+        "{e}"
+    );
 
     // A file without the vocabulary's tensors (an encoder from elsewhere) leaves them as
     // initialised, at the padded size, and lists them.
@@ -161,6 +188,12 @@ fn weights_of_the_tokenizers_vocabulary_load_into_a_padded_model_with_zero_rows(
         ]
     );
     assert_eq!(model.vocab_size(), PADDED);
+    // The padding rows stay as drawn.
+    assert!(
+        drawn_rows(&saved(&model, dir.path()))
+            .iter()
+            .any(|&x| x != 0.0)
+    );
 
     let file = WeightsFile::find(&fixture("hf_tiny_bert")).unwrap();
     // An unpadded model loads the fixture as load_pretrained does.
@@ -205,16 +238,9 @@ fn weights_of_another_vocabulary_are_refused_naming_both_sizes() {
     assert!(
         e.contains("[104, 32]")
             && e.contains("104 rows, more than the tokenizer's 97")
+            && e.contains("if these are the weights of a run whose vocabulary was padded")
             && e.contains("model.make_vocab_size_divisible_by"),
         "{e}"
-    );
-    // Nothing was half-loaded into a model that is dropped; a fresh one still loads its own.
-    let own = dir.path().join("own.safetensors");
-    padded_model().save_hf_safetensors(&own).unwrap();
-    assert!(
-        padded_model()
-            .load_pretrained_padded(&WeightsFile::Safetensors(own), V)
-            .is_ok()
     );
 }
 
