@@ -9,7 +9,7 @@
 #                                       # 2026-12-06, 16 minutes on 2 cores)
 #   scripts/gpu-check.sh run [PART...]  # on the GPU machine; PART: launch, step, gemm, kernels,
 #                                       # bench-kernels, resume, onebit, train-step, largest-batch,
-#                                       # streaming, precision, embed, init-passes (default: all,
+#                                       # streaming, precision, embed, init-passes, vocab (default: all,
 #                                       # in that order);
 #                                       # logs in $OUT (or
 #                                       # gpu-check/out), one table per part
@@ -142,6 +142,12 @@
 #                  first step, and the first step's seconds against the mean of the later ones
 #                  (what the first step still holds: the optimizer's first update, its moments
 #                  allocated and its kernels compiled; Note [Init passes]).
+#   vocab          the vocabulary padded (`model.make_vocab_size_divisible_by`, Note [Padded
+#                  vocabulary] in model/src/vocab_padding.rs): the MLM decoder's three products
+#                  of BERT-large alone at 30,522, 30,528 (8, NVIDIA's) and 30,592 (128) rows on
+#                  every GEMM path in f32 and bf16 (and torch.matmul), the cuBLASLt step unpadded
+#                  and padded to 8, and `bench train-step` bf16 at seq 128 with both models
+#                  padded to 8 against PyTorch. About 3 minutes (estimated; not run yet).
 #
 # The GPU machine needs the NVIDIA driver, and NCCL for `step`: cubecl-cuda and cudarc load
 # libcuda, nvrtc and libnccl at run time. ember finds NVRTC and NCCL by itself (Note [CUDA
@@ -178,7 +184,7 @@ build)
 run)
     shift
     parts=("$@")
-    [ ${#parts[@]} -gt 0 ] || parts=(launch step gemm kernels bench-kernels resume onebit train-step largest-batch streaming precision embed init-passes)
+    [ ${#parts[@]} -gt 0 ] || parts=(launch step gemm kernels bench-kernels resume onebit train-step largest-batch streaming precision embed init-passes vocab)
     out="${OUT:-$dir/out}"
     mkdir -p "$out"
     if [ ! -x "$dir/xtask" ] || [ ! -x "$dir/kernels" ]; then
@@ -256,21 +262,6 @@ run)
             timeout 150 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
                 --seq-len 128 --steps 4 --buckets device --gemm cublaslt --cublaslt-sync device 2>&1 \
                 | grep -E "^GEMMs|^\| (model|large)|rror|cublaslt_sync" | tee -a "$out/gemm.md" || status=$?
-            # The vocabulary padded (model.make_vocab_size_divisible_by, Note [Padded
-            # vocabulary]): the MLM decoder's three products at 30,522, 30,528 and 30,592 rows,
-            # then the cuBLASLt step (host waits) with NVIDIA's padding to 8: compare with the
-            # loop's cublaslt row above, not the device-sync one.
-            echo "   the MLM decoder's products with the vocabulary padded to a multiple of 1, 8, 128"
-            for multiple in 1 8 128; do
-                timeout 120 "$dir/xtask" bench gemm --device cuda --preset large --iters 10 \
-                    --only mlm-decoder --make-vocab-size-divisible-by "$multiple" \
-                    "${reference[@]}" --out "$out/gemm-vocab-$multiple" 2>&1 \
-                    | grep -vE "^\s*$|INFO" | tee -a "$out/gemm-vocab.md" || status=$?
-            done
-            timeout 150 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
-                --seq-len 128 --steps 4 --buckets device --gemm cublaslt \
-                --make-vocab-size-divisible-by 8 2>&1 \
-                | grep -E "^GEMMs|^\| (model|large)|rror" | tee -a "$out/gemm.md" || status=$?
             du -sh "$out/kernel-cache"/build-*/* 2>/dev/null || echo "no kernel cache written"
             ;;
         kernels)
@@ -361,10 +352,6 @@ run)
             timeout 180 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
                 --seq-len 128 --precision f32,bf16 --steps 3 --rounds 2 --reference none \
                 --gemm cublaslt --cublaslt-sync device --out "$out/train-step-cublaslt" 2>&1 | tail -10 || status=$?
-            echo "   both models' vocabulary padded to 30,528 (NVIDIA's MLPerf BERT; model.make_vocab_size_divisible_by = 8), bf16"
-            timeout 180 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
-                --seq-len 128 --precision bf16 --steps 3 --rounds 2 "${reference[@]}" \
-                --make-vocab-size-divisible-by 8 --out "$out/train-step-vocab8" 2>&1 | tail -10 || status=$?
             ;;
         largest-batch)
             echo "== the largest batch that fits: BERT-large, bf16, seq 512 (ember against PyTorch)"
@@ -472,8 +459,36 @@ print("|---:|---:|---:|---:|---:|")
 print(f"| {passes[0]['seconds']:.1f} | {end[0]['time_to_first_step_s']:.1f} | {steps[0]:.3f} | {later:.3f} | {steps[0] / later:.2f} |")
 PY
             ;;
+        vocab)
+            echo "== the vocabulary padded (model.make_vocab_size_divisible_by): BERT-large's MLM decoder"
+            echo "   products alone at 30,522, 30,528 and 30,592 rows, then the cuBLASLt step unpadded and padded to 8"
+            export EMBER_KERNEL_CACHE="$out/kernel-cache"
+            reference=(--reference none)
+            [ -n "$torch_python" ] && reference=(--reference pytorch --python "$torch_python")
+            for multiple in 1 8 128; do
+                timeout 120 "$dir/xtask" bench gemm --device cuda --preset large --iters 10 \
+                    --only mlm-decoder --make-vocab-size-divisible-by "$multiple" \
+                    "${reference[@]}" --out "$out/vocab-gemm-$multiple" 2>&1 \
+                    | grep -vE "^\s*$|INFO" | tee -a "$out/vocab.md" || status=$?
+            done
+            for multiple in 1 8; do
+                timeout 150 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
+                    --seq-len 128 --steps 4 --buckets device --gemm cublaslt \
+                    --make-vocab-size-divisible-by "$multiple" 2>&1 \
+                    | grep -E "^GEMMs|^\| (model|large)|rror" | tee -a "$out/vocab.md" || status=$?
+            done
+            echo "   against PyTorch, both models padded to 30,528 (NVIDIA's MLPerf BERT), bf16, seq 128, batch 32"
+            if [ -n "$torch_python" ] && "$torch_python" -c "import transformers, safetensors" 2>/dev/null; then
+                reference=(--reference pytorch --python "$torch_python")
+            else
+                reference=(--reference none)
+            fi
+            timeout 180 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
+                --seq-len 128 --precision bf16 --steps 3 --rounds 2 "${reference[@]}" \
+                --make-vocab-size-divisible-by 8 --out "$out/vocab-train-step" 2>&1 | tail -10 || status=$?
+            ;;
         *)
-            echo "unknown part $part (launch, step, gemm, kernels, bench-kernels, resume, onebit, train-step, largest-batch, streaming, precision, embed, init-passes)" >&2
+            echo "unknown part $part (launch, step, gemm, kernels, bench-kernels, resume, onebit, train-step, largest-batch, streaming, precision, embed, init-passes, vocab)" >&2
             status=2
             ;;
         esac
@@ -482,7 +497,7 @@ PY
     exit $status
     ;;
 *)
-    echo "usage: $0 build | run [launch|step|gemm|kernels|bench-kernels|resume|onebit|train-step|largest-batch|streaming|precision|embed|init-passes ...]" >&2
+    echo "usage: $0 build | run [launch|step|gemm|kernels|bench-kernels|resume|onebit|train-step|largest-batch|streaming|precision|embed|init-passes|vocab ...]" >&2
     exit 2
     ;;
 esac
