@@ -250,23 +250,20 @@ impl<'a> Store<'a> {
     /// # Errors
     /// [`ModelError::Checkpoint`] naming the file when it cannot be read.
     pub(crate) fn rows(&mut self, key: &str) -> Result<Option<usize>, ModelError> {
-        let (found, path) = match self {
-            Self::Safetensors(store, path) => (
-                store
-                    .get_snapshot(key)
-                    .map(|s| s.map(|s| s.shape.clone()))
-                    .map_err(|e| e.to_string()),
-                *path,
-            ),
-            Self::PyTorch(store, path) => (
-                store
-                    .get_snapshot(key)
-                    .map(|s| s.map(|s| s.shape.clone()))
-                    .map_err(|e| e.to_string()),
-                *path,
-            ),
-        };
-        let shape = found.map_err(|e| load_error(path, e))?;
-        Ok(shape.and_then(|s| s.first().copied()))
+        fn first_dim<S: ModuleStore>(store: &mut S, key: &str) -> Result<Option<usize>, String> {
+            let snapshot = store.get_snapshot(key).map_err(|e| e.to_string())?;
+            Ok(snapshot.and_then(|s| s.shape.first().copied()))
+        }
+        match self {
+            Self::Safetensors(store, _) => first_dim(store, key),
+            Self::PyTorch(store, _) => first_dim(store, key),
+        }
+        .map_err(|e| load_error(self.path(), e))
+    }
+
+    fn path(&self) -> &Path {
+        match self {
+            Self::Safetensors(_, path) | Self::PyTorch(_, path) => path,
+        }
     }
 }

@@ -112,21 +112,7 @@ fn short_run_lowers_the_loss_and_writes_metrics_and_checkpoint() {
 #[test]
 fn init_from_starts_from_the_given_weights() {
     let dir = tempfile::tempdir().unwrap();
-    let first = quick_config(&dir.path().join("first"), 3);
-    run(&first).unwrap();
-    let mut second = quick_config(&dir.path().join("second"), 3);
-    second.checkpoint.init_from = Some(dir.path().join("first"));
-    second.optimizer.lr = 1e-12;
-    second.train.seed += 1;
-    let summary = run(&second).unwrap();
-    let init = summary.init.expect("init_from reports what it loaded");
-    assert!(init.initialised.is_empty(), "{:?}", init.initialised);
-    assert_eq!(
-        init.loaded.len(),
-        46,
-        "every parameter of a 2-layer BertForPreTraining: {:?}",
-        init.loaded
-    );
+    init_from_a_first_run(dir.path(), |_| {});
 
     let ((_, a), (_, b)) = (
         exported_word_embeddings(&dir.path().join("first")),
@@ -136,6 +122,27 @@ fn init_from_starts_from_the_given_weights() {
     assert!(
         largest < 1e-6,
         "the second run moved away from the first's weights by {largest}"
+    );
+}
+
+/// A 3-step run in `dir/first`, then a run in `dir/second` (`edit`ed) started from its weights
+/// with its own seed and a learning rate too small to move them; checks that every parameter
+/// of the 2-layer BertForPreTraining was loaded and none initialised.
+fn init_from_a_first_run(dir: &Path, edit: impl Fn(&mut TrainConfig)) {
+    run(&quick_config(&dir.join("first"), 3)).unwrap();
+    let mut second = quick_config(&dir.join("second"), 3);
+    second.checkpoint.init_from = Some(dir.join("first"));
+    second.optimizer.lr = 1e-12;
+    second.train.seed += 1;
+    edit(&mut second);
+    let summary = run(&second).unwrap();
+    let init = summary.init.expect("init_from reports what it loaded");
+    assert!(init.initialised.is_empty(), "{:?}", init.initialised);
+    assert_eq!(
+        init.loaded.len(),
+        46,
+        "every parameter of a 2-layer BertForPreTraining: {:?}",
+        init.loaded
     );
 }
 
@@ -167,17 +174,9 @@ fn largest_difference(a: &[f32], b: &[f32]) -> f32 {
 #[test]
 fn init_from_pads_the_vocabulary_with_zero_rows() {
     let dir = tempfile::tempdir().unwrap();
-    let first = quick_config(&dir.path().join("first"), 3);
-    run(&first).unwrap();
-    let mut second = quick_config(&dir.path().join("second"), 3);
-    second.model.make_vocab_size_divisible_by = 128;
-    second.checkpoint.init_from = Some(dir.path().join("first"));
-    second.optimizer.lr = 1e-12;
-    second.train.seed += 1;
-    let summary = run(&second).unwrap();
-    let init = summary.init.expect("init_from reports what it loaded");
-    assert!(init.initialised.is_empty(), "{:?}", init.initialised);
-    assert_eq!(init.loaded.len(), 46);
+    init_from_a_first_run(dir.path(), |second| {
+        second.model.make_vocab_size_divisible_by = 128;
+    });
 
     let ((v, a), (padded, b)) = (
         exported_word_embeddings(&dir.path().join("first")),
