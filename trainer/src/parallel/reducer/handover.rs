@@ -38,10 +38,13 @@ impl<B: FusedOps> Reducer<B> {
                 place: (usize, usize),
                 shape: [usize; D],
             ) -> Tensor<B, D> {
-                self.parts
-                    .remove(&place)
-                    .expect("every planned parameter has its part")
-                    .reshape(shape)
+                // Without NdArray's copy of the part (`reshape_contiguous`).
+                ember_backend_ext::reshape(
+                    self.parts
+                        .remove(&place)
+                        .expect("every planned parameter has its part"),
+                    shape,
+                )
             }
         }
         impl<AB: AutodiffBackend<InnerBackend = B>, B: FusedOps> ModuleVisitor<AB> for WriteBack<'_, B> {
