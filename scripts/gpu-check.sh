@@ -9,8 +9,9 @@
 #                                       # 2026-12-06, 16 minutes on 2 cores)
 #   scripts/gpu-check.sh run [PART...]  # on the GPU machine; PART: launch, step, gemm, kernels,
 #                                       # bench-kernels, resume, onebit, train-step, largest-batch,
-#                                       # streaming, precision, embed, init-passes, vocab (default: all,
-#                                       # in that order);
+#                                       # streaming, precision, embed, init-passes, vocab, or all
+#                                       # (default: launch kernels step gemm, one device call's
+#                                       # 8 minutes);
 #                                       # logs in $OUT (or
 #                                       # gpu-check/out), one table per part
 #
@@ -183,8 +184,19 @@ build)
     ;;
 run)
     shift
+    all=(launch step gemm kernels bench-kernels resume onebit train-step largest-batch streaming precision embed init-passes vocab)
     parts=("$@")
-    [ ${#parts[@]} -gt 0 ] || parts=(launch step gemm kernels bench-kernels resume onebit train-step largest-batch streaming precision embed init-passes vocab)
+    # No part named: the four that fit one device call (about 8 minutes: the launch path, the
+    # kernel tests, the training step, the GEMMs); `all`: every part in order, far more than
+    # one call's 10 minutes. Every name is checked before the first part spends a minute.
+    [ ${#parts[@]} -gt 0 ] || parts=(launch kernels step gemm)
+    [ "${parts[*]}" != all ] || parts=("${all[@]}")
+    for part in "${parts[@]}"; do
+        if [[ " ${all[*]} " != *" $part "* ]]; then
+            echo "unknown part $part (${all[*]}; or all, alone)" >&2
+            exit 2
+        fi
+    done
     out="${OUT:-$dir/out}"
     mkdir -p "$out"
     if [ ! -x "$dir/xtask" ] || [ ! -x "$dir/kernels" ]; then
@@ -487,17 +499,13 @@ PY
                 --seq-len 128 --precision bf16 --steps 3 --rounds 2 "${reference[@]}" \
                 --make-vocab-size-divisible-by 8 --out "$out/vocab-train-step" 2>&1 | tail -10 || status=$?
             ;;
-        *)
-            echo "unknown part $part (launch, step, gemm, kernels, bench-kernels, resume, onebit, train-step, largest-batch, streaming, precision, embed, init-passes, vocab)" >&2
-            status=2
-            ;;
         esac
         echo "== $(( SECONDS - start )) s: $part"
     done
     exit $status
     ;;
 *)
-    echo "usage: $0 build | run [launch|step|gemm|kernels|bench-kernels|resume|onebit|train-step|largest-batch|streaming|precision|embed|init-passes|vocab ...]" >&2
+    echo "usage: $0 build | run [all | launch|step|gemm|kernels|bench-kernels|resume|onebit|train-step|largest-batch|streaming|precision|embed|init-passes|vocab ...]" >&2
     exit 2
     ;;
 esac

@@ -134,3 +134,34 @@ fn gpu_check_kernel_test_filter_names_a_module() {
         std::fs::read_to_string(format!("{root}/tests/tests/integration/kernels/cuda.rs")).unwrap();
     assert!(cuda.lines().any(|l| l.starts_with("kernel_tests!(")));
 }
+
+/// `run` checks every part's name before the first part starts (a misspelt last part would
+/// otherwise be found minutes into a device call), and `all` stands alone. The refusal comes
+/// before the script looks for its binaries, so it shows here, where there are none.
+#[test]
+fn gpu_check_refuses_an_unknown_part_before_running_any() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/gpu-check.sh");
+    let out_dir = tempfile::tempdir().unwrap();
+    for (args, named) in [
+        (&["run", "launch", "kernal"][..], "kernal"),
+        (&["run", "all", "vocab"][..], "all"),
+    ] {
+        let out = std::process::Command::new("bash")
+            .arg(script)
+            .args(args)
+            .env("OUT", out_dir.path().join("out"))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!("unknown part {named} (launch step gemm")),
+            "{args:?}: {stderr}"
+        );
+        assert!(!stderr.contains("bins.tar.xz"), "{args:?}: {stderr}");
+        assert!(
+            !out_dir.path().join("out").exists(),
+            "{args:?}: the run started"
+        );
+    }
+}
