@@ -47,6 +47,41 @@ pub(super) fn tensors_per_launch<R: CubeRuntime>(
     (bindings.saturating_sub(extra + 1) / bindings_per_tensor).clamp(1, MAX_TENSORS_PER_LAUNCH)
 }
 
+// Note [Packed multi-tensor grids]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A multi-tensor kernel whose elements are independent (the optimizers' updates, the
+// flattening into buckets, clipping, casts, the column splits of packed weights) runs on a
+// packed 1-D grid: tensor t gets `tensor_cubes(len_t)` consecutive cubes (one per 256
+// elements, at least one, at most 1,024, the rest strided over), and each cube finds its
+// tensor by the running sum of those counts, in the kernel, from the tensors' lengths. As
+// apex's `multi_tensor_apply`, whose launch lists only the (tensor, chunk) pairs that exist,
+// no cube is idle. The `[G, T]` grid before gave every tensor the largest one's G cubes: a
+// bucket of BERT's word embeddings (30,522 × H) beside biases of H elements launched 1,024 ×
+// T cubes of which most returned at once; on lavapipe, where every cube costs the CPU
+// time, one such flattening took 243 ms (2026-12-07). The reductions (`multi_sum_squares`,
+// `clip_by_partials`) keep the `[G, T]` grid: their partial sums' layout is their order of
+// addition, and so their bits.
+
+/// The cubes tensor of `len` elements gets in a packed grid (Note [Packed multi-tensor
+/// grids]); the kernels' `tensor_cubes`.
+pub(super) fn tensor_cubes(len: usize) -> usize {
+    len.div_ceil(ROW_BLOCK).clamp(1, MAX_CUBES_PER_TENSOR)
+}
+
+/// The packed 1-D grid of a multi-tensor kernel over tensors of `lens` elements (Note
+/// [Packed multi-tensor grids]): Σ `tensor_cubes` cubes of `ROW_BLOCK` units. The kernel
+/// takes `MAX_CUBES` as its `max_cubes`.
+pub(super) fn packed_launch(lens: impl IntoIterator<Item = usize>) -> (CubeCount, CubeDim) {
+    let cubes: usize = lens.into_iter().map(tensor_cubes).sum();
+    (
+        CubeCount::Static(cubes as u32, 1, 1),
+        CubeDim::new_1d(ROW_BLOCK as u32),
+    )
+}
+
+/// The `max_cubes` the packed kernels take: [`MAX_CUBES_PER_TENSOR`].
+pub(super) const MAX_CUBES: u32 = MAX_CUBES_PER_TENSOR as u32;
+
 /// The `[G, T]` grid of a multi-tensor kernel: G cubes per tensor, from the largest.
 pub(super) fn multi_launch(largest: usize, tensors: usize) -> (CubeCount, CubeDim, usize) {
     let cubes = largest.div_ceil(ROW_BLOCK).clamp(1, MAX_CUBES_PER_TENSOR);
@@ -85,8 +120,7 @@ pub(super) fn adam_launch<R: CubeRuntime, F: FloatElement, I: IntElement, BT: Bo
             }
         })
         .collect();
-    let largest = tensors.iter().map(|t| numel(&t.param)).max().unwrap_or(0);
-    let (count, dim, _) = multi_launch(largest, tensors.len());
+    let (count, dim) = packed_launch(tensors.iter().map(|t| numel(&t.param)));
     let (c1, c2) = hyper.corrections();
     let args = |f: &dyn Fn(&AdamTensors<CubeBackend<R, F, I, BT>>) -> &CubeTensor<R>| {
         tensors
@@ -119,6 +153,7 @@ pub(super) fn adam_launch<R: CubeRuntime, F: FloatElement, I: IntElement, BT: Bo
         c1 as f32,
         c2 as f32,
         kind == AdamKind::LambUpdate,
+        MAX_CUBES,
         dtype,
     );
     outputs
@@ -139,8 +174,7 @@ pub(super) fn flatten<R: CubeRuntime>(xs: Vec<CubeTensor<R>>, scale: f32) -> Cub
     let per_launch = tensors_per_launch(&xs[0], 1, 1);
     let mut first = 0;
     for group in launches(xs, per_launch, |x| x.dtype) {
-        let largest = group.iter().map(numel).max().unwrap_or(0);
-        let (count, dim, _) = multi_launch(largest, group.len());
+        let (count, dim) = packed_launch(group.iter().map(numel));
         multi_tensor_kernels::multi_flatten_kernel::launch::<R>(
             &output.client,
             count,
@@ -150,6 +184,7 @@ pub(super) fn flatten<R: CubeRuntime>(xs: Vec<CubeTensor<R>>, scale: f32) -> Cub
             first,
             scale,
             scale != 1.0,
+            MAX_CUBES,
             storage(dtype),
         );
         first += group.iter().map(numel).sum::<usize>();
@@ -225,8 +260,7 @@ pub(super) fn clip_in_place<R: CubeRuntime>(
     };
     let per_launch = tensors_per_launch(first, 1, 1);
     for group in xs.chunks(per_launch) {
-        let largest = group.iter().map(numel).max().unwrap_or(0);
-        let (count, dim, _) = multi_launch(largest, group.len());
+        let (count, dim) = packed_launch(group.iter().map(numel));
         multi_tensor_kernels::multi_clip_kernel::launch::<R>(
             &first.client,
             count,
@@ -234,6 +268,7 @@ pub(super) fn clip_in_place<R: CubeRuntime>(
             group.iter().map(|x| x.clone().into_tensor_arg()).collect(),
             sq_norm.clone().into_tensor_arg(),
             max_norm,
+            MAX_CUBES,
             storage(first.dtype),
         );
     }
@@ -255,8 +290,7 @@ pub(super) fn concat_columns<R: CubeRuntime>(xs: Vec<CubeTensor<R>>) -> CubeTens
     let per_launch = tensors_per_launch(&output, 1, 1);
     let mut first = 0;
     for group in launches(xs, per_launch, |x| x.dtype) {
-        let largest = group.iter().map(numel).max().unwrap_or(0);
-        let (count, dim, _) = multi_launch(largest, group.len());
+        let (count, dim) = packed_launch(group.iter().map(numel));
         multi_tensor_kernels::multi_concat_columns_kernel::launch::<R>(
             &output.client,
             count,
@@ -265,6 +299,7 @@ pub(super) fn concat_columns<R: CubeRuntime>(xs: Vec<CubeTensor<R>>) -> CubeTens
             output.clone().into_tensor_arg(),
             total,
             first,
+            MAX_CUBES,
             storage(output.dtype),
         );
         first += group.iter().map(|x| x.shape()[last]).sum::<usize>();
@@ -316,8 +351,7 @@ pub(super) fn split_columns_launch<R: CubeRuntime>(
     total: usize,
     first: usize,
 ) {
-    let largest = outputs.iter().map(numel).max().unwrap_or(0);
-    let (count, dim, _) = multi_launch(largest, outputs.len());
+    let (count, dim) = packed_launch(outputs.iter().map(numel));
     multi_tensor_kernels::multi_split_columns_kernel::launch::<R>(
         &x.client,
         count,
@@ -329,6 +363,7 @@ pub(super) fn split_columns_launch<R: CubeRuntime>(
             .collect(),
         total,
         first,
+        MAX_CUBES,
         storage(x.dtype),
     );
 }
@@ -466,8 +501,7 @@ pub(super) fn cast<R: CubeRuntime>(xs: Vec<CubeTensor<R>>, dtype: DType) -> Vec<
                     )
                 })
                 .collect();
-            let largest = group.iter().map(|(_, x)| numel(x)).max().unwrap_or(0);
-            let (count, dim, _) = multi_launch(largest, group.len());
+            let (count, dim) = packed_launch(group.iter().map(|(_, x)| numel(x)));
             multi_tensor_kernels::multi_cast_kernel::launch::<R>(
                 &group[0].1.client,
                 count,
@@ -477,6 +511,7 @@ pub(super) fn cast<R: CubeRuntime>(xs: Vec<CubeTensor<R>>, dtype: DType) -> Vec<
                     .map(|(_, x)| x.clone().into_tensor_arg())
                     .collect(),
                 outs.iter().map(|x| x.clone().into_tensor_arg()).collect(),
+                MAX_CUBES,
                 [storage(group[0].1.dtype), storage(dtype)],
             );
             for ((i, _), cast) in group.into_iter().zip(outs) {

@@ -7,6 +7,23 @@ use cubecl::prelude::*;
 use super::kernels::row_index;
 use super::reductions::cube_sum;
 
+/// The cubes tensor `len` gets in a packed multi-tensor grid (Note [Packed multi-tensor
+/// grids] in `multi_tensor.rs`): one per `CUBE_DIM_X` elements, at least one, at most
+/// `max_cubes` (more elements are strided over); the host's `multi_tensor::tensor_cubes`.
+#[cube]
+fn tensor_cubes(len: usize, #[comptime] max_cubes: u32) -> usize {
+    let dim = CUBE_DIM_X as usize;
+    let most = max_cubes as usize;
+    let mut cubes = len.div_ceil(dim);
+    if cubes > most {
+        cubes = most;
+    }
+    if cubes == 0 {
+        cubes = 1;
+    }
+    cubes
+}
+
 /// Element `i` of an Adam-family step: the new moments, and the new parameter (`lamb`: the
 /// update direction `m̂/(sqrt(v̂)+ε) + λ·w`).
 #[cube]
@@ -62,17 +79,19 @@ pub fn multi_adam_kernel<F: Float>(
     correction_1: f32,
     correction_2: f32,
     #[comptime] lamb: bool,
+    #[comptime] max_cubes: u32,
     #[define(F)] _dtype: StorageType,
 ) {
     let count = params.len().comptime();
-    let tensor = CUBE_POS_Y as usize;
-    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
-    let first = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    let cube = CUBE_POS_X as usize;
+    let mut start = 0usize;
     #[unroll]
     for t in 0..count {
-        if tensor == t {
-            let n = params[t].len();
-            let mut i = first;
+        let n = params[t].len();
+        let cubes = tensor_cubes(n, max_cubes);
+        if cube >= start && cube < start + cubes {
+            let stride = cubes * CUBE_DIM_X as usize;
+            let mut i = (cube - start) * CUBE_DIM_X as usize + UNIT_POS_X as usize;
             while i < n {
                 adam_element(
                     &params[t],
@@ -95,6 +114,7 @@ pub fn multi_adam_kernel<F: Float>(
                 i += stride;
             }
         }
+        start += cubes;
     }
 }
 
@@ -192,22 +212,26 @@ pub fn multi_clip_kernel<F: Float>(
     xs: &mut Sequence<Tensor<F>>,
     sq_norm: &Tensor<F>,
     max_norm: f32,
+    #[comptime] max_cubes: u32,
     #[define(F)] _dtype: StorageType,
 ) {
     let count = xs.len().comptime();
-    let tensor = CUBE_POS_Y as usize;
-    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+    let cube = CUBE_POS_X as usize;
+    let mut start = 0usize;
     let coefficient = clip_coefficient::<F>(sq_norm[0], max_norm);
     #[unroll]
     for t in 0..count {
-        if tensor == t {
+        let cubes = tensor_cubes(xs[t].len(), max_cubes);
+        if cube >= start && cube < start + cubes {
+            let stride = cubes * CUBE_DIM_X as usize;
             let x = xs.index_mut(t);
-            let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+            let mut i = (cube - start) * CUBE_DIM_X as usize + UNIT_POS_X as usize;
             while i < x.len() {
                 x[i] = x[i] * coefficient;
                 i += stride;
             }
         }
+        start += cubes;
     }
 }
 
@@ -222,19 +246,22 @@ pub fn multi_flatten_kernel<F: Float>(
     first: usize,
     scale: f32,
     #[comptime] scaled: bool,
+    #[comptime] max_cubes: u32,
     #[define(F)] _dtype: StorageType,
 ) {
     let count = xs.len().comptime();
-    let tensor = CUBE_POS_Y as usize;
-    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+    let cube = CUBE_POS_X as usize;
+    let mut start = 0usize;
     // Burn's `mul_scalar`: the scalar in the element type, the product in it.
     let factor = F::cast_from(scale);
     let mut offset = first;
     #[unroll]
     for t in 0..count {
         let x = &xs[t];
-        if tensor == t {
-            let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+        let cubes = tensor_cubes(x.len(), max_cubes);
+        if cube >= start && cube < start + cubes {
+            let stride = cubes * CUBE_DIM_X as usize;
+            let mut i = (cube - start) * CUBE_DIM_X as usize + UNIT_POS_X as usize;
             while i < x.len() {
                 if scaled {
                     output[offset + i] = x[i] * factor;
@@ -244,6 +271,7 @@ pub fn multi_flatten_kernel<F: Float>(
                 i += stride;
             }
         }
+        start += cubes;
         offset += x.len();
     }
 }
@@ -258,23 +286,27 @@ pub fn multi_concat_columns_kernel<F: Float>(
     output: &mut Tensor<F>,
     total: usize,
     first: usize,
+    #[comptime] max_cubes: u32,
     #[define(F)] _dtype: StorageType,
 ) {
     let count = xs.len().comptime();
-    let tensor = CUBE_POS_Y as usize;
-    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+    let cube = CUBE_POS_X as usize;
+    let mut start = 0usize;
     let mut column = first;
     #[unroll]
     for t in 0..count {
         let x = &xs[t];
         let width = x.shape(x.rank() - 1);
-        if tensor == t {
-            let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+        let cubes = tensor_cubes(x.len(), max_cubes);
+        if cube >= start && cube < start + cubes {
+            let stride = cubes * CUBE_DIM_X as usize;
+            let mut i = (cube - start) * CUBE_DIM_X as usize + UNIT_POS_X as usize;
             while i < x.len() {
                 output[(i / width) * total + column + i % width] = x[i];
                 i += stride;
             }
         }
+        start += cubes;
         column += width;
     }
 }
@@ -288,24 +320,28 @@ pub fn multi_split_columns_kernel<F: Float>(
     outputs: &mut Sequence<Tensor<F>>,
     total: usize,
     first: usize,
+    #[comptime] max_cubes: u32,
     #[define(F)] _dtype: StorageType,
 ) {
     let count = outputs.len().comptime();
-    let tensor = CUBE_POS_Y as usize;
-    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+    let cube = CUBE_POS_X as usize;
+    let mut start = 0usize;
     let mut column = first;
     #[unroll]
     for t in 0..count {
         let part = &outputs[t];
         let width = part.shape(part.rank() - 1);
-        if tensor == t {
+        let cubes = tensor_cubes(part.len(), max_cubes);
+        if cube >= start && cube < start + cubes {
+            let stride = cubes * CUBE_DIM_X as usize;
             let out = outputs.index_mut(t);
-            let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+            let mut i = (cube - start) * CUBE_DIM_X as usize + UNIT_POS_X as usize;
             while i < out.len() {
                 out[i] = input[(i / width) * total + column + i % width];
                 i += stride;
             }
         }
+        start += cubes;
         column += width;
     }
 }
@@ -479,21 +515,25 @@ pub fn multi_column_sums_finish_kernel<F: Float>(
 pub fn multi_cast_kernel<F: Float, H: Float>(
     xs: &Sequence<Tensor<F>>,
     outs: &mut Sequence<Tensor<H>>,
+    #[comptime] max_cubes: u32,
     #[define(F, H)] _dtypes: [StorageType; 2],
 ) {
     let count = xs.len().comptime();
-    let tensor = CUBE_POS_Y as usize;
-    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+    let cube = CUBE_POS_X as usize;
+    let mut start = 0usize;
     #[unroll]
     for t in 0..count {
-        if tensor == t {
-            let x = &xs[t];
+        let x = &xs[t];
+        let cubes = tensor_cubes(x.len(), max_cubes);
+        if cube >= start && cube < start + cubes {
+            let stride = cubes * CUBE_DIM_X as usize;
             let out = outs.index_mut(t);
-            let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+            let mut i = (cube - start) * CUBE_DIM_X as usize + UNIT_POS_X as usize;
             while i < x.len() {
                 out[i] = H::cast_from(x[i]);
                 i += stride;
             }
         }
+        start += cubes;
     }
 }
