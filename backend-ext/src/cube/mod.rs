@@ -29,7 +29,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use cubecl::prelude::*;
 use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
 
-use multi_tensor::{adam_launch, launches, multi_launch, tensors_per_launch};
+use multi_tensor::{MAX_CUBES, adam_launch, launches, packed_launch, tensors_per_launch};
 use reductions::row_launch;
 
 use crate::{
@@ -542,8 +542,7 @@ where
         let mut outputs = Vec::with_capacity(pairs.len());
         let mut first = 0;
         for group in launches(pairs, per_launch, |(p, _)| p.dtype) {
-            let largest = group.iter().map(|(p, _)| numel(p)).max().unwrap_or(0);
-            let (count, dim, _) = multi_launch(largest, group.len());
+            let (count, dim) = packed_launch(group.iter().map(|(p, _)| numel(p)));
             let outs: Vec<_> = group
                 .iter()
                 .map(|(p, _)| empty_like(p, p.shape()))
@@ -565,6 +564,7 @@ where
                 outs.iter().map(|o| o.clone().into_tensor_arg()).collect(),
                 first as u32,
                 lr as f32,
+                MAX_CUBES,
                 storage(group[0].0.dtype),
             );
             first += group.len();

@@ -49,8 +49,9 @@ pub(super) fn tensors_per_launch<R: CubeRuntime>(
 
 // Note [Packed multi-tensor grids]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A multi-tensor kernel whose elements are independent (the optimizers' updates, the
-// flattening into buckets, clipping, casts, the column splits of packed weights) runs on a
+// A multi-tensor kernel whose elements are independent (the optimizers' updates and LAMB's
+// second pass, the flattening into buckets, clipping, casts, the column splits and
+// concatenations of packed weights) runs on a
 // packed 1-D grid: tensor t gets `tensor_cubes(len_t)` consecutive cubes (one per 256
 // elements, at least one, at most 1,024, the rest strided over), and each cube finds its
 // tensor by the running sum of those counts, in the kernel, from the tensors' lengths. As

@@ -357,30 +357,34 @@ pub fn multi_lamb_apply_kernel<F: Float>(
     outputs: &mut Sequence<Tensor<F>>,
     first: u32,
     lr: f32,
+    #[comptime] max_cubes: u32,
     #[define(F)] _dtype: StorageType,
 ) {
     let count = params.len().comptime();
-    let tensor = CUBE_POS_Y as usize;
-    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
-    let w_norm = f32::cast_from(param_sq[first as usize + tensor]).sqrt();
-    let u_norm = f32::cast_from(update_sq[first as usize + tensor]).sqrt();
-    let mut ratio = f32::new(1.0);
-    if w_norm > f32::new(0.0) && u_norm > f32::new(0.0) {
-        ratio = w_norm / u_norm;
-    }
+    let cube = CUBE_POS_X as usize;
+    let mut start = 0usize;
     #[unroll]
     for t in 0..count {
-        if tensor == t {
-            let param = &params[t];
+        let param = &params[t];
+        let cubes = tensor_cubes(param.len(), max_cubes);
+        if cube >= start && cube < start + cubes {
+            let w_norm = f32::cast_from(param_sq[first as usize + t]).sqrt();
+            let u_norm = f32::cast_from(update_sq[first as usize + t]).sqrt();
+            let mut ratio = f32::new(1.0);
+            if w_norm > f32::new(0.0) && u_norm > f32::new(0.0) {
+                ratio = w_norm / u_norm;
+            }
+            let stride = cubes * CUBE_DIM_X as usize;
             let update = &updates[t];
             let output = outputs.index_mut(t);
-            let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+            let mut i = (cube - start) * CUBE_DIM_X as usize + UNIT_POS_X as usize;
             while i < param.len() {
                 output[i] =
                     F::cast_from(f32::cast_from(param[i]) - lr * ratio * f32::cast_from(update[i]));
                 i += stride;
             }
         }
+        start += cubes;
     }
 }
 
