@@ -192,7 +192,11 @@ run)
     [ ${#parts[@]} -gt 0 ] || parts=(launch kernels step gemm)
     [ "${parts[*]}" != all ] || parts=("${all[@]}")
     for part in "${parts[@]}"; do
-        if [[ " ${all[*]} " != *" $part "* ]]; then
+        known=0
+        for name in "${all[@]}"; do
+            [ "$part" != "$name" ] || known=1
+        done
+        if [ $known = 0 ]; then
             echo "unknown part $part (${all[*]}; or all, alone)" >&2
             exit 2
         fi

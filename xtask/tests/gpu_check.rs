@@ -135,8 +135,8 @@ fn gpu_check_kernel_test_filter_names_a_module() {
     assert!(cuda.lines().any(|l| l.starts_with("kernel_tests!(")));
 }
 
-/// `run` checks every part's name before the first part starts (a misspelt last part would
-/// otherwise be found minutes into a device call), and `all` stands alone. The refusal comes
+/// `run` checks every part's name, exactly, before the first part starts (a misspelt last
+/// part would otherwise be found minutes into a device call), and `all` stands alone. The refusal comes
 /// before the script looks for its binaries, so it shows here, where there are none.
 #[test]
 fn gpu_check_refuses_an_unknown_part_before_running_any() {
@@ -145,6 +145,8 @@ fn gpu_check_refuses_an_unknown_part_before_running_any() {
     for (args, named) in [
         (&["run", "launch", "kernal"][..], "kernal"),
         (&["run", "all", "vocab"][..], "all"),
+        // Two names in one word: no part, not two (a substring test took it).
+        (&["run", "launch step"][..], "launch step"),
     ] {
         let out = std::process::Command::new("bash")
             .arg(script)

@@ -459,7 +459,9 @@ pub fn dropout_kernel<F: Float>(
 }
 
 // Multi-tensor kernels (apex's `multi_tensor_apply`): one launch updates or reduces a list of
-// tensors, passed as `Sequence`s (one binding each). The grid is `[G, T]`: cube row
-// `CUBE_POS_Y` works on tensor `CUBE_POS_Y`, its G cubes stride over that tensor. A sequence
-// is indexed with comptime indices only, so each tensor's body is unrolled under
-// `if CUBE_POS_Y == t`; a launch compiles once per tensor count.
+// tensors, passed as `Sequence`s (one binding each). The element-wise ones run on a packed
+// 1-D grid, tensor t's cubes after those of the tensors before it (Note [Packed multi-tensor
+// grids] in `multi_tensor.rs`); the reductions on a `[G, T]` grid, cube row `CUBE_POS_Y`
+// striding over tensor `CUBE_POS_Y`. A sequence is indexed with comptime indices only, so
+// each tensor's body is unrolled under its own test of the cube's position; a launch
+// compiles once per tensor count.

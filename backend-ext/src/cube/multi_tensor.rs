@@ -1,5 +1,5 @@
 //! The host side of the multi-tensor kernels (`multi_tensor_kernels.rs`): how many tensors one
-//! launch binds, the `[G, T]` grid, and the launches of the Adam-family step, of the bucket
+//! launch binds, the packed and the `[G, T]` grids, and the launches of the Adam-family step, of the bucket
 //! flattening, of the column sums of several matrices and of the casts of many tensors.
 
 use burn::tensor::{DType, Shape, TensorMetadata};
