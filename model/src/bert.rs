@@ -18,6 +18,7 @@ use crate::weight_casts::{LayerParams, gamma_beta_pairs, layer_scope};
 
 use crate::BertConfig;
 use crate::layer::BertLayer;
+use crate::unpad::Unpadding;
 
 /// Additive attention bias of a padded key: exp(-10000 - max) underflows to exactly 0 in f32,
 /// so padded keys get no weight, and a fully padded row stays finite (uniform) instead of NaN.
@@ -233,6 +234,10 @@ pub(crate) fn reference_dropout<B: Backend, const D: usize>(
 pub struct BertEncoder<B: Backend> {
     /// Hugging Face keys `layer.0`, `layer.1`, ...
     pub layer: Vec<BertLayer<B>>,
+    /// Whether the layers run on the real tokens alone (Note [Padding removed] in
+    /// `unpad.rs`; `model.unpad`, NVIDIA's `--unpad`). Default: false.
+    #[module(skip)]
+    pub unpad: bool,
 }
 
 impl<B: Backend> BertEncoder<B> {
@@ -257,6 +262,14 @@ impl<B: Backend> BertEncoder<B> {
         for layer in &mut self.layer {
             layer.qkv_projections = projections;
         }
+    }
+
+    /// Whether the layers run on the batch's real tokens alone, packed into `[1, T, H]` rows
+    /// (Note [Padding removed] in `unpad.rs`): the same values at the real tokens and the
+    /// same dropout masks, without the padded rows' work; `sequence_output` is then 0 at
+    /// padded positions, and [`ForwardHook::layer_input`] sees the packed rows.
+    pub fn set_unpad(&mut self, unpad: bool) {
+        self.unpad = unpad;
     }
 
     /// The implementation the layers run (that of the first layer; all agree after
@@ -337,16 +350,25 @@ impl<B: FusedOps> BertEncoder<B> {
         together: bool,
     ) -> Tensor<B, 3> {
         let dtype = hidden_states.dtype();
+        let unpadding = self.unpad.then(|| Unpadding::of(&input_mask));
         // In the layers' dtype (Note [Autocast]); −10000 is exact in f16 and bf16.
         let mask_bias = cast_to(attention_mask_bias(input_mask), dtype);
-        self.layer
-            .iter()
-            .enumerate()
-            .fold(hidden_states, |x, (i, layer)| {
-                let x = hook.layer_input(i, x);
-                let _scope = layer_scope(layer.params(), &x, dtype, together);
-                layer.forward(x, mask_bias.clone())
-            })
+        let rows = match &unpadding {
+            Some(u) => u.unpad(hidden_states),
+            None => hidden_states,
+        };
+        let rows = self.layer.iter().enumerate().fold(rows, |x, (i, layer)| {
+            let x = hook.layer_input(i, x);
+            let _scope = layer_scope(layer.params(), &x, dtype, together);
+            match &unpadding {
+                Some(u) => layer.forward_unpadded(x, mask_bias.clone(), u),
+                None => layer.forward(x, mask_bias.clone()),
+            }
+        });
+        match &unpadding {
+            Some(u) => u.pad(rows),
+            None => rows,
+        }
     }
 }
 
@@ -426,6 +448,7 @@ impl BertConfig {
                 layer: (0..self.num_hidden_layers)
                     .map(|_| BertLayer::new(self, device))
                     .collect(),
+                unpad: false,
             },
             pooler: BertPooler {
                 dense: dense(
@@ -450,6 +473,11 @@ impl<B: Backend> BertModel<B> {
     /// Takes ops out of the fused path (see [`BertEncoder::set_reference_ops`]).
     pub fn set_reference_ops(&mut self, ops: ReferenceOps) {
         self.encoder.set_reference_ops(ops);
+    }
+
+    /// Runs the encoder layers on the real tokens alone (see [`BertEncoder::set_unpad`]).
+    pub fn set_unpad(&mut self, unpad: bool) {
+        self.encoder.set_unpad(unpad);
     }
 
     /// Chooses the dtype the model computes in (Note [Autocast] in `precision.rs`); check

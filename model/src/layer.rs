@@ -15,6 +15,7 @@ use crate::BertConfig;
 use crate::attention::{BertSelfAttention, BertSelfOutput};
 use crate::bert::{dense, hidden_act, layer_norm, reference_dropout, training};
 use crate::precision::{dense_as, dense_parts, layer_norm_f32};
+use crate::unpad::Unpadding;
 use crate::weight_casts::LayerParams;
 use crate::weight_casts::{bias_pair, gamma_beta_pairs};
 
@@ -143,10 +144,35 @@ impl<B: FusedOps> BertLayer<B> {
     /// - `mask_bias`: `[B, S]`, 0 for real keys, −10000 for padded ones
     /// - output: `[B, S, H]`
     pub fn forward(&self, hidden_states: Tensor<B, 3>, mask_bias: Tensor<B, 2>) -> Tensor<B, 3> {
+        self.forward_rows(hidden_states, mask_bias, None)
+    }
+
+    /// [`BertLayer::forward`] of the padding-free rows of Note [Padding removed] in
+    /// `unpad.rs`: the same values at the real tokens, with the same dropout masks.
+    ///
+    /// # Shapes
+    /// - `hidden_states`: `[1, T, H]`, the real tokens of `unpadding`'s batch
+    /// - `mask_bias`: `[B, S]`, as for [`BertLayer::forward`]
+    /// - output: `[1, T, H]`
+    pub fn forward_unpadded(
+        &self,
+        hidden_states: Tensor<B, 3>,
+        mask_bias: Tensor<B, 2>,
+        unpadding: &Unpadding<B>,
+    ) -> Tensor<B, 3> {
+        self.forward_rows(hidden_states, mask_bias, Some(unpadding))
+    }
+
+    fn forward_rows(
+        &self,
+        hidden_states: Tensor<B, 3>,
+        mask_bias: Tensor<B, 2>,
+        unpadding: Option<&Unpadding<B>>,
+    ) -> Tensor<B, 3> {
         if self.kernels.fused::<B>() {
-            self.forward_fused(hidden_states, mask_bias)
+            self.forward_fused(hidden_states, mask_bias, unpadding)
         } else {
-            self.forward_reference(hidden_states, mask_bias)
+            self.forward_reference(hidden_states, mask_bias, unpadding)
         }
     }
 
@@ -168,8 +194,21 @@ impl<B: FusedOps> BertLayer<B> {
     /// is on, as Burn's `Dropout` does. An op among the layer's reference ops runs as the
     /// reference path's composition instead, with the fused path's dropout op (Note [Fused
     /// where it pays]).
-    fn forward_fused(&self, hidden_states: Tensor<B, 3>, mask_bias: Tensor<B, 2>) -> Tensor<B, 3> {
-        let [batch, seq_len, hidden] = hidden_states.dims();
+    ///
+    /// With `unpadding`, the rows are the packed real tokens and the attention core runs on
+    /// the padded layout (Note [Padding removed]).
+    fn forward_fused(
+        &self,
+        hidden_states: Tensor<B, 3>,
+        mask_bias: Tensor<B, 2>,
+        unpadding: Option<&Unpadding<B>>,
+    ) -> Tensor<B, 3> {
+        let [_, _, hidden] = hidden_states.dims();
+        let [batch, seq_len] = mask_bias.dims();
+        let pad = |x: Tensor<B, 3>| match unpadding {
+            Some(u) => u.pad(x),
+            None => x,
+        };
         let dtype = hidden_states.dtype();
         let training = training(&hidden_states);
         let dropout = |p: f64| {
@@ -199,11 +238,12 @@ impl<B: FusedOps> BertLayer<B> {
                 weight_copy,
                 Some(bias),
             );
-            ember_backend_ext::attention_qkv(qkv, heads, mask_bias, scale, attention_dropout)
+            ember_backend_ext::attention_qkv(pad(qkv), heads, mask_bias, scale, attention_dropout)
         } else {
-            let q = split_heads(dense_as(&self_attention.query, hidden_states.clone()));
-            let k = split_heads(dense_as(&self_attention.key, hidden_states.clone()));
-            let v = split_heads(dense_as(&self_attention.value, hidden_states.clone()));
+            let project = |linear| split_heads(pad(dense_as(linear, hidden_states.clone())));
+            let q = project(&self_attention.query);
+            let k = project(&self_attention.key);
+            let v = project(&self_attention.value);
             if self.runs_fused(FusedOp::Attention) {
                 ember_backend_ext::attention(q, k, v, mask_bias, scale, attention_dropout)
             } else {
@@ -212,6 +252,10 @@ impl<B: FusedOps> BertLayer<B> {
         }
         .swap_dims(1, 2);
         let context = ember_backend_ext::reshape(context, [batch, seq_len, hidden]);
+        let context = match unpadding {
+            Some(u) => u.unpad(context),
+            None => context,
+        };
 
         // The biases, γ and β as f32 masters beside their copies in `dtype`: their gradients
         // come out of the fused ops' backward in f32 (Note [Parameter gradients in f32] in
@@ -222,6 +266,7 @@ impl<B: FusedOps> BertLayer<B> {
             (&output.dense, &output.layer_norm),
             hidden_states,
             dropout(output.dropout.prob),
+            unpadding,
         );
 
         let dense = &self.intermediate.dense;
@@ -241,6 +286,7 @@ impl<B: FusedOps> BertLayer<B> {
             (&self.output.dense, &self.output.layer_norm),
             attention_output,
             dropout(self.output.dropout.prob),
+            unpadding,
         )
     }
 
@@ -248,13 +294,36 @@ impl<B: FusedOps> BertLayer<B> {
     /// its bias, then the fused bias + dropout + residual + LayerNorm of the masters and their
     /// copies, or (`layer_norm` among the reference ops) the dense layer with its bias, the
     /// dropout op, the sum and Burn's `LayerNorm` in f32, as the reference path.
+    ///
+    /// Packed rows with dropout (Note [Padding removed]): the dense layer with its bias, the
+    /// dropout of [`Unpadding::dropout`] (the padded rows' masks), then the LayerNorm of the
+    /// sum (fused: with a zero bias and no dropout inside).
     fn dense_dropout_add_norm(
         &self,
         x: Tensor<B, 3>,
         (dense, norm): (&Linear<B>, &LayerNorm<B>),
         residual: Tensor<B, 3>,
         dropout: DropoutSpec,
+        unpadding: Option<&Unpadding<B>>,
     ) -> Tensor<B, 3> {
+        if let Some(u) = unpadding.filter(|_| dropout.enabled()) {
+            let dropped = u.dropout(dense_as(dense, x), dropout);
+            return if self.runs_fused(FusedOp::LayerNorm) {
+                let dtype = dropped.dtype();
+                let (gamma, beta) = gamma_beta_pairs(norm, dtype);
+                let zero_bias = (gamma.0.zeros_like(), gamma.1.zeros_like());
+                ember_backend_ext::bias_dropout_add_layer_norm_of_masters(
+                    dropped,
+                    zero_bias,
+                    residual,
+                    (gamma, beta),
+                    DropoutSpec::NONE,
+                    self.layer_norm_eps,
+                )
+            } else {
+                layer_norm_f32(norm, dropped + residual)
+            };
+        }
         if self.runs_fused(FusedOp::LayerNorm) {
             let dtype = x.dtype();
             ember_backend_ext::bias_dropout_add_layer_norm_of_masters(
@@ -271,22 +340,52 @@ impl<B: FusedOps> BertLayer<B> {
     }
 
     /// The module-by-module composition, Hugging Face's `BertLayer.forward`.
+    ///
+    /// With `unpadding` (Note [Padding removed]), the self-attention module, its Q, K and V
+    /// projections included, runs on the padded layout; the rest on the packed rows, each
+    /// dropout on the padded layout.
     fn forward_reference(
         &self,
         hidden_states: Tensor<B, 3>,
         mask_bias: Tensor<B, 2>,
+        unpadding: Option<&Unpadding<B>>,
     ) -> Tensor<B, 3> {
         let attention = &self.attention;
-        let context = attention
-            .self_attention
-            .forward(hidden_states.clone(), mask_bias);
-        let attention_output = attention.output.forward(context, hidden_states);
+        let Some(u) = unpadding else {
+            let context = attention
+                .self_attention
+                .forward(hidden_states.clone(), mask_bias);
+            let attention_output = attention.output.forward(context, hidden_states);
+            return self.feed_forward_reference(attention_output, reference_dropout);
+        };
+        let context = u.around(hidden_states.clone(), |padded| {
+            attention.self_attention.forward(padded, mask_bias)
+        });
+        let packed_dropout = |x: Tensor<B, 3>, dropout: &Dropout| {
+            if training(&x) {
+                u.around(x, |padded| reference_dropout(padded, dropout))
+            } else {
+                x
+            }
+        };
+        let output = &attention.output;
+        let x = packed_dropout(dense_as(&output.dense, context), &output.dropout);
+        let attention_output = layer_norm_f32(&output.layer_norm, x + hidden_states);
+        self.feed_forward_reference(attention_output, packed_dropout)
+    }
 
+    /// The reference path's feed-forward block: dense, GELU, dense, `dropout`, the residual
+    /// add and LayerNorm.
+    fn feed_forward_reference(
+        &self,
+        attention_output: Tensor<B, 3>,
+        dropout: impl Fn(Tensor<B, 3>, &Dropout) -> Tensor<B, 3>,
+    ) -> Tensor<B, 3> {
         let intermediate = hidden_act(
             dense_as(&self.intermediate.dense, attention_output.clone()),
             self.hidden_act,
         ); // [B, S, I]
-        let x = reference_dropout(
+        let x = dropout(
             dense_as(&self.output.dense, intermediate),
             &self.output.dropout,
         );

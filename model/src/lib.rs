@@ -44,6 +44,7 @@ mod layer;
 mod precision;
 mod pretrained;
 mod pretraining;
+mod unpad;
 mod vocab_padding;
 mod weight_casts;
 
@@ -65,4 +66,5 @@ pub use pretraining::{
     BertForPreTraining, BertLMPredictionHead, BertPreTrainingHeads, BertPredictionHeadTransform,
     PreTrainingLoss, PreTrainingOutput, cross_entropy,
 };
+pub use unpad::Unpadding;
 pub use vocab_padding::padded_vocab_size;

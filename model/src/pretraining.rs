@@ -131,6 +131,21 @@ impl<B: Backend> BertForPreTraining<B> {
         self.set_reference_ops(ops);
         self
     }
+
+    /// Runs the encoder layers on the real tokens alone (see [`BertEncoder::set_unpad`]):
+    /// the same outputs and, up to rounding, the same gradients, without the padded rows'
+    /// work.
+    ///
+    /// [`BertEncoder::set_unpad`]: crate::BertEncoder::set_unpad
+    pub fn set_unpad(&mut self, unpad: bool) {
+        self.bert.set_unpad(unpad);
+    }
+
+    /// Builder form of [`BertForPreTraining::set_unpad`].
+    pub fn with_unpad(mut self, unpad: bool) -> Self {
+        self.set_unpad(unpad);
+        self
+    }
 }
 
 impl<B: FusedOps> BertForPreTraining<B> {

@@ -20,12 +20,12 @@ use ember_trainer::config::OptimizerConfig;
 use ember_trainer::optim::PreTrainingOptimizer;
 
 pub(crate) struct Batch<B: AutodiffBackend> {
-    input_ids: Tensor<B, 2, Int>,
-    segment_ids: Tensor<B, 2, Int>,
-    input_mask: Tensor<B, 2, Int>,
-    positions: Tensor<B, 1, Int>,
-    labels: Tensor<B, 1, Int>,
-    next_sentence_labels: Tensor<B, 1, Int>,
+    pub(crate) input_ids: Tensor<B, 2, Int>,
+    pub(crate) segment_ids: Tensor<B, 2, Int>,
+    pub(crate) input_mask: Tensor<B, 2, Int>,
+    pub(crate) positions: Tensor<B, 1, Int>,
+    pub(crate) labels: Tensor<B, 1, Int>,
+    pub(crate) next_sentence_labels: Tensor<B, 1, Int>,
 }
 
 /// Three sequences of 37 tokens, the second padded after 20, the third after 1.

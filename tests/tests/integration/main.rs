@@ -24,6 +24,7 @@ mod pretrained;
 mod reference_ops;
 mod shard_training;
 mod train;
+mod unpad;
 mod vocab_padding;
 
 /// The wgpu backend of these tests (Mesa's lavapipe in CI): CubeCL's wgpu runtime wrapped in

@@ -29,8 +29,8 @@ use ember_model::{BertConfig, FusedOp, Kernels, Precision, Preset, ReferenceOps}
 use crate::fused_training::{assert_gradients_within, batch, loss_and_gradients, seeded_model};
 
 /// Every vector parameter (biases, γ, β) drawn from N(0.2, 0.5).
-struct RandomVectors<'a, B: AutodiffBackend> {
-    device: &'a B::Device,
+pub(crate) struct RandomVectors<'a, B: AutodiffBackend> {
+    pub(crate) device: &'a B::Device,
 }
 
 impl<B: AutodiffBackend> ModuleMapper<B> for RandomVectors<'_, B> {

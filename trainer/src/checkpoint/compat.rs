@@ -10,7 +10,7 @@
 //! end, as Hugging Face's Trainer does on `resume_from_checkpoint` with more epochs), the
 //! evaluation and logging cadence, the init passes (`train.init_passes`), the evaluation set (`data.eval_shards`), the checkpoint
 //! cadence, the output folder, the kernels, the GEMMs (`model.gemm_threads`, `model.gemm`,
-//! `model.cublaslt_sync`, `model.qkv_projections`, `model.reference_ops`), the
+//! `model.cublaslt_sync`, `model.qkv_projections`, `model.reference_ops`, `model.unpad`), the
 //! bucket sizes, the reader's prefetch, the handling of bad input (`skip_bad_shards`,
 //! `strict`), the collectives' timeout, and the
 //! precision (`train.precision`, `loss_scale`, `parallel.allreduce_dtype`: the checkpoint

@@ -82,6 +82,14 @@ pub struct ModelSection {
     /// separated by commas, or `none`. The values are the same within rounding. Default: none.
     #[arg(long)]
     pub reference_ops: ember_model::ReferenceOps,
+    /// Run the encoder layers on the batch's real tokens alone (NVIDIA's MLPerf BERT
+    /// `--unpad`; Samsung's "padding removed"): the dense layers, LayerNorms and GELUs skip
+    /// the padded rows, which with stratified batches are about half of them. The attention
+    /// core still runs padded, and the hidden dropout keeps the padded model's masks (Note
+    /// [Padding removed] in model/src/unpad.rs). The same values within rounding.
+    /// Default: false.
+    #[arg(long)]
+    pub unpad: bool,
 }
 
 impl Default for ModelSection {
@@ -98,6 +106,7 @@ impl Default for ModelSection {
             cublaslt_sync: ember_backend_ext::CublasltSync::Host,
             qkv_projections: ember_model::QkvProjections::Auto,
             reference_ops: ember_model::ReferenceOps::NONE,
+            unpad: false,
         }
     }
 }

@@ -232,6 +232,7 @@ fn init_model<B: GradHookBackend>(
         .encoder
         .set_qkv_projections(config.model.qkv_projections);
     model.set_reference_ops(config.model.reference_ops);
+    model.set_unpad(config.model.unpad);
     // Burn initialises parameters lazily, at their first use: draw them all now, in module
     // order, while this rank holds the generator.
     struct Materialize;
