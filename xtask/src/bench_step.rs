@@ -46,9 +46,18 @@ pub struct StepArgs {
     /// Samples per step, one per preset or one for all
     #[arg(long, value_delimiter = ',', default_value = "64,32")]
     batch_size: Vec<usize>,
-    /// Sequence length (every sample padded to it)
+    /// Maximum sequence length of the samples (`instances.max_seq_length`)
     #[arg(long, default_value_t = 128)]
     seq_len: usize,
+    /// How batches are padded (`data.padding`): max (every sample to --seq-len), dynamic (each
+    /// batch to its longest sample, the trainer's default) or grouped
+    #[arg(long, default_value = "dynamic")]
+    padding: ember_data::Padding,
+    /// Whether the encoder runs on the real tokens alone (`model.unpad`; Note [Padding
+    /// removed]): false, true, or both (`false,true`: a row each, and the unpadded rows'
+    /// samples/s over the padded ones')
+    #[arg(long, value_delimiter = ',', default_value = "false")]
+    unpad: Vec<bool>,
     /// Masked positions per sample
     #[arg(long, default_value_t = 20)]
     max_predictions: usize,
@@ -203,6 +212,7 @@ fn config(
     config.loss_scale.mode = args.loss_scale;
     config.parallel.bucket_cap_mb = args.bucket_cap_mb;
     config.parallel.clip = args.clip;
+    config.data.padding = args.padding;
     config
 }
 
@@ -263,9 +273,9 @@ fn bench<B: GradHookBackend>(
         args.reference_ops
     );
     println!(
-        "| model | batch × seq | buckets | step ms | backward ms | samples/s | host syncs in backward | host syncs per step | kernel launches per step | first step s |"
+        "| model | batch × seq | buckets | unpad | step ms | backward ms | samples/s | × padded | host syncs in backward | host syncs per step | kernel launches per step | first step s |"
     );
-    println!("|---|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut by_kernel = Vec::new();
     for (i, &preset) in args.presets.iter().enumerate() {
         let batch_size = *args
@@ -273,8 +283,14 @@ fn bench<B: GradHookBackend>(
             .get(i)
             .or(args.batch_size.last())
             .context("--batch-size needs a value")?;
-        for &buckets in &args.buckets {
-            let name = format!("{preset}-{buckets}");
+        // The padded row of the same bucket storage, for the unpadded row's ratio.
+        let mut padded_samples_s: Option<f64> = None;
+        for (&buckets, &unpad) in args
+            .buckets
+            .iter()
+            .flat_map(|b| args.unpad.iter().map(move |u| (b, u)))
+        {
+            let name = format!("{preset}-{buckets}-unpad-{unpad}");
             let mut run = config(
                 preset,
                 batch_size,
@@ -283,6 +299,7 @@ fn bench<B: GradHookBackend>(
                 &dir.path().join(&name),
             );
             run.parallel.buckets = buckets;
+            run.model.unpad = unpad;
             let counted = train(
                 &run,
                 &data,
@@ -328,12 +345,19 @@ fn bench<B: GradHookBackend>(
                     .to_string(),
                 None => "–".to_string(),
             };
+            let samples_s = batch_size as f64 / step_s;
+            if !unpad {
+                padded_samples_s = Some(samples_s);
+            }
             println!(
-                "| {preset} | {batch_size} × {} | {buckets} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {first_step_s:.1} |",
+                "| {preset} | {batch_size} × {} | {buckets} | {unpad} | {:.1} | {:.1} | {samples_s:.1} | {} | {} | {} | {} | {first_step_s:.1} |",
                 args.seq_len,
                 step_s * 1e3,
                 backward_s * 1e3,
-                batch_size as f64 / step_s,
+                match padded_samples_s {
+                    Some(padded) if unpad => format!("{:.2}×", samples_s / padded),
+                    _ => "–".to_string(),
+                },
                 most("host_syncs_backward", counter),
                 most("host_syncs_step", counter),
                 match launches {
