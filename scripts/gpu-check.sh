@@ -9,7 +9,8 @@
 #                                       # 2026-12-06, 16 minutes on 2 cores)
 #   scripts/gpu-check.sh run [PART...]  # on the GPU machine; PART: launch, step, gemm, kernels,
 #                                       # bench-kernels, resume, onebit, train-step, largest-batch,
-#                                       # streaming, precision, embed, init-passes, vocab, or all
+#                                       # streaming, precision, embed, init-passes, vocab, unpad,
+#                                       # or all
 #                                       # (default: launch kernels step gemm, one device call's
 #                                       # 8 minutes);
 #                                       # logs in $OUT (or
@@ -149,6 +150,12 @@
 #                  every GEMM path in f32 and bf16 (and torch.matmul), the cuBLASLt step unpadded
 #                  and padded to 8, and `bench train-step` bf16 at seq 128 with both models
 #                  padded to 8 against PyTorch. About 3 minutes (estimated; not run yet).
+#   unpad          padding removed (`model.unpad`, Note [Padding removed] in model/src/unpad.rs):
+#                  `bench step` on BERT-large, padded and unpadded, on the embedded corpus with
+#                  dynamic padding, seq 128 batch 32 and seq 512 batch 16: step time, samples/s,
+#                  the unpadded row's ratio to the padded one (`× padded`), launches (the
+#                  gathers, scatters and the hidden dropout's pad/unpad add some). About 4
+#                  minutes (estimated; not run yet).
 #
 # The GPU machine needs the NVIDIA driver, and NCCL for `step`: cubecl-cuda and cudarc load
 # libcuda, nvrtc and libnccl at run time. ember finds NVRTC and NCCL by itself (Note [CUDA
@@ -184,7 +191,7 @@ build)
     ;;
 run)
     shift
-    all=(launch step gemm kernels bench-kernels resume onebit train-step largest-batch streaming precision embed init-passes vocab)
+    all=(launch step gemm kernels bench-kernels resume onebit train-step largest-batch streaming precision embed init-passes vocab unpad)
     parts=("$@")
     # No part named: the four that fit one device call (about 8 minutes: the launch path, the
     # kernel tests, the training step, the GEMMs); `all`: every part in order, far more than
@@ -503,13 +510,23 @@ PY
                 --seq-len 128 --precision bf16 --steps 3 --rounds 2 "${reference[@]}" \
                 --make-vocab-size-divisible-by 8 --out "$out/vocab-train-step" 2>&1 | tail -10 || status=$?
             ;;
+        unpad)
+            echo "== padding removed (model.unpad): BERT-large steps padded and unpadded on the embedded corpus"
+            echo "   (dynamic padding: each batch to its longest sample), seq 128 batch 32, seq 512 batch 16"
+            timeout 240 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
+                --seq-len 128 --steps 4 --buckets device --unpad false,true 2>&1 \
+                | grep -E "^GEMMs|^\| (model|large)|rror" | tee "$out/unpad.md" || status=$?
+            timeout 240 "$dir/xtask" bench step --device cuda --presets large --batch-size 16 \
+                --seq-len 512 --max-predictions 76 --steps 4 --buckets device --unpad false,true 2>&1 \
+                | grep -E "^\| (model|large)|rror" | tee -a "$out/unpad.md" || status=$?
+            ;;
         esac
         echo "== $(( SECONDS - start )) s: $part"
     done
     exit $status
     ;;
 *)
-    echo "usage: $0 build | run [all | launch|step|gemm|kernels|bench-kernels|resume|onebit|train-step|largest-batch|streaming|precision|embed|init-passes|vocab ...]" >&2
+    echo "usage: $0 build | run [all | launch|step|gemm|kernels|bench-kernels|resume|onebit|train-step|largest-batch|streaming|precision|embed|init-passes|vocab|unpad ...]" >&2
     exit 2
     ;;
 esac
