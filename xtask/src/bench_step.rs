@@ -46,13 +46,10 @@ pub struct StepArgs {
     /// Samples per step, one per preset or one for all
     #[arg(long, value_delimiter = ',', default_value = "64,32")]
     batch_size: Vec<usize>,
-    /// Maximum sequence length of the samples (`instances.max_seq_length`)
+    /// Maximum sequence length of the samples (`instances.max_seq_length`); each batch is
+    /// padded to its longest sample
     #[arg(long, default_value_t = 128)]
     seq_len: usize,
-    /// How batches are padded (`data.padding`): max (every sample to --seq-len), dynamic (each
-    /// batch to its longest sample, the trainer's default) or grouped
-    #[arg(long, default_value = "dynamic")]
-    padding: ember_data::Padding,
     /// Whether the encoder runs on the real tokens alone (`model.unpad`; Note [Padding
     /// removed]): false, true, or both (`false,true`: a row each, and the unpadded rows'
     /// samples/s over the padded ones')
@@ -212,7 +209,6 @@ fn config(
     config.loss_scale.mode = args.loss_scale;
     config.parallel.bucket_cap_mb = args.bucket_cap_mb;
     config.parallel.clip = args.clip;
-    config.data.padding = args.padding;
     config
 }
 
@@ -273,9 +269,9 @@ fn bench<B: GradHookBackend>(
         args.reference_ops
     );
     println!(
-        "| model | batch × seq | buckets | unpad | step ms | backward ms | samples/s | × padded | host syncs in backward | host syncs per step | kernel launches per step | first step s |"
+        "| model | batch × seq | buckets | unpad | real tokens per step | step ms | backward ms | samples/s | × padded | host syncs in backward | host syncs per step | kernel launches per step | first step s |"
     );
-    println!("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut by_kernel = Vec::new();
     for (i, &preset) in args.presets.iter().enumerate() {
         let batch_size = *args
@@ -346,11 +342,17 @@ fn bench<B: GradHookBackend>(
                 None => "–".to_string(),
             };
             let samples_s = batch_size as f64 / step_s;
+            // The real (unpadded) tokens of the timed steps, each batch padded to its longest
+            // sample.
+            let tokens = mean(records.windows(2).map(|w| {
+                w[1]["tokens"].as_f64().unwrap_or(f64::NAN)
+                    - w[0]["tokens"].as_f64().unwrap_or(f64::NAN)
+            }));
             if !unpad {
                 padded_samples_s = Some(samples_s);
             }
             println!(
-                "| {preset} | {batch_size} × {} | {buckets} | {unpad} | {:.1} | {:.1} | {samples_s:.1} | {} | {} | {} | {} | {first_step_s:.1} |",
+                "| {preset} | {batch_size} × {} | {buckets} | {unpad} | {tokens:.0} | {:.1} | {:.1} | {samples_s:.1} | {} | {} | {} | {} | {first_step_s:.1} |",
                 args.seq_len,
                 step_s * 1e3,
                 backward_s * 1e3,
