@@ -269,6 +269,8 @@ fn ember_fits(
         .args(["--batch-size", &batch.to_string()])
         .args(["--seq-len", &seq_len.to_string()])
         .args(["--max-predictions", &args.max_predictions.to_string()])
+        .args(["--lengths", args.lengths.name()])
+        .args(["--unpad", &args.unpad[0].to_string()])
         .args(["--threads", &threads.to_string()])
         .args(["--gemm", args.gemm.name()])
         .args(["--cublaslt-sync", args.cublaslt_sync.name()])
@@ -350,7 +352,7 @@ fn reference_search(
         config.init_for_pretraining(&Default::default());
     model.save_hf_safetensors(&dir.path().join("model.safetensors"))?;
     std::fs::write(dir.path().join("config.json"), config.to_hf_json())?;
-    HostInputs::random(tokens, start, seq_len, args.max_predictions)
+    HostInputs::random(tokens, start, seq_len, args.max_predictions, args.lengths)
         .write_safetensors(&dir.path().join("batch.safetensors"))?;
     let optimizer = OptimizerConfig {
         lr: args.lr,
@@ -414,8 +416,15 @@ pub(crate) fn probe<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     crate::bench_train_step_ember::check_shape(&config, seq_len, args.max_predictions)?;
     let mut model: BertForPreTraining<B> = config.init_for_pretraining(device);
     model.set_precision(precision);
+    model.set_unpad(args.unpad[0]);
     let tokens = crate::bench_train_step_ember::token_vocab(preset);
-    let inputs = HostInputs::random(tokens, batch_size, seq_len, args.max_predictions);
+    let inputs = HostInputs::random(
+        tokens,
+        batch_size,
+        seq_len,
+        args.max_predictions,
+        args.lengths,
+    );
     let mut ember = EmberStep::new(model, &inputs, args.lr, device, None);
     ember.timed_steps(2);
     let reserved = ember.reserved.map_or(String::new(), |bytes| {

@@ -124,9 +124,11 @@ pub fn setup_reference() -> Result<()> {
 
 /// The inputs of one configuration, on the host (ember's tensors and the reference's file are
 /// made from the same vectors).
-pub(crate) struct HostInputs {
+pub struct HostInputs {
     batch_size: usize,
     seq_len: usize,
+    /// Each sample's real tokens; the rest of its `seq_len` is padding.
+    lengths: Vec<usize>,
     input_ids: Vec<i64>,
     segment_ids: Vec<i64>,
     positions: Vec<i64>, // [B, P] positions within each sequence
@@ -134,44 +136,99 @@ pub(crate) struct HostInputs {
     next_sentence: Vec<i64>,
 }
 
+/// The samples' lengths in a benchmark's batch (`--lengths`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Lengths {
+    /// Every sample `seq_len` real tokens: no padding.
+    Full,
+    /// MLPerf's stratified batches as Samsung's MLPerf BERT draws them (`--split_batch_cnt 6
+    /// 3 2 5`): of every 16 samples, 6 / 3 / 2 / 5 from the four quarters of `seq_len`
+    /// (1–128, 129–256, 257–384 and 385–512 tokens at 512), each length uniform in its
+    /// quarter but above the masked positions; the batch padded to `seq_len`.
+    Stratified,
+}
+
+impl Lengths {
+    /// The flag's value.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Lengths::Full => "full",
+            Lengths::Stratified => "stratified",
+        }
+    }
+
+    /// The real tokens of sample `i` of a batch padded to `seq_len` with `predictions` masked
+    /// positions per sample, `draw(n)` uniform in `0..n`.
+    fn of(
+        self,
+        i: usize,
+        seq_len: usize,
+        predictions: usize,
+        draw: &mut impl FnMut(usize) -> i64,
+    ) -> usize {
+        match self {
+            Lengths::Full => seq_len,
+            Lengths::Stratified => {
+                const QUOTA: [usize; 16] = [0, 0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3, 3, 3];
+                let bin = QUOTA[i % 16];
+                let low = (bin * seq_len / 4 + 1).max(predictions + 1).min(seq_len);
+                let high = ((bin + 1) * seq_len / 4).max(low);
+                low + draw(high - low + 1) as usize
+            }
+        }
+    }
+}
+
 impl HostInputs {
-    /// A random batch without padding: tokens drawn from the `tokens` ids of the vocabulary
-    /// (the tokenizer's: below a padded model's padding rows) above the special ids, segment B the second half, `predictions` distinct sorted positions per sequence
-    /// (never [CLS] at 0), labels drawn from the vocabulary. SplitMix64 from a fixed seed.
-    pub(crate) fn random(
+    /// A random batch: tokens drawn from the `tokens` ids of the vocabulary (the tokenizer's:
+    /// below a padded model's padding rows) above the special ids, each sample `lengths`
+    /// long and padded with id 0 (`[PAD]`, segment 0, mask 0) to `seq_len`, segment B the
+    /// second half of its real tokens, `predictions` distinct sorted positions among its real
+    /// tokens (never [CLS] at 0), labels drawn from the vocabulary. SplitMix64 from a fixed
+    /// seed; `Lengths::Full` draws the batch of before `--lengths` existed.
+    pub fn random(
         tokens: usize,
         batch_size: usize,
         seq_len: usize,
         predictions: usize,
+        lengths: Lengths,
     ) -> Self {
         let mut state = 0x5eed_u64;
         let mut next = move |bound: usize| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            ((z ^ (z >> 31)) % bound as u64) as i64
+            let value = splitmix64(state);
+            state = state.wrapping_add(SPLITMIX_GAMMA);
+            (value % bound as u64) as i64
         };
         let vocab = tokens - 1000;
         let mut inputs = HostInputs {
             batch_size,
             seq_len,
+            lengths: Vec::new(),
             input_ids: Vec::new(),
             segment_ids: Vec::new(),
             positions: Vec::new(),
             labels: Vec::new(),
             next_sentence: Vec::new(),
         };
-        for _ in 0..batch_size {
+        // Stratified lengths from a generator of their own: the full batch's draws unchanged.
+        let mut length_state = 0x1e_9775_u64;
+        let mut draw_length = move |bound: usize| {
+            let value = splitmix64(length_state);
+            length_state = length_state.wrapping_add(SPLITMIX_GAMMA);
+            (value % bound as u64) as i64
+        };
+        for sample in 0..batch_size {
+            let len = lengths.of(sample, seq_len, predictions, &mut draw_length);
+            inputs.lengths.push(len);
             inputs
                 .input_ids
-                .extend((0..seq_len).map(|_| 1000 + next(vocab)));
+                .extend((0..seq_len).map(|i| if i < len { 1000 + next(vocab) } else { 0 }));
             inputs
                 .segment_ids
-                .extend((0..seq_len).map(|i| i64::from(i >= seq_len / 2)));
+                .extend((0..seq_len).map(|i| i64::from(i >= len / 2 && i < len)));
             let mut chosen: Vec<i64> = Vec::new();
             while chosen.len() < predictions {
-                let p = 1 + next(seq_len - 1);
+                let p = 1 + next(len - 1);
                 if !chosen.contains(&p) {
                     chosen.push(p);
                 }
@@ -188,6 +245,34 @@ impl HostInputs {
 
     pub(crate) fn predictions(&self) -> usize {
         self.positions.len()
+    }
+
+    /// `[B, S]` row-major: 1 at each sample's real tokens, 0 at its padding.
+    pub fn input_mask(&self) -> Vec<i64> {
+        self.lengths
+            .iter()
+            .flat_map(|&len| (0..self.seq_len).map(move |i| i64::from(i < len)))
+            .collect()
+    }
+
+    /// The real tokens of the batch.
+    pub fn real_tokens(&self) -> usize {
+        self.lengths.iter().sum()
+    }
+
+    /// Each sample's real tokens.
+    pub fn lengths(&self) -> &[usize] {
+        &self.lengths
+    }
+
+    /// `[B, S]` row-major token ids, 0 (`[PAD]`) at the padding.
+    pub fn input_ids(&self) -> &[i64] {
+        &self.input_ids
+    }
+
+    /// `[B, P]` row-major masked positions within each sample.
+    pub fn positions(&self) -> &[i64] {
+        &self.positions
     }
 
     pub(crate) fn batch<B: burn::tensor::backend::Backend>(&self, device: &B::Device) -> Batch<B> {
@@ -209,7 +294,7 @@ impl HostInputs {
         Batch {
             input_ids: int2(&self.input_ids),
             segment_ids: int2(&self.segment_ids),
-            input_mask: int2(&vec![1; b * s]),
+            input_mask: int2(&self.input_mask()),
             masked_lm_flat_positions: int1(flat),
             masked_lm_labels: int1(self.labels.clone()),
             next_sentence_labels: int1(self.next_sentence.clone()),
@@ -238,7 +323,7 @@ impl HostInputs {
                 "attention_mask",
                 Dtype::I64,
                 vec![b, s],
-                bytes(&vec![1; b * s]),
+                bytes(&self.input_mask()),
             ),
             (
                 "masked_lm_positions",
@@ -379,4 +464,15 @@ impl Drop for Reference {
         let _ = writeln!(self.stdin, "{}", json!({"cmd": "quit"}));
         let _ = self.child.wait();
     }
+}
+
+/// SplitMix64's increment (Steele, Lea & Flood 2014).
+const SPLITMIX_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// SplitMix64's output for `state`: the state advanced by [`SPLITMIX_GAMMA`], finalised.
+fn splitmix64(state: u64) -> u64 {
+    let mut z = state.wrapping_add(SPLITMIX_GAMMA);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }

@@ -51,7 +51,7 @@ use ember_trainer::blas::GemmThreads;
 use ember_trainer::config::OptimizerConfig;
 use serde_json::{Value, json};
 
-use crate::bench_reference::{HostInputs, Reference, reference_python};
+use crate::bench_reference::{HostInputs, Lengths, Reference, reference_python};
 use crate::bench_train_step_ember::EmberStep;
 use crate::bench_train_step_report::{ReferenceResult, Row, row_line};
 
@@ -82,6 +82,17 @@ pub struct TrainStepArgs {
     /// Masked positions per sequence
     #[arg(long, default_value_t = 20)]
     pub(crate) max_predictions: usize,
+    /// The samples' real lengths: full (every sample --seq-len tokens, no padding) or
+    /// stratified (MLPerf's stratified batches as Samsung's MLPerf BERT draws them: of every
+    /// 16 samples 6 / 3 / 2 / 5 from the four quarters of --seq-len, padded to it; both sides
+    /// get the same padded batch and attention mask)
+    #[arg(long, value_enum, default_value = "full")]
+    pub(crate) lengths: Lengths,
+    /// Whether ember's encoder runs on the real tokens alone (`model.unpad`, Note [Padding
+    /// removed]): false, true, or both (`false,true`: a row each, their steps alternating in
+    /// every round)
+    #[arg(long, value_delimiter = ',', default_value = "false")]
+    pub(crate) unpad: Vec<bool>,
     /// Timed steps per round and side
     #[arg(long, default_value_t = 3)]
     steps: usize,
@@ -155,6 +166,9 @@ pub fn run(args: TrainStepArgs) -> Result<()> {
     }
     if args.steps == 0 || args.rounds == 0 {
         bail!("--steps and --rounds must be at least 1");
+    }
+    if args.unpad.is_empty() {
+        bail!("--unpad needs at least one value (false, true)");
     }
     if args.gemm_threads.is_empty() {
         bail!("--gemm-threads needs at least one value (rayon, blas)");
@@ -257,6 +271,14 @@ fn bench_cuda(_: &TrainStepArgs, _: Option<&Path>, _: usize) -> Result<()> {
     )
 }
 
+/// One of a configuration's ember rows: its CPU GEMM threads (`None` on GPUs) and whether
+/// its encoder removes the padding.
+#[derive(Debug, Clone, Copy)]
+struct Variant {
+    gemm_threads: Option<GemmThreads>,
+    unpad: bool,
+}
+
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     let n = values.len();
@@ -327,12 +349,22 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
             references.push(("torch.compile", true));
         }
     }
-    // The CPU's GEMM settings to time, each a row (GPUs: one row, the setting does not apply).
-    let modes: Vec<Option<GemmThreads>> = if args.device == "cpu" {
+    // The CPU's GEMM settings to time, each a row (GPUs: one row, the setting does not apply),
+    // each with and without padding as `--unpad` asks.
+    let gemm_modes: Vec<Option<GemmThreads>> = if args.device == "cpu" {
         args.gemm_threads.iter().copied().map(Some).collect()
     } else {
         vec![None]
     };
+    let modes: Vec<Variant> = gemm_modes
+        .iter()
+        .flat_map(|&gemm_threads| {
+            args.unpad.iter().map(move |&unpad| Variant {
+                gemm_threads,
+                unpad,
+            })
+        })
+        .collect();
     let set_mode = |mode: Option<GemmThreads>| {
         if let Some(mode) = mode {
             ember_trainer::blas::set_gemm_threads(1, mode);
@@ -376,7 +408,7 @@ fn bench<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     // ember's GEMM under each setting and precision: its rate, and what runs it.
     let mut ember_gemms: Vec<(Precision, f64, String)> = Vec::new();
     for &precision in &args.precision {
-        for &mode in &modes {
+        for &mode in &gemm_modes {
             set_mode(mode);
             let gflops = ember_gemm_gflops::<B::InnerBackend>(args.gemm_size, precision, device);
             let name = match mode {
@@ -420,7 +452,7 @@ fn bench_row<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     threads: usize,
     launches: Option<fn() -> u64>,
     references: &[(&str, bool)],
-    (modes, set_mode): (&[Option<GemmThreads>], &dyn Fn(Option<GemmThreads>)),
+    (modes, set_mode): (&[Variant], &dyn Fn(Option<GemmThreads>)),
 ) -> Result<(Vec<Row>, Option<Value>, Option<f64>)> {
     let optimizer_config = OptimizerConfig {
         lr: args.lr,
@@ -436,11 +468,23 @@ fn bench_row<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     std::fs::write(dir.path().join("config.json"), config.to_hf_json())?;
     model.set_precision(precision);
     let tokens = crate::bench_train_step_ember::token_vocab(preset);
-    let inputs = HostInputs::random(tokens, batch_size, seq_len, args.max_predictions);
+    let inputs = HostInputs::random(
+        tokens,
+        batch_size,
+        seq_len,
+        args.max_predictions,
+        args.lengths,
+    );
     inputs.write_safetensors(&dir.path().join("batch.safetensors"))?;
     let parameters = burn::module::Module::num_params(&model);
     let mut ember = EmberStep::new(model, &inputs, args.lr, device, launches);
-    let ember_loss = ember.loss();
+    // Each padding mode's first loss (the same weights and batch).
+    let mut losses: Vec<(bool, f64)> = Vec::new();
+    for &unpad in &args.unpad {
+        ember.set_unpad(unpad);
+        losses.push((unpad, ember.loss()));
+    }
+    let ember_loss = losses[0].1;
     // Both losses come from the same weights and batch: f32 within 1e-3; a half precision
     // rounds every activation to its u, so 4u of the loss more.
     let tolerance = 1e-3
@@ -468,17 +512,30 @@ fn bench_row<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
             );
         }
         let loss = Reference::number(&reference.ask(json!({"cmd": "loss"}))?, "loss")?;
-        if (loss - ember_loss).abs() > tolerance {
-            bail!(
-                "{preset} {precision} batch {batch_size} seq {seq_len}: first-step loss ember {ember_loss:.6}, {name} {loss:.6}: differ by more than {tolerance:.1e}, so the two steps are not the same computation"
-            );
+        for &(unpad, ember_loss) in &losses {
+            if (loss - ember_loss).abs() > tolerance {
+                bail!(
+                    "{preset} {precision} batch {batch_size} seq {seq_len} (unpad {unpad}): first-step loss ember {ember_loss:.6}, {name} {loss:.6}: differ by more than {tolerance:.1e}, so the two steps are not the same computation"
+                );
+            }
         }
         ready = Some(reference.ready.clone());
         procs.push((name.to_string(), reference, loss, Vec::new(), None));
     }
-    // Warm-up (excluded): one step each (ember one per GEMM setting).
+    // Without a reference, the padded and unpadded steps must still agree.
+    for &(unpad, loss) in &losses[1..] {
+        if (loss - ember_loss).abs() > tolerance {
+            bail!(
+                "{preset} {precision} batch {batch_size} seq {seq_len}: first-step loss unpadded {}, padded {}: differ by more than {tolerance:.1e}",
+                if unpad { loss } else { ember_loss },
+                if unpad { ember_loss } else { loss },
+            );
+        }
+    }
+    // Warm-up (excluded): one step each (ember one per GEMM setting and padding mode).
     for mode in modes {
-        set_mode(*mode);
+        set_mode(mode.gemm_threads);
+        ember.set_unpad(mode.unpad);
         ember.step();
     }
     for (_, reference, _, _, _) in procs.iter_mut() {
@@ -491,7 +548,8 @@ fn bench_row<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     let settle = || std::thread::sleep(std::time::Duration::from_millis(500));
     for _ in 0..args.rounds {
         for (mode, times) in modes.iter().zip(ember_times.iter_mut()) {
-            set_mode(*mode);
+            set_mode(mode.gemm_threads);
+            ember.set_unpad(mode.unpad);
             settle();
             times.extend(ember.timed_steps(args.steps));
         }
@@ -527,14 +585,19 @@ fn bench_row<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
         let row = Row {
             preset,
             precision,
-            gemm_threads: *mode,
+            gemm_threads: mode.gemm_threads,
+            unpad: mode.unpad,
+            real_tokens: inputs.real_tokens(),
             batch_size,
             seq_len,
             parameters,
             flops: config.train_step_flops(batch_size, seq_len, inputs.predictions()),
             ember_s: median(times.iter().map(|(p, _)| p.iter().sum()).collect()),
             ember_phases: [0, 1, 2].map(|i| median(times.iter().map(|(p, _)| p[i]).collect())),
-            ember_loss,
+            ember_loss: losses
+                .iter()
+                .find(|(unpad, _)| *unpad == mode.unpad)
+                .map_or(ember_loss, |(_, loss)| *loss),
             ember_launches: (!launches.is_empty()).then(|| median(launches) as u64),
             ember_reserved: ember.reserved,
             references: references.clone(),

@@ -99,6 +99,15 @@ impl<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps> EmberStep<B> {
         }
     }
 
+    /// Runs the encoder on the real tokens alone from the next step on, or not
+    /// ([`BertForPreTraining::set_unpad`]).
+    pub(crate) fn set_unpad(&mut self, unpad: bool) {
+        self.model
+            .as_mut()
+            .expect("the model is held between steps")
+            .set_unpad(unpad);
+    }
+
     pub(crate) fn loss(&self) -> f64 {
         let model = self
             .model

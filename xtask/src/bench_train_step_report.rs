@@ -17,6 +17,10 @@ pub(crate) struct Row {
     pub(crate) precision: Precision,
     /// The CPU's GEMM threads of ember's step (`None` on GPUs).
     pub(crate) gemm_threads: Option<GemmThreads>,
+    /// Whether ember's encoder ran on the real tokens alone (`model.unpad`).
+    pub(crate) unpad: bool,
+    /// The batch's real tokens (B·S without padding).
+    pub(crate) real_tokens: usize,
     pub(crate) batch_size: usize,
     pub(crate) seq_len: usize,
     pub(crate) parameters: usize,
@@ -108,6 +112,18 @@ pub(crate) fn write(
         },
         n = args.gemm_size,
     );
+    if args.lengths != crate::bench_reference::Lengths::Full {
+        let (real, padded) = rows
+            .first()
+            .map_or((0, 0), |r| (r.real_tokens, r.batch_size * r.seq_len));
+        markdown.push_str(&format!(
+            "Samples of `--lengths {}`: {real} real tokens of the first row's {padded} ({:.0}%), \
+             padded for both sides; step FLOPs count the padded batch, as PyTorch computes it \
+             (an unpadded row's MFU is that work over its time).\n\n",
+            args.lengths.name(),
+            100.0 * real as f64 / padded.max(1) as f64
+        ));
+    }
     if args.make_vocab_size_divisible_by > 1 {
         markdown.push_str(&format!(
             "Both models' vocabulary padded to a multiple of {} (`--make-vocab-size-divisible-by`; \
@@ -120,16 +136,17 @@ pub(crate) fn write(
         markdown.push_str(&row_line(row, Some(peak(row.precision))));
         markdown.push('\n');
     }
-    markdown.push_str("\nember's step by phase (medians, ms): forward and losses / backward / optimizer\n\n| model | precision | batch × seq | GEMM threads | forward | backward | optimizer |\n|---|---|---|---|---|---|---|\n");
+    markdown.push_str("\nember's step by phase (medians, ms): forward and losses / backward / optimizer\n\n| model | precision | batch × seq | GEMM threads | unpad | forward | backward | optimizer |\n|---|---|---|---|---|---|---|---|\n");
     for row in rows {
         let [f, b, o] = row.ember_phases.map(|s| s * 1e3);
         markdown.push_str(&format!(
-            "| {} | {} | {} × {} | {} | {f:.1} | {b:.1} | {o:.1} |\n",
+            "| {} | {} | {} × {} | {} | {} | {f:.1} | {b:.1} | {o:.1} |\n",
             row.preset,
             row.precision,
             row.batch_size,
             row.seq_len,
-            gemm_label(row)
+            gemm_label(row),
+            row.unpad
         ));
     }
     println!("\n{markdown}");
@@ -145,6 +162,9 @@ pub(crate) fn write(
                 "preset": row.preset.name(),
                 "precision": row.precision.to_string(),
                 "gemm_threads": row.gemm_threads.map(|m| m.to_string()),
+                "unpad": row.unpad,
+                "lengths": args.lengths.name(),
+                "real_tokens": row.real_tokens,
                 "batch_size": row.batch_size,
                 "seq_len": row.seq_len,
                 "parameters": row.parameters,
@@ -185,9 +205,9 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 fn header(references: &[(&str, bool)]) -> String {
-    let mut head = "| model | params | precision | batch × seq | GEMM threads | step GFLOP | ember samples/s | ember MFU | ember launches/step | ember GiB reserved |"
+    let mut head = "| model | params | precision | batch × seq | GEMM threads | unpad | step GFLOP | ember samples/s | ember MFU | ember launches/step | ember GiB reserved |"
         .to_string();
-    let mut rule = "|---|---|---|---|---|---|---|---|---|---|".to_string();
+    let mut rule = "|---|---|---|---|---|---|---|---|---|---|---|".to_string();
     for (name, _) in references {
         head.push_str(&format!(
             " {name} samples/s | {name} MFU | {name} GiB reserved | ember / {name} |"
@@ -216,13 +236,14 @@ pub(crate) fn row_line(row: &Row, peak: Option<f64>) -> String {
         })
     };
     let mut line = format!(
-        "| {} | {:.1} M | {} | {} × {} | {} | {:.1} | {:.2} | {} | {} | {} |",
+        "| {} | {:.1} M | {} | {} × {} | {} | {} | {:.1} | {:.2} | {} | {} | {} |",
         row.preset,
         row.parameters as f64 / 1e6,
         row.precision,
         row.batch_size,
         row.seq_len,
         gemm_label(row),
+        row.unpad,
         row.flops / 1e9,
         row.batch_size as f64 / row.ember_s,
         mfu(row.ember_s),

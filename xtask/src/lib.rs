@@ -33,6 +33,7 @@ pub use bench_largest_batch::{
 };
 mod bench_onebit;
 mod bench_reference;
+pub use bench_reference::{HostInputs as BenchInputs, Lengths as BenchLengths};
 mod bench_step;
 mod bench_train_step;
 mod bench_train_step_ember;

@@ -10,6 +10,7 @@ use std::process::{Command, Output};
 
 use ember_model::{BertConfig, Preset};
 use serde_json::Value;
+use xtask::{BenchInputs, BenchLengths};
 
 mod common;
 use common::result_json;
@@ -147,6 +148,48 @@ fn train_step_bench_pads_the_vocabulary() {
     assert_eq!(row["step_flops"].as_f64(), Some(flops));
     let loss = row["ember"]["first_loss"].as_f64().unwrap();
     assert!((10.5..11.5).contains(&loss), "untrained first loss {loss}");
+}
+
+/// `--lengths stratified --unpad false,true`: a row each for the padded and the unpadded
+/// encoder on the same padded batch (Samsung's 6 / 3 / 2 / 5 quota: both samples of a batch of
+/// 2 from the first quarter of 32 tokens, above the 4 masked positions), their first losses
+/// the same within f32 rounding, the real tokens counted, the table saying what the batch is.
+#[test]
+fn train_step_bench_times_stratified_batches_padded_and_unpadded() {
+    let out = tempfile::tempdir().unwrap();
+    let output = bench(
+        "cpu",
+        out.path(),
+        &["--lengths", "stratified", "--unpad", "false,true"],
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let (json, results) = result_json(out.path());
+    let markdown = std::fs::read_to_string(json.with_extension("md")).unwrap();
+    assert!(markdown.contains("`--lengths stratified`"), "{markdown}");
+    let rows = results["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    let mut losses = Vec::new();
+    for (row, unpad) in rows.iter().zip([false, true]) {
+        assert_eq!(row["unpad"], unpad, "{row}");
+        assert_eq!(row["lengths"], "stratified");
+        let real = row["real_tokens"].as_u64().unwrap() as usize;
+        assert!(
+            (2 * (MAX_PREDICTIONS + 1)..=2 * SEQ_LEN / 4).contains(&real),
+            "real tokens {real}"
+        );
+        check_row(row, "f32");
+        losses.push(row["ember"]["first_loss"].as_f64().unwrap());
+    }
+    assert!(
+        (losses[0] - losses[1]).abs() <= 1e-5 * losses[0],
+        "padded {} and unpadded {} first losses",
+        losses[0],
+        losses[1]
+    );
 }
 
 /// A half precision where the backend has none is refused before any step, naming the flag.
@@ -552,4 +595,42 @@ fn kernel_bench_names_the_ops_slower_fused_at_the_large_shapes() {
         xtask::slower_fused(&rows[..1]),
         vec![(FusedOp::BiasGelu, "base-128: 0.50x".to_string())]
     );
+}
+
+/// Samsung's quota per 16 samples from the quarters of the sequence, every length above
+/// the masked positions, the padding masked, and every masked position a real token.
+#[test]
+fn stratified_batches_take_six_three_two_five_from_the_quarters() {
+    let (batch, seq_len, predictions) = (32, 512, 76);
+    let inputs = BenchInputs::random(
+        30_522,
+        batch,
+        seq_len,
+        predictions,
+        BenchLengths::Stratified,
+    );
+    let mut per_quarter = [0usize; 4];
+    for &len in inputs.lengths() {
+        assert!((predictions + 1..=seq_len).contains(&len), "length {len}");
+        per_quarter[(len - 1) / (seq_len / 4)] += 1;
+    }
+    assert_eq!(per_quarter, [12, 6, 4, 10]);
+    let mask = inputs.input_mask();
+    for (sample, &len) in inputs.lengths().iter().enumerate() {
+        let row = &mask[sample * seq_len..(sample + 1) * seq_len];
+        assert_eq!(row.iter().sum::<i64>(), len as i64);
+        assert!(row[..len].iter().all(|&m| m == 1));
+        let ids = &inputs.input_ids()[sample * seq_len..(sample + 1) * seq_len];
+        assert!(ids[len..].iter().all(|&id| id == 0), "padding is [PAD]");
+        let positions = &inputs.positions()[sample * predictions..(sample + 1) * predictions];
+        assert!(positions.iter().all(|&p| p >= 1 && (p as usize) < len));
+    }
+    assert_eq!(inputs.real_tokens(), inputs.lengths().iter().sum::<usize>());
+    // About half of MLPerf's stratified batch is padding.
+    let fill = inputs.real_tokens() as f64 / (batch * seq_len) as f64;
+    assert!((0.35..0.65).contains(&fill), "fill {fill}");
+    // Full lengths: no padding, the batch of before `--lengths`.
+    let full = BenchInputs::random(30_522, 4, 64, 8, BenchLengths::Full);
+    assert_eq!(full.real_tokens(), 4 * 64);
+    assert!(full.input_mask().iter().all(|&m| m == 1));
 }
