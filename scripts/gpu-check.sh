@@ -154,8 +154,11 @@
 #                  `bench step` on BERT-large, padded and unpadded, on the embedded corpus with
 #                  dynamic padding, seq 128 batch 32 and seq 512 batch 16: step time, samples/s,
 #                  the unpadded row's ratio to the padded one (`× padded`), launches (the
-#                  gathers, scatters and the hidden dropout's pad/unpad add some). About 4
-#                  minutes (estimated; not run yet).
+#                  gathers, scatters and the hidden dropout's pad/unpad add some); then `bench
+#                  train-step --lengths stratified --unpad false,true` at seq 512 batch 16 bf16
+#                  against PyTorch on the same padded batch (MLPerf's stratified mix, about
+#                  half padding; the first losses must agree). About 7 minutes (estimated; not
+#                  run yet).
 #
 # The GPU machine needs the NVIDIA driver, and NCCL for `step`: cubecl-cuda and cudarc load
 # libcuda, nvrtc and libnccl at run time. ember finds NVRTC and NCCL by itself (Note [CUDA
@@ -519,6 +522,17 @@ PY
             timeout 240 "$dir/xtask" bench step --device cuda --presets large --batch-size 16 \
                 --seq-len 512 --max-predictions 76 --steps 4 --buckets device --unpad false,true 2>&1 \
                 | grep -E "^\| (model|large)|rror" | tee -a "$out/unpad.md" || status=$?
+            echo "   MLPerf's stratified batches (6/3/2/5 per 16 from the quarters of 512 tokens, about half"
+            echo "   padding), bf16, seq 512 batch 16: ember padded and unpadded against PyTorch (padded)"
+            if [ -n "$torch_python" ] && "$torch_python" -c "import transformers, safetensors" 2>/dev/null; then
+                reference=(--reference pytorch --python "$torch_python")
+            else
+                reference=(--reference none)
+            fi
+            timeout 240 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 16 \
+                --seq-len 512 --max-predictions 76 --precision bf16 --lengths stratified \
+                --unpad false,true --steps 3 --rounds 2 "${reference[@]}" \
+                --out "$out/unpad-train-step" 2>&1 | tail -16 | tee -a "$out/unpad.md" || status=$?
             ;;
         esac
         echo "== $(( SECONDS - start )) s: $part"
