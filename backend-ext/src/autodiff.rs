@@ -80,6 +80,24 @@ impl<B: FusedOps> Backward<B, 1> for DropoutBackward {
     }
 }
 
+/// [`FusedOps::dropout_rows`]: parent `x`; state the spec and the row map. Backward: the
+/// same op on the gradient.
+#[derive(Debug)]
+struct DropoutRowsBackward;
+
+impl<B: FusedOps> Backward<B, 1> for DropoutRowsBackward {
+    type State = (DropoutSpec, IntTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (dropout, rows) = ops.state;
+        if let Some(node) = node_x {
+            register_sum!(grads, &node, B::dropout_rows(grad, dropout, rows));
+        }
+    }
+}
+
 /// [`FusedOps::concat_columns`] of three parts (the packed QKV weight or bias): parents the
 /// parts; state their widths. Backward: [`FusedOps::split_columns`] of the gradient.
 #[derive(Debug)]
@@ -360,6 +378,24 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
                 prep.finish(dropout, output)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::dropout(x.primitive, dropout)),
+        }
+    }
+
+    fn dropout_rows(
+        x: FloatTensor<Self>,
+        dropout: DropoutSpec,
+        rows: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        match DropoutRowsBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let output = B::dropout_rows(x.primitive, dropout, rows.clone());
+                prep.finish((dropout, rows), output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::dropout_rows(x.primitive, dropout, rows)),
         }
     }
 

@@ -300,6 +300,22 @@ pub(crate) fn mask_values(spec: DropoutSpec, shape: &[usize]) -> Vec<f32> {
     values
 }
 
+/// The values of the mask of packed rows (see [`crate::FusedOps::dropout_rows`]): row `t` of a
+/// `[T, columns]` tensor keyed as row `rows[t]` of the padded `[B·S, columns]` rows, S =
+/// `spec.seq_len`; row-major.
+///
+/// # Panics
+/// If `spec.seq_len` is 0, or a row is negative.
+pub(crate) fn mask_values_of_rows(spec: DropoutSpec, columns: usize, rows: &[i64]) -> Vec<f32> {
+    let mask = RowMask::packed(spec);
+    let mut values = Vec::with_capacity(rows.len() * columns);
+    for &row in rows {
+        let key = mask.row_key(usize::try_from(row).expect("a row index"));
+        values.extend((0..columns).map(|c| mask.factor(key, c)));
+    }
+    values
+}
+
 /// The keyed mask of a [`DropoutSpec`] for a tensor of one shape, row by row: what
 /// [`mask_values`] materialises and NdArray's host loops (`host_layer.rs`) apply in place.
 #[derive(Debug, Clone, Copy)]
@@ -314,6 +330,19 @@ impl RowMask {
     /// The mask of `spec` for `shape`, `None` when dropout is off.
     pub(crate) fn new(spec: DropoutSpec, shape: &[usize]) -> Option<Self> {
         spec.enabled().then(|| Self::of(spec, shape))
+    }
+
+    /// The mask of packed rows: each row keyed by the padded row it came from, in `[B·S, N]`
+    /// rows of `spec.seq_len` per sample ([`crate::FusedOps::dropout_rows`]).
+    ///
+    /// # Panics
+    /// If `spec.seq_len` is 0: packed rows need the padded length to find their sample.
+    pub(crate) fn packed(spec: DropoutSpec) -> Self {
+        assert!(
+            spec.seq_len > 0,
+            "dropout of packed rows needs the padded length (DropoutSpec::with_seq_len)"
+        );
+        Self::of(spec, &[spec.seq_len as usize, 1])
     }
 
     fn of(spec: DropoutSpec, shape: &[usize]) -> Self {

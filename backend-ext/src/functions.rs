@@ -262,6 +262,26 @@ pub fn dropout<B: FusedOps, const D: usize>(x: Tensor<B, D>, dropout: DropoutSpe
     float::<B, D>(B::dropout(prim(x), dropout))
 }
 
+/// Dropout of packed rows through [`FusedOps::dropout_rows`]: row `t` of `x` keyed as row
+/// `rows[t]` of the padded `[B·S, N]` rows (`dropout.seq_len` = S), so it gets its padded
+/// position's mask; `x` itself when `dropout` drops nothing.
+///
+/// # Shapes
+/// `x` `[.., N]` of T rows, `rows` `[T]` → the shape of `x`
+///
+/// # Panics
+/// If dropout is on and `dropout.seq_len` is 0.
+pub fn dropout_rows<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    dropout: DropoutSpec,
+    rows: Tensor<B, 1, burn::tensor::Int>,
+) -> Tensor<B, D> {
+    if !dropout.enabled() {
+        return x;
+    }
+    float::<B, D>(B::dropout_rows(prim(x), dropout, rows.into_primitive()))
+}
+
 /// The attention core through [`FusedOps::attention_core`].
 ///
 /// # Shapes

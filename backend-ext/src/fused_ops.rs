@@ -252,6 +252,28 @@ pub trait FusedOps: MasterOps + BucketOps {
         reference::dropout_primitive::<Self>(x, dropout)
     }
 
+    /// Dropout of packed rows (`model.unpad`, Note [Padding removed] in `ember-model`'s
+    /// `unpad.rs`): row `t` of `x` is keyed as row `rows[t]` of a padded `[B·S, N]` tensor of
+    /// `dropout.seq_len` = S rows per sample, so each packed row gets the mask
+    /// [`FusedOps::dropout`] gives its padded position. One pass, no padded copy. Its own
+    /// backward: the same op on the gradient.
+    ///
+    /// The default reads `rows` back to the host and builds the mask there.
+    ///
+    /// # Shapes
+    /// `x` `[.., N]` of T rows (all dimensions but the last), `rows` `[T]` with values in
+    /// `0..B·S` → the shape of `x`
+    ///
+    /// # Panics
+    /// If dropout is on and `dropout.seq_len` is 0.
+    fn dropout_rows(
+        x: FloatTensor<Self>,
+        dropout: DropoutSpec,
+        rows: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        reference::dropout_rows_primitive::<Self>(x, dropout, rows)
+    }
+
     /// One Adam-family step of many tensors, apex's `multi_tensor_adam`/`multi_tensor_lamb`
     /// (stage 1): moments `m ← β1·m + (1−β1)·g`, `v ← β2·v + (1−β2)·g²`, then, per `kind`,
     /// the new parameter (AdamW) or LAMB's update. Kernels update up to 32 tensors per launch

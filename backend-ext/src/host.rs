@@ -234,6 +234,31 @@ where
         }
     }
 
+    fn dropout(x: FloatTensor<Self>, dropout: DropoutSpec) -> FloatTensor<Self> {
+        match host_layer::dropout(&x, dropout, None) {
+            Some(out) => out,
+            None => reference::dropout_primitive::<Self>(x, dropout),
+        }
+    }
+
+    fn dropout_rows(
+        x: FloatTensor<Self>,
+        dropout: DropoutSpec,
+        rows: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        if !dropout.enabled() {
+            return x;
+        }
+        let data = burn::tensor::Tensor::<Self, 1, burn::tensor::Int>::from_primitive(rows.clone())
+            .into_data()
+            .convert::<i64>();
+        let values = data.as_slice::<i64>().expect("i64 rows after convert");
+        match host_layer::dropout(&x, dropout, Some(values)) {
+            Some(out) => out,
+            None => reference::dropout_rows_primitive::<Self>(x, dropout, rows),
+        }
+    }
+
     fn bias_dropout_add_layer_norm(
         x: FloatTensor<Self>,
         bias: FloatTensor<Self>,

@@ -63,6 +63,17 @@ fn with_values<R>(x: &NdArrayTensor, f: impl FnOnce(&[usize], &[f32]) -> Option<
 
 /// `values` (rows of `n`, row-major) times `mask`, on rayon's threads.
 fn masked(mask: RowMask, values: &[f32], n: usize) -> Vec<f32> {
+    masked_rows(mask, values, n, |row| row)
+}
+
+/// [`masked`] with row `r` keyed as row `key_row(r)` of the mask (packed rows: their padded
+/// rows).
+fn masked_rows(
+    mask: RowMask,
+    values: &[f32],
+    n: usize,
+    key_row: impl Fn(usize) -> usize + Sync,
+) -> Vec<f32> {
     let rows = rows_per_task(n);
     let mut out = par_zeros(values.len());
     out.par_chunks_mut(rows * n)
@@ -74,13 +85,37 @@ fn masked(mask: RowMask, values: &[f32], n: usize) -> Vec<f32> {
                 .zip(values.chunks_exact(n))
                 .enumerate()
             {
-                let key = mask.row_key(task * rows + i);
+                let key = mask.row_key(key_row(task * rows + i));
                 for (c, (o, &v)) in out.iter_mut().zip(values).enumerate() {
                     *o = v * mask.factor(key, c);
                 }
             }
         });
     out
+}
+
+/// The dropout op, `x · mask`, on rayon's threads; with `rows`, row `t` of `x` keyed as row
+/// `rows[t]` of the padded rows (`FusedOps::dropout_rows`). The reference's product per
+/// element. `None` for dtypes other than f32, dropout off, or a row map of another length.
+pub(crate) fn dropout(
+    x: &NdArrayTensor,
+    spec: DropoutSpec,
+    rows: Option<&[i64]>,
+) -> Option<NdArrayTensor> {
+    if !spec.enabled() {
+        return None;
+    }
+    with_values(x, |shape, values| {
+        let n = shape.last().copied()?.max(1);
+        let out = match rows {
+            None => masked(RowMask::new(spec, shape)?, values, n),
+            Some(rows) if rows.len() * n == values.len() => {
+                masked_rows(RowMask::packed(spec), values, n, |r| rows[r] as usize)
+            }
+            Some(_) => return None,
+        };
+        Some(output(shape, out))
+    })
 }
 
 /// `GELU(x + bias)` of the chosen form, as the reference. `x` `[R, N]`, `bias` `[N]`.

@@ -7,7 +7,7 @@
 //! kernels compute.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 
 use crate::gelu::{GELU_TANH_CLAMP, GELU_TANH_CUBIC, SQRT_2_OVER_PI};
@@ -231,6 +231,30 @@ pub fn dropout_primitive<B: Backend>(x: FloatTensor<B>, dropout: DropoutSpec) ->
     }
     let shape = x.shape();
     let values = crate::dropout::mask_values(dropout, shape.as_slice());
+    let data = TensorData::new(values, shape).convert_dtype(x.dtype());
+    let mask = B::float_from_data(data, &B::float_device(&x));
+    B::float_mul(x, mask)
+}
+
+/// Dropout of packed rows, the default body of
+/// [`FusedOps::dropout_rows`](crate::FusedOps::dropout_rows): `rows` read back to the host,
+/// the mask built there ([`crate::dropout::RowMask`], each row keyed as its padded row) and
+/// multiplied in.
+pub fn dropout_rows_primitive<B: Backend>(
+    x: FloatTensor<B>,
+    dropout: DropoutSpec,
+    rows: IntTensor<B>,
+) -> FloatTensor<B> {
+    if !dropout.enabled() {
+        return x;
+    }
+    let shape = x.shape();
+    let columns = shape.as_slice().last().copied().unwrap_or(1);
+    let rows = Tensor::<B, 1, burn::tensor::Int>::from_primitive(rows)
+        .into_data()
+        .convert::<i64>();
+    let rows = rows.as_slice::<i64>().expect("i64 rows after convert");
+    let values = crate::dropout::mask_values_of_rows(dropout, columns, rows);
     let data = TensorData::new(values, shape).convert_dtype(x.dtype());
     let mask = B::float_from_data(data, &B::float_device(&x));
     B::float_mul(x, mask)

@@ -32,12 +32,14 @@
 //! Dropout keeps its masks. The keyed masks of `ember-backend-ext`'s `dropout.rs` are a
 //! function of (sample, position, column), so a packed row must be keyed as the padded row it
 //! came from. The two hidden-dropout sites of a packed layer (attention output, feed-forward
-//! output) therefore apply dropout on the padded layout: pad, the dropout op, unpad
-//! ([`Unpadding::dropout`]), and the dense layer's bias is added by the GEMM instead of the
-//! fused op (whose dropout would key the packed rows as rows of one sample). The masks are
-//! those of the padded model, bit for bit, at the cost of three memory passes per site: a
-//! row map in the fused ops' kernels would remove them (left for a session with a GPU to
-//! measure). The attention probabilities' dropout runs inside the padded core, as before.
+//! output) therefore run the dropout op of packed rows, `FusedOps::dropout_rows`
+//! ([`Unpadding::dropout`]): each row keyed through the row map as its padded row, one pass
+//! (a kernel on CubeCL backends, rayon's threads on NdArray). The dense layer's bias is then
+//! added by the GEMM, and the fused bias + dropout + residual + LayerNorm runs with a zero
+//! bias and no dropout inside (its own dropout would key the packed rows as rows of one
+//! sample). The masks are those of the padded model, bit for bit; the cost is that one pass
+//! per site, which the row map inside the fused LayerNorm kernel would remove. The attention
+//! probabilities' dropout runs inside the padded core, as before.
 //!
 //! What changes for a caller: [`crate::ForwardHook::layer_input`] receives the packed
 //! `[1, T, H]` rows, and `sequence_output` is 0 (not the padded rows' values) at padded
@@ -133,12 +135,9 @@ impl<B: FusedOps> Unpadding<B> {
     }
 
     /// `spec`'s dropout of packed rows `[1, T, N]` with the masks of their padded positions
-    /// (Note [Padding removed]): pad, [`ember_backend_ext::dropout`], unpad; `x` itself when
-    /// `spec` drops nothing.
+    /// (Note [Padding removed]): [`ember_backend_ext::dropout_rows`] through the row map, the
+    /// values `unpad(dropout(pad(x)))` has; `x` itself when `spec` drops nothing.
     pub fn dropout(&self, x: Tensor<B, 3>, spec: DropoutSpec) -> Tensor<B, 3> {
-        if !spec.enabled() {
-            return x;
-        }
-        self.around(x, |padded| ember_backend_ext::dropout(padded, spec))
+        ember_backend_ext::dropout_rows(x, spec.with_seq_len(self.seq_len), self.rows.clone())
     }
 }

@@ -447,6 +447,21 @@ pub fn dropout_kernel<F: Float>(
         seq,
         row as u32,
     );
+    dropout_row(x, output, row, rk, threshold, keep_scale, block);
+}
+
+/// Row `row` of `output` = row `row` of `x` times the mask of the row keyed `rk`, the cube's
+/// units striding over the row.
+#[cube]
+fn dropout_row<F: Float>(
+    x: &Tensor<F>,
+    output: &mut Tensor<F>,
+    row: usize,
+    rk: u32,
+    threshold: u32,
+    keep_scale: f32,
+    #[comptime] block: u32,
+) {
     let n = x.shape(x.rank() - 1);
     let base = row * n;
     let mut j = UNIT_POS_X as usize;
@@ -456,6 +471,33 @@ pub fn dropout_kernel<F: Float>(
             F::cast_from(f32::cast_from(x[idx]) * dropout_scale(j, rk, threshold, keep_scale));
         j += block as usize;
     }
+}
+
+/// [`dropout_kernel`] of packed rows (`FusedOps::dropout_rows`): row `r` of `x` is keyed as
+/// row `padded_rows[r]` of the padded rows, `seq` of them per sample.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn dropout_rows_kernel<F: Float, I: Int>(
+    x: &Tensor<F>,
+    padded_rows: &Tensor<I>,
+    output: &mut Tensor<F>,
+    rows: u32,
+    key_lo: u32,
+    key_hi: u32,
+    sample_offset: u32,
+    seq: u32,
+    threshold: u32,
+    keep_scale: f32,
+    #[comptime] block: u32,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let row = row_index();
+    if row >= rows as usize {
+        terminate!();
+    }
+    let padded = u32::cast_from(padded_rows[row]);
+    let rk = row_key(key_lo, key_hi, sample_offset, seq, seq, padded);
+    dropout_row(x, output, row, rk, threshold, keep_scale, block);
 }
 
 // Multi-tensor kernels (apex's `multi_tensor_apply`): one launch updates or reduces a list of

@@ -468,6 +468,48 @@ where
         output
     }
 
+    fn dropout_rows(x: CubeTensor<R>, dropout: DropoutSpec, rows: CubeTensor<R>) -> CubeTensor<R> {
+        if !dropout.enabled() {
+            return x;
+        }
+        assert!(
+            dropout.seq_len > 0,
+            "dropout of packed rows needs the padded length (DropoutSpec::with_seq_len)"
+        );
+        let x = into_contiguous(x);
+        let padded_rows = into_contiguous(rows);
+        let n = x.shape().to_vec().last().copied().unwrap_or(1).max(1);
+        let n_rows = x.shape().num_elements() / n;
+        check_rows(n_rows * n);
+        assert_eq!(
+            padded_rows.shape().num_elements(),
+            n_rows,
+            "dropout_rows: a padded row per row"
+        );
+        let output = empty_like(&x, x.shape());
+        let (count, dim, block) = row_launch(n_rows, n, 1);
+        let (key_lo, key_hi) = dropout.key_halves();
+        let dtypes = [storage(x.dtype), storage(padded_rows.dtype)];
+        kernels::dropout_rows_kernel::launch::<R>(
+            &x.client,
+            count,
+            dim,
+            x.clone().into_tensor_arg(),
+            padded_rows.into_tensor_arg(),
+            output.clone().into_tensor_arg(),
+            n_rows as u32,
+            key_lo,
+            key_hi,
+            dropout.sample_offset,
+            dropout.seq_len,
+            dropout.threshold(),
+            dropout.keep_scale() as f32,
+            block as u32,
+            dtypes,
+        );
+        output
+    }
+
     fn adam_multi_tensor(
         tensors: Vec<AdamTensors<Self>>,
         hyper: AdamHyper,

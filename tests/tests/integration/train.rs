@@ -107,6 +107,40 @@ fn short_run_lowers_the_loss_and_writes_metrics_and_checkpoint() {
     assert!((again.mlm_accuracy - summary.eval.mlm_accuracy).abs() < 1e-9);
 }
 
+/// `model.unpad` (Note [Padding removed]) through the whole trainer on the embedded corpus
+/// (each batch padded to its longest sample, dropout on, the gradient hooks at the packed
+/// layer inputs, the evaluation unpadded too): every step's loss and the held-out accuracy
+/// are the padded run's, within f32 rounding summed over 12 steps.
+#[test]
+fn unpadded_training_follows_the_padded_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let runs: Vec<_> = [false, true]
+        .into_iter()
+        .map(|unpad| {
+            let mut config = quick_config(&dir.path().join(format!("unpad-{unpad}")), 12);
+            config.model.unpad = unpad;
+            run(&config).unwrap()
+        })
+        .collect();
+    let (padded, unpadded) = (&runs[0], &runs[1]);
+    for (step, (a, b)) in padded.losses.iter().zip(&unpadded.losses).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-4 * a.abs(),
+            "step {}: padded loss {a}, unpadded {b}",
+            step + 1
+        );
+    }
+    // At most two of the held-out predictions' argmax flipped by rounding.
+    let predictions = padded.eval.num_predictions as f64;
+    assert_eq!(padded.eval.num_predictions, unpadded.eval.num_predictions);
+    assert!(
+        (padded.eval.mlm_accuracy - unpadded.eval.mlm_accuracy).abs() <= 2.0 / predictions,
+        "held-out accuracy padded {}, unpadded {}",
+        padded.eval.mlm_accuracy,
+        unpadded.eval.mlm_accuracy
+    );
+}
+
 /// `checkpoint.init_from` starts from another run's weights: with a learning rate too small to
 /// move them, the run ends where the other ended, not where its own seed starts.
 #[test]

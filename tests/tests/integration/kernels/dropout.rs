@@ -1,9 +1,10 @@
 //! Dropout on the kernels: the mask is the host's counter-based mask (keyed by sample and
 //! position, so a micro-batch offset into the step keeps its samples' masks), the backward
-//! pass reuses the forward's mask, and the dropout op equals the host mask.
+//! pass reuses the forward's mask, the dropout op equals the host mask, and the dropout op of
+//! packed rows gives each row its padded row's mask.
 
-use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Int, Tensor, TensorData};
 use ember_backend_ext::{DropoutSpec, FusedOps, keep_mask};
 
 use super::common::{assert_close, random, values};
@@ -136,4 +137,54 @@ where
         (weight * mask).inner(),
         FWD,
     );
+}
+
+/// The dropout op of packed rows (`FusedOps::dropout_rows`, Note [Padding removed]): each row
+/// of a packed `[T, N]` gets the host mask of the padded row it came from (a micro-batch whose
+/// samples start at 2 of the step, three samples of 11, 4 and 7 real tokens padded to 11),
+/// forward and backward; the same spec without the padded length is refused.
+pub fn check_dropout_rows<B: AutodiffBackend + FusedOps>(device: &B::Device)
+where
+    B::InnerBackend: FusedOps,
+{
+    let (seq_len, n, lengths) = (11usize, 40usize, [11usize, 4, 7]);
+    let padded_rows: Vec<i64> = lengths
+        .iter()
+        .enumerate()
+        .flat_map(|(b, &len)| (0..len).map(move |s| (b * seq_len + s) as i64))
+        .collect();
+    let tokens = padded_rows.len();
+    let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(padded_rows, [tokens]), device);
+    let spec = DropoutSpec {
+        sample_offset: 2,
+        ..DropoutSpec::new(0.3, 0x0dd_5eed_cafe)
+    };
+    let x = random::<B, 2>([tokens, n], device).require_grad();
+    let out = ember_backend_ext::dropout_rows(x.clone(), spec.with_seq_len(seq_len), rows.clone());
+    // The padded batch's mask, its real rows gathered.
+    let mask = keep_mask::<B, 3>(spec, [lengths.len(), seq_len, n], device)
+        .reshape([lengths.len() * seq_len, n])
+        .select(0, rows);
+    assert_close(
+        "packed dropout = x · the padded rows' host mask",
+        out.clone(),
+        x.clone().detach() * mask.clone(),
+        (0.0, 0.0),
+    );
+    let weight = random::<B, 2>([tokens, n], device);
+    let mut grads = weighted_sum(out, &weight).backward();
+    assert_close(
+        "packed dropout backward = grad · the same mask",
+        x.grad_remove(&mut grads).unwrap(),
+        (weight * mask).inner(),
+        (0.0, 0.0),
+    );
+    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        B::dropout_rows(
+            x.clone().detach().into_primitive().tensor(),
+            spec,
+            Tensor::<B, 1, Int>::zeros([tokens], device).into_primitive(),
+        )
+    }));
+    assert!(refused.is_err(), "packed rows without their padded length");
 }

@@ -38,7 +38,9 @@ mod softmax;
 #[cfg(feature = "cuda")]
 mod streams;
 use common::{assert_close, mask_bias, random, values};
-use dropout::{check_dropout_backward_mask, check_dropout_mask, check_dropout_op};
+use dropout::{
+    check_dropout_backward_mask, check_dropout_mask, check_dropout_op, check_dropout_rows,
+};
 use optimizer::check_optimizer_ops;
 
 const FWD: (f32, f32) = (2e-5, 2e-5);
@@ -466,6 +468,12 @@ macro_rules! kernel_tests {
         #[test]
         fn dropout_backward_uses_the_forward_mask() {
             check_dropout_backward_mask::<B>(&$device);
+        }
+
+        /// Note [Padding removed]: packed rows keyed through the row map.
+        #[test]
+        fn dropout_of_packed_rows_keys_each_row_as_its_padded_row() {
+            check_dropout_rows::<B>(&$device);
         }
     };
 }
