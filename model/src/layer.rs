@@ -311,7 +311,7 @@ impl<B: FusedOps> BertLayer<B> {
             return if self.runs_fused(FusedOp::LayerNorm) {
                 let dtype = dropped.dtype();
                 let (gamma, beta) = gamma_beta_pairs(norm, dtype);
-                let zero_bias = (gamma.0.zeros_like(), gamma.1.zeros_like());
+                let zero_bias = u.zero_bias(&gamma, dtype);
                 ember_backend_ext::bias_dropout_add_layer_norm_of_masters(
                     dropped,
                     zero_bias,

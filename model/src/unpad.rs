@@ -47,7 +47,9 @@
 //! a GPU, a wait for the device's queue; the batch's host copy would avoid it).
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
+use std::cell::RefCell;
+
+use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
 use ember_backend_ext::{DropoutSpec, FusedOps};
 
 /// Which rows of a padded batch are real tokens: the map between `[B, S, N]` and the packed
@@ -59,6 +61,9 @@ pub struct Unpadding<B: Backend> {
     /// `[T]`, the flattened row `b·S + s` of each real token, ascending.
     rows: Tensor<B, 1, Int>,
     tokens: usize,
+    /// The zero bias of the fused LayerNorm after a packed dropout site (master and copy, by
+    /// dtype), made once per forward instead of twice per layer.
+    zero_bias: RefCell<Vec<(DType, (Tensor<B, 1>, Tensor<B, 1>))>>,
 }
 
 impl<B: FusedOps> Unpadding<B> {
@@ -87,6 +92,7 @@ impl<B: FusedOps> Unpadding<B> {
             seq_len,
             rows: Tensor::from_data(TensorData::new(rows, [tokens]), device),
             tokens,
+            zero_bias: RefCell::new(Vec::new()),
         }
     }
 
@@ -132,6 +138,22 @@ impl<B: FusedOps> Unpadding<B> {
         f: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 3>,
     ) -> Tensor<B, 3> {
         self.unpad(f(self.pad(x)))
+    }
+
+    /// A zero bias like `gamma` (`[N]`: the f32 master and its copy in `dtype`), made once
+    /// per forward and dtype: the bias of the fused LayerNorm after a packed dropout site.
+    pub(crate) fn zero_bias(
+        &self,
+        gamma: &(Tensor<B, 1>, Tensor<B, 1>),
+        dtype: DType,
+    ) -> (Tensor<B, 1>, Tensor<B, 1>) {
+        let mut cache = self.zero_bias.borrow_mut();
+        if let Some((_, pair)) = cache.iter().find(|(d, _)| *d == dtype) {
+            return pair.clone();
+        }
+        let pair = (gamma.0.zeros_like(), gamma.1.zeros_like());
+        cache.push((dtype, pair.clone()));
+        pair
     }
 
     /// `spec`'s dropout of packed rows `[1, T, N]` with the masks of their padded positions
