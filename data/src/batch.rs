@@ -52,6 +52,10 @@ pub struct Batch<B: Backend> {
     pub masked_lm_labels: Tensor<B, 1, Int>,
     /// `[B]`
     pub next_sentence_labels: Tensor<B, 1, Int>,
+    /// `[T]`, `b·S + s` for each real token (`input_mask` 1), ascending: the rows of the
+    /// flattened `[B·S, H]` hidden states an unpadded encoder keeps (`model.unpad`), built on
+    /// the host so that the model need not read the mask back.
+    pub real_rows: Tensor<B, 1, Int>,
 }
 
 /// The padded length of a batch whose longest sample has `longest` tokens.
@@ -140,6 +144,14 @@ impl HostBatch {
         self.input_mask.iter().filter(|&&m| m == 1).count()
     }
 
+    /// The flattened rows `b·S + s` of the real tokens, ascending (see [`Batch::real_rows`]).
+    pub fn real_rows(&self) -> Vec<i64> {
+        (0..self.input_mask.len())
+            .filter(|&i| self.input_mask[i] != 0)
+            .map(|i| i as i64)
+            .collect()
+    }
+
     /// Number of real predictions (masked tokens): the N of the packed targets.
     pub fn num_masked_tokens(&self) -> usize {
         self.masked_lm_weights.iter().filter(|&&w| w > 0.0).count()
@@ -178,6 +190,7 @@ impl HostBatch {
             masked_lm_flat_positions: vector(flat_positions),
             masked_lm_labels: vector(labels),
             next_sentence_labels: vector(self.next_sentence_labels.clone()),
+            real_rows: vector(self.real_rows()),
         }
     }
 }
@@ -210,6 +223,9 @@ mod tests {
         let (flat, labels) = batch.packed_predictions();
         assert_eq!(flat, vec![1, 2, 17, 18, 19]);
         assert_eq!(labels, vec![7; 5]);
+        // The real tokens' rows: row 0's 11, then row 1's 5 from 16.
+        let rows: Vec<i64> = (0..11).chain(16..21).collect();
+        assert_eq!(batch.real_rows(), rows);
         // Never padded beyond the model's maximum, even when that is not a multiple of 8.
         assert_eq!(collate(&[&instance(60, 1)], 60).seq_len, 60);
         assert_eq!(padded_length(64, 128), 64);

@@ -336,21 +336,28 @@ impl<B: FusedOps> BertEncoder<B> {
         input_mask: Tensor<B, 2, Int>,
         hook: &dyn ForwardHook<B>,
     ) -> Tensor<B, 3> {
-        self.forward_scoped(hidden_states, input_mask, hook, true)
+        self.forward_scoped(hidden_states, input_mask, None, hook, true)
     }
 
     /// [`BertEncoder::forward_hooked`], each layer's parameters held by a scope of their own
     /// (Note [Parameters ordered after their layer's input] in `weight_casts.rs`), cast
-    /// together under a half precision where `together` (Note [Weights cast together]).
+    /// together under a half precision where `together` (Note [Weights cast together]);
+    /// unpadded, the real tokens' rows from `real_rows` where given, else read from
+    /// `input_mask`.
     pub(crate) fn forward_scoped(
         &self,
         hidden_states: Tensor<B, 3>,
         input_mask: Tensor<B, 2, Int>,
+        real_rows: Option<Tensor<B, 1, Int>>,
         hook: &dyn ForwardHook<B>,
         together: bool,
     ) -> Tensor<B, 3> {
         let dtype = hidden_states.dtype();
-        let unpadding = self.unpad.then(|| Unpadding::of(&input_mask));
+        let [batch, seq_len] = input_mask.dims();
+        let unpadding = self.unpad.then(|| match real_rows {
+            Some(rows) => Unpadding::from_rows(rows, batch, seq_len),
+            None => Unpadding::of(&input_mask),
+        });
         // In the layers' dtype (Note [Autocast]); −10000 is exact in f16 and bf16.
         let mask_bias = cast_to(attention_mask_bias(input_mask), dtype);
         let rows = match &unpadding {
@@ -523,6 +530,22 @@ impl<B: FusedOps> BertModel<B> {
         input_mask: Tensor<B, 2, Int>,
         hook: &dyn ForwardHook<B>,
     ) -> BertModelOutput<B> {
+        self.forward_hooked_with_rows(input_ids, segment_ids, input_mask, None, hook)
+    }
+
+    /// [`BertModel::forward_hooked`] with the real tokens' rows given: `real_rows` `[T]`,
+    /// `b·S + s` of each real token, ascending (`ember_data::Batch::real_rows`, built on the
+    /// host), so that an unpadded encoder ([`BertEncoder::set_unpad`]) does not read
+    /// `input_mask` back (on a GPU, a wait for the device's queue). Ignored when the encoder
+    /// keeps the padding; `None` reads the mask.
+    pub fn forward_hooked_with_rows(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        segment_ids: Tensor<B, 2, Int>,
+        input_mask: Tensor<B, 2, Int>,
+        real_rows: Option<Tensor<B, 1, Int>>,
+        hook: &dyn ForwardHook<B>,
+    ) -> BertModelOutput<B> {
         let embedded = self.embeddings.forward_with(
             input_ids,
             segment_ids,
@@ -530,9 +553,13 @@ impl<B: FusedOps> BertModel<B> {
         );
         let dtype = self.precision.dtype().into();
         let embedded = cast_to(embedded, dtype);
-        let encoded =
-            self.encoder
-                .forward_scoped(embedded, input_mask, hook, self.cast_weights_together);
+        let encoded = self.encoder.forward_scoped(
+            embedded,
+            input_mask,
+            real_rows,
+            hook,
+            self.cast_weights_together,
+        );
         let sequence_output = hook.heads_input(encoded);
         let pooled_output = {
             let _scope = layer_scope(

@@ -187,9 +187,31 @@ impl<B: FusedOps> BertForPreTraining<B> {
         masked_lm_flat_positions: Tensor<B, 1, Int>,
         hook: &dyn ForwardHook<B>,
     ) -> PreTrainingOutput<B> {
-        let out = self
-            .bert
-            .forward_hooked(input_ids, segment_ids, input_mask, hook);
+        self.forward_hooked_with_rows(
+            input_ids,
+            segment_ids,
+            input_mask,
+            masked_lm_flat_positions,
+            None,
+            hook,
+        )
+    }
+
+    /// [`BertForPreTraining::forward_hooked`] with the real tokens' rows given (`[T]`, see
+    /// [`crate::BertModel::forward_hooked_with_rows`]): an unpadded encoder then reads no
+    /// mask back. Ignored when the encoder keeps the padding.
+    pub fn forward_hooked_with_rows(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        segment_ids: Tensor<B, 2, Int>,
+        input_mask: Tensor<B, 2, Int>,
+        masked_lm_flat_positions: Tensor<B, 1, Int>,
+        real_rows: Option<Tensor<B, 1, Int>>,
+        hook: &dyn ForwardHook<B>,
+    ) -> PreTrainingOutput<B> {
+        let out =
+            self.bert
+                .forward_hooked_with_rows(input_ids, segment_ids, input_mask, real_rows, hook);
         let predictions = &self.cls.predictions;
         let dtype = out.sequence_output.dtype();
         let encoder = &self.bert.encoder;

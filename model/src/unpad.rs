@@ -43,8 +43,9 @@
 //!
 //! What changes for a caller: [`crate::ForwardHook::layer_input`] receives the packed
 //! `[1, T, H]` rows, and `sequence_output` is 0 (not the padded rows' values) at padded
-//! positions. Building the row list reads `input_mask` back to the host once per forward (on
-//! a GPU, a wait for the device's queue; the batch's host copy would avoid it).
+//! positions. The row list comes from the batch (`ember_data::Batch::real_rows`, built on the
+//! host: `forward_hooked_with_rows`, what the trainer calls); a plain `forward` reads
+//! `input_mask` back to the host once instead (on a GPU, a wait for the device's queue).
 
 use burn::tensor::backend::Backend;
 use std::cell::RefCell;
@@ -74,6 +75,19 @@ impl<B: FusedOps> Unpadding<B> {
         let mask = input_mask.to_data().convert::<i64>();
         let mask = mask.as_slice::<i64>().expect("an i64 mask after convert");
         Self::from_mask(mask, batch, seq_len, &input_mask.device())
+    }
+
+    /// The real tokens as their rows `b·S + s` (`[T]`, ascending; `ember_data::Batch::
+    /// real_rows`), of a batch of `batch` samples padded to `seq_len`: no read-back.
+    pub fn from_rows(rows: Tensor<B, 1, Int>, batch: usize, seq_len: usize) -> Self {
+        let [tokens] = rows.dims();
+        Self {
+            batch,
+            seq_len,
+            rows,
+            tokens,
+            zero_bias: RefCell::new(Vec::new()),
+        }
     }
 
     /// The real tokens of a `[B, S]` mask given row-major on the host (no read-back).

@@ -40,11 +40,13 @@ pub fn forward_loss_hooked<B: FusedOps>(
     batch: Batch<B>,
     hook: &dyn ForwardHook<B>,
 ) -> (PreTrainingOutput<B>, PreTrainingLoss<B>) {
-    let output = model.forward_hooked(
+    // The real tokens' rows built on the host: an unpadded encoder reads no mask back.
+    let output = model.forward_hooked_with_rows(
         batch.input_ids,
         batch.segment_ids,
         batch.input_mask,
         batch.masked_lm_flat_positions,
+        Some(batch.real_rows),
         hook,
     );
     let loss = model.loss(&output, batch.masked_lm_labels, batch.next_sentence_labels);

@@ -298,6 +298,12 @@ impl HostInputs {
             masked_lm_flat_positions: int1(flat),
             masked_lm_labels: int1(self.labels.clone()),
             next_sentence_labels: int1(self.next_sentence.clone()),
+            real_rows: int1(
+                (0..b * s)
+                    .filter(|&i| i % s < self.lengths[i / s])
+                    .map(|i| i as i64)
+                    .collect(),
+            ),
         }
     }
 

@@ -126,6 +126,7 @@ impl<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps> EmberStep<B> {
             masked_lm_flat_positions: i.masked_lm_flat_positions.clone().inner(),
             masked_lm_labels: i.masked_lm_labels.clone().inner(),
             next_sentence_labels: i.next_sentence_labels.clone().inner(),
+            real_rows: i.real_rows.clone().inner(),
         }
     }
 

@@ -220,9 +220,78 @@ fn unpadding_gathers_the_real_rows_in_order() {
         .map(|i| if mask[i / 2] == 1 { i as f32 } else { 0.0 })
         .collect();
     assert_eq!(back, expected);
-    // The mask read back from a tensor gives the same rows.
+    // The mask read back from a tensor, and the rows given as a batch holds them, give the
+    // same rows.
     let tensor = Tensor::<B, 2, Int>::from_data(TensorData::new(mask.to_vec(), [3, 4]), &device);
     let read = Unpadding::<B>::of(&tensor);
-    let again: Vec<f32> = read.unpad(x).into_data().to_vec().unwrap();
+    let again: Vec<f32> = read.unpad(x.clone()).into_data().to_vec().unwrap();
     assert_eq!(again, rows);
+    let given = Tensor::<B, 1, Int>::from_data(
+        TensorData::new(vec![0i64, 1, 4, 8, 9, 10, 11], [7]),
+        &device,
+    );
+    let given = Unpadding::<B>::from_rows(given, 3, 4);
+    assert_eq!((given.tokens(), given.padded_shape()), (7, (3, 4)));
+    let again: Vec<f32> = given.unpad(x).into_data().to_vec().unwrap();
+    assert_eq!(again, rows);
+}
+
+/// With the real tokens' rows given (`forward_hooked_with_rows`, what the trainer calls), the
+/// unpadded forward on wgpu waits for the device no more than the padded one (its one read,
+/// the loss, at the end), and gives the padded forward's loss; a plain `forward` reads the
+/// mask back once more.
+#[test]
+fn unpadded_forward_with_rows_reads_nothing_back_on_wgpu() {
+    use ember_backend_ext::HostSyncs;
+    type B = crate::Wgpu;
+    let device = burn::backend::wgpu::WgpuDevice::DefaultDevice;
+    let mut config = BertConfig::preset(Preset::Tiny);
+    config.vocab_size = 211;
+    let model = seeded_model::<Autodiff<B>>(&config, 37, &device).valid();
+    let batch = batch::<Autodiff<B>>(config.vocab_size, &device);
+    let mask: Vec<i64> = batch
+        .input_mask
+        .clone()
+        .into_data()
+        .convert::<i64>()
+        .to_vec()
+        .unwrap();
+    let real_rows: Vec<i64> = (0..mask.len() as i64)
+        .filter(|&i| mask[i as usize] != 0)
+        .collect();
+    let tokens = real_rows.len();
+    let real_rows = Tensor::<B, 1, Int>::from_data(TensorData::new(real_rows, [tokens]), &device);
+    let inner = |t: &Tensor<Autodiff<B>, 2, Int>| t.clone().inner();
+    let loss = |unpad: bool, rows: Option<Tensor<B, 1, Int>>| {
+        let model = model.clone().with_unpad(unpad);
+        let before = HostSyncs::now();
+        let out = model.forward_hooked_with_rows(
+            inner(&batch.input_ids),
+            inner(&batch.segment_ids),
+            inner(&batch.input_mask),
+            batch.positions.clone().inner(),
+            rows,
+            &ember_model::NoHook,
+        );
+        let loss = model.loss(
+            &out,
+            batch.labels.clone().inner(),
+            batch.next_sentence_labels.clone().inner(),
+        );
+        let value: f32 = loss.total.into_scalar();
+        (value, HostSyncs::now().since(before).total())
+    };
+    let (padded, padded_syncs) = loss(false, None);
+    let (given, given_syncs) = loss(true, Some(real_rows));
+    let (read, read_syncs) = loss(true, None);
+    assert!(
+        (given - padded).abs() <= 1e-5 * padded.abs(),
+        "{given} against {padded}"
+    );
+    assert!(
+        (read - padded).abs() <= 1e-5 * padded.abs(),
+        "{read} against {padded}"
+    );
+    assert_eq!(given_syncs, padded_syncs, "rows given: no read-back");
+    assert_eq!(read_syncs, padded_syncs + 1, "the mask read back once");
 }
