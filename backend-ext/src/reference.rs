@@ -254,6 +254,11 @@ pub fn dropout_rows_primitive<B: Backend>(
         .into_data()
         .convert::<i64>();
     let rows = rows.as_slice::<i64>().expect("i64 rows after convert");
+    assert_eq!(
+        rows.len() * columns,
+        shape.num_elements(),
+        "dropout_rows: a padded row per row"
+    );
     let values = crate::dropout::mask_values_of_rows(dropout, columns, rows);
     let data = TensorData::new(values, shape).convert_dtype(x.dtype());
     let mask = B::float_from_data(data, &B::float_device(&x));

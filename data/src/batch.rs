@@ -58,6 +58,15 @@ pub struct Batch<B: Backend> {
     pub real_rows: Tensor<B, 1, Int>,
 }
 
+/// The flattened rows `b·S + s` (indices into the row-major mask) where a `[B, S]`
+/// `input_mask` is not 0, ascending: [`Batch::real_rows`].
+pub fn real_rows(input_mask: &[i64]) -> Vec<i64> {
+    (0..input_mask.len())
+        .filter(|&i| input_mask[i] != 0)
+        .map(|i| i as i64)
+        .collect()
+}
+
 /// The padded length of a batch whose longest sample has `longest` tokens.
 pub fn padded_length(longest: usize, max_seq_length: usize) -> usize {
     longest
@@ -146,10 +155,7 @@ impl HostBatch {
 
     /// The flattened rows `b·S + s` of the real tokens, ascending (see [`Batch::real_rows`]).
     pub fn real_rows(&self) -> Vec<i64> {
-        (0..self.input_mask.len())
-            .filter(|&i| self.input_mask[i] != 0)
-            .map(|i| i as i64)
-            .collect()
+        real_rows(&self.input_mask)
     }
 
     /// Number of real predictions (masked tokens): the N of the packed targets.

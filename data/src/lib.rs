@@ -28,7 +28,7 @@ pub mod shard_loader;
 pub mod stratify;
 pub mod tokenizer;
 
-pub use batch::{Batch, HostBatch, collate, collate_padded};
+pub use batch::{Batch, HostBatch, collate, collate_padded, real_rows};
 pub use corpus::{
     Corpus, Document, DocumentStream, corpus_files, held_out_count, read_corpus, read_documents,
     split_held_out, tokenize_documents,

@@ -31,10 +31,11 @@
 //!
 //! Dropout keeps its masks. The keyed masks of `ember-backend-ext`'s `dropout.rs` are a
 //! function of (sample, position, column), so a packed row must be keyed as the padded row it
-//! came from. The two hidden-dropout sites of a packed layer (attention output, feed-forward
-//! output) therefore run the dropout op of packed rows, `FusedOps::dropout_rows`
-//! ([`Unpadding::dropout`]): each row keyed through the row map as its padded row, one pass
-//! (a kernel on CubeCL backends, rayon's threads on NdArray). The dense layer's bias is then
+//! came from. On the fused path the two hidden-dropout sites of a packed layer (attention
+//! output, feed-forward output) therefore run the dropout op of packed rows,
+//! `FusedOps::dropout_rows` ([`Unpadding::dropout`]): each row keyed through the row map as
+//! its padded row, one pass (a kernel on CubeCL backends, rayon's threads on NdArray); the
+//! reference path pads, runs its composed dropout and unpads ([`Unpadding::around`]). The dense layer's bias is then
 //! added by the GEMM, and the fused bias + dropout + residual + LayerNorm runs with a zero
 //! bias and no dropout inside (its own dropout would key the packed rows as rows of one
 //! sample). The masks are those of the padded model, bit for bit; the cost is that one pass

@@ -162,6 +162,12 @@ pub(crate) fn run(args: &TrainStepArgs, python: Option<&Path>, threads: usize) -
     if args.largest_batch_timeout_s == 0 {
         bail!("--largest-batch-timeout-s must be at least 1");
     }
+    if args.unpad.len() > 1 {
+        bail!(
+            "--largest-batch searches one configuration: give --unpad one value (true or false), not {:?}",
+            args.unpad
+        );
+    }
     match (args.device.as_str(), args.memory_limit_mib) {
         ("cpu", None) => bail!(
             "--largest-batch on the CPU needs --memory-limit-mib: there a batch fits in the machine's memory, and the tries would take it all (each try's address space is capped at that many MiB)"

@@ -193,12 +193,7 @@ impl HostInputs {
         predictions: usize,
         lengths: Lengths,
     ) -> Self {
-        let mut state = 0x5eed_u64;
-        let mut next = move |bound: usize| {
-            let value = splitmix64(state);
-            state = state.wrapping_add(SPLITMIX_GAMMA);
-            (value % bound as u64) as i64
-        };
+        let mut next = uniform(0x5eed);
         let vocab = tokens - 1000;
         let mut inputs = HostInputs {
             batch_size,
@@ -211,12 +206,7 @@ impl HostInputs {
             next_sentence: Vec::new(),
         };
         // Stratified lengths from a generator of their own: the full batch's draws unchanged.
-        let mut length_state = 0x1e_9775_u64;
-        let mut draw_length = move |bound: usize| {
-            let value = splitmix64(length_state);
-            length_state = length_state.wrapping_add(SPLITMIX_GAMMA);
-            (value % bound as u64) as i64
-        };
+        let mut draw_length = uniform(0x1e_9775);
         for sample in 0..batch_size {
             let len = lengths.of(sample, seq_len, predictions, &mut draw_length);
             inputs.lengths.push(len);
@@ -298,12 +288,7 @@ impl HostInputs {
             masked_lm_flat_positions: int1(flat),
             masked_lm_labels: int1(self.labels.clone()),
             next_sentence_labels: int1(self.next_sentence.clone()),
-            real_rows: int1(
-                (0..b * s)
-                    .filter(|&i| i % s < self.lengths[i / s])
-                    .map(|i| i as i64)
-                    .collect(),
-            ),
+            real_rows: int1(ember_data::real_rows(&self.input_mask())),
         }
     }
 
@@ -474,6 +459,15 @@ impl Drop for Reference {
 
 /// SplitMix64's increment (Steele, Lea & Flood 2014).
 const SPLITMIX_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// SplitMix64 from `state`: each call draws a value in `0..bound`.
+fn uniform(mut state: u64) -> impl FnMut(usize) -> i64 {
+    move |bound: usize| {
+        let value = splitmix64(state);
+        state = state.wrapping_add(SPLITMIX_GAMMA);
+        (value % bound as u64) as i64
+    }
+}
 
 /// SplitMix64's output for `state`: the state advanced by [`SPLITMIX_GAMMA`], finalised.
 fn splitmix64(state: u64) -> u64 {

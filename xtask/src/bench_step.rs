@@ -279,8 +279,8 @@ fn bench<B: GradHookBackend>(
             .get(i)
             .or(args.batch_size.last())
             .context("--batch-size needs a value")?;
-        // The padded row of the same bucket storage, for the unpadded row's ratio.
-        let mut padded_samples_s: Option<f64> = None;
+        // The padded rows' samples/s by bucket storage, for the unpadded rows' ratio.
+        let mut padded_samples_s: Vec<(BucketStorage, f64)> = Vec::new();
         for (&buckets, &unpad) in args
             .buckets
             .iter()
@@ -349,15 +349,15 @@ fn bench<B: GradHookBackend>(
                     - w[0]["tokens"].as_f64().unwrap_or(f64::NAN)
             }));
             if !unpad {
-                padded_samples_s = Some(samples_s);
+                padded_samples_s.push((buckets, samples_s));
             }
             println!(
                 "| {preset} | {batch_size} × {} | {buckets} | {unpad} | {tokens:.0} | {:.1} | {:.1} | {samples_s:.1} | {} | {} | {} | {} | {first_step_s:.1} |",
                 args.seq_len,
                 step_s * 1e3,
                 backward_s * 1e3,
-                match padded_samples_s {
-                    Some(padded) if unpad => format!("{:.2}×", samples_s / padded),
+                match padded_samples_s.iter().find(|(b, _)| *b == buckets) {
+                    Some((_, padded)) if unpad => format!("{:.2}×", samples_s / padded),
                     _ => "–".to_string(),
                 },
                 most("host_syncs_backward", counter),

@@ -488,7 +488,8 @@ where
         );
         let output = empty_like(&x, x.shape());
         let (count, dim, block) = row_launch(n_rows, n, 1);
-        let (key_lo, key_hi) = dropout.key_halves();
+        // The layout of `[B·S, N]` rows, S per sample: that of the padded rows.
+        let mask = dropout_args(dropout, &[dropout.seq_len as usize, n]);
         let dtypes = [storage(x.dtype), storage(padded_rows.dtype)];
         kernels::dropout_rows_kernel::launch::<R>(
             &x.client,
@@ -498,12 +499,12 @@ where
             padded_rows.into_tensor_arg(),
             output.clone().into_tensor_arg(),
             n_rows as u32,
-            key_lo,
-            key_hi,
-            dropout.sample_offset,
-            dropout.seq_len,
-            dropout.threshold(),
-            dropout.keep_scale() as f32,
+            mask.key_lo,
+            mask.key_hi,
+            mask.sample_offset,
+            mask.seq,
+            mask.threshold,
+            mask.keep_scale,
             block as u32,
             dtypes,
         );
