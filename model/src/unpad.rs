@@ -1,11 +1,9 @@
 //! The encoder with its padding removed (`model.unpad`): the batch's real tokens packed into
 //! one `[1, T, H]` sequence of rows for everything that works row by row.
 //!
-//! Note [Padding removed]
-//! ~~~~~~~~~~~~~~~~~~~~~~
-//! A batch padded to S holds B·S rows of which only T = Σ input_mask are real tokens. Every
-//! dense layer, LayerNorm, GELU and residual add of an encoder layer treats rows
-//! independently, so their work on the B·S − T padded rows is thrown away. With
+//! Note [Padding removed]: a batch padded to S holds B·S rows of which only T = Σ input_mask
+//! are real tokens. Every dense layer, LayerNorm, GELU and residual add of an encoder layer
+//! treats rows independently, so their work on the B·S − T padded rows is thrown away. With
 //! stratification (`ember-data`'s `stratify.rs` and sampler), which puts samples of every
 //! length bin into each batch, that waste is large: a batch of 6 / 3 / 2 / 5 samples from the
 //! four MLPerf bins is padded to its 512-token sample, about half of its rows padding.
@@ -33,14 +31,14 @@
 //! function of (sample, position, column), so a packed row must be keyed as the padded row it
 //! came from. On the fused path the two hidden-dropout sites of a packed layer (attention
 //! output, feed-forward output) therefore run the dropout op of packed rows,
-//! `FusedOps::dropout_rows` ([`Unpadding::dropout`]): each row keyed through the row map as
-//! its padded row, one pass (a kernel on CubeCL backends, rayon's threads on NdArray); the
-//! reference path pads, runs its composed dropout and unpads ([`Unpadding::around`]). The dense layer's bias is then
-//! added by the GEMM, and the fused bias + dropout + residual + LayerNorm runs with a zero
-//! bias and no dropout inside (its own dropout would key the packed rows as rows of one
-//! sample). The masks are those of the padded model, bit for bit; the cost is that one pass
-//! per site, which the row map inside the fused LayerNorm kernel would remove. The attention
-//! probabilities' dropout runs inside the padded core, as before.
+//! `FusedOps::dropout_rows` ([`Unpadding::dropout`]): each row keyed through the row map as its
+//! padded row, one pass (a kernel on CubeCL backends, rayon's threads on NdArray); the
+//! reference path pads, runs its composed dropout and unpads ([`Unpadding::around`]). The dense
+//! layer's bias is then added by the GEMM, and the fused bias + dropout + residual + LayerNorm
+//! runs with a zero bias and no dropout inside (its own dropout would key the packed rows as
+//! rows of one sample). The masks are those of the padded model, bit for bit; the cost is that
+//! one pass per site, which the row map inside the fused LayerNorm kernel would remove. The
+//! attention probabilities' dropout runs inside the padded core, as before.
 //!
 //! What changes for a caller: [`crate::ForwardHook::layer_input`] receives the packed
 //! `[1, T, H]` rows, and `sequence_output` is 0 (not the padded rows' values) at padded
