@@ -423,14 +423,7 @@ pub(crate) fn probe<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     let mut model: BertForPreTraining<B> = config.init_for_pretraining(device);
     model.set_precision(precision);
     model.set_unpad(args.unpad[0]);
-    let tokens = crate::bench_train_step_ember::token_vocab(preset);
-    let inputs = HostInputs::random(
-        tokens,
-        batch_size,
-        seq_len,
-        args.max_predictions,
-        args.lengths,
-    );
+    let inputs = crate::bench_train_step_ember::bench_inputs(args, preset, batch_size, seq_len);
     let mut ember = EmberStep::new(model, &inputs, args.lr, device, None);
     ember.timed_steps(2);
     let reserved = ember.reserved.map_or(String::new(), |bytes| {

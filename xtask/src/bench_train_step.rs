@@ -51,7 +51,7 @@ use ember_trainer::blas::GemmThreads;
 use ember_trainer::config::OptimizerConfig;
 use serde_json::{Value, json};
 
-use crate::bench_reference::{HostInputs, Lengths, Reference, reference_python};
+use crate::bench_reference::{Lengths, Reference, reference_python};
 use crate::bench_train_step_ember::EmberStep;
 use crate::bench_train_step_report::{ReferenceResult, Row, row_line};
 
@@ -468,14 +468,7 @@ fn bench_row<B: AutodiffBackend<InnerBackend: FusedOps> + FusedOps>(
     model.save_hf_safetensors(&dir.path().join("model.safetensors"))?;
     std::fs::write(dir.path().join("config.json"), config.to_hf_json())?;
     model.set_precision(precision);
-    let tokens = crate::bench_train_step_ember::token_vocab(preset);
-    let inputs = HostInputs::random(
-        tokens,
-        batch_size,
-        seq_len,
-        args.max_predictions,
-        args.lengths,
-    );
+    let inputs = crate::bench_train_step_ember::bench_inputs(args, preset, batch_size, seq_len);
     inputs.write_safetensors(&dir.path().join("batch.safetensors"))?;
     let parameters = burn::module::Module::num_params(&model);
     let mut ember = EmberStep::new(model, &inputs, args.lr, device, launches);

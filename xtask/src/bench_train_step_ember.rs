@@ -38,6 +38,23 @@ pub(crate) fn token_vocab(preset: Preset) -> usize {
     BertConfig::preset(preset).vocab_size
 }
 
+/// The host batch of one configuration: `batch_size` samples padded to `seq_len`, drawn
+/// from `preset`'s vocabulary with `--max-predictions` masked positions and `--lengths`.
+pub(crate) fn bench_inputs(
+    args: &crate::bench_train_step::TrainStepArgs,
+    preset: Preset,
+    batch_size: usize,
+    seq_len: usize,
+) -> crate::bench_reference::HostInputs {
+    crate::bench_reference::HostInputs::random(
+        token_vocab(preset),
+        batch_size,
+        seq_len,
+        args.max_predictions,
+        args.lengths,
+    )
+}
+
 /// Refuses a sequence length `config` has no positions for, and `max_predictions` outside
 /// `1..seq_len`, naming the flag.
 pub(crate) fn check_shape(
