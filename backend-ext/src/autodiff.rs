@@ -406,10 +406,18 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
         dropout: DropoutSpec,
+        dropout_rows: Option<IntTensor<Self>>,
         eps: f64,
     ) -> LayerNormForward<Self> {
         let copies = [&bias, &gamma, &beta].map(|t| t.primitive.clone());
-        layer_ops::layer_norm::<B, C>(x, residual, [bias, gamma, beta], copies, dropout, eps)
+        layer_ops::layer_norm::<B, C>(
+            x,
+            residual,
+            [bias, gamma, beta],
+            copies,
+            (dropout, dropout_rows),
+            eps,
+        )
     }
 
     fn attention_core(

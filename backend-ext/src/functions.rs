@@ -216,6 +216,7 @@ pub fn bias_dropout_add_layer_norm<B: FusedOps, const D: usize>(
         prim(gamma),
         prim(beta),
         dropout,
+        None,
         eps,
     );
     reshape(float::<B, 2>(forward.output), dims)
@@ -245,6 +246,45 @@ pub fn bias_dropout_add_layer_norm_of_masters<B: FusedOps, const D: usize>(
         [bias.0, gamma.0, beta.0].map(prim),
         [bias.1, gamma.1, beta.1].map(prim),
         dropout,
+        None,
+        eps,
+    );
+    reshape(float::<B, 2>(forward.output), dims)
+}
+
+/// [`bias_dropout_add_layer_norm_of_masters`] of packed rows (`model.unpad`, Note [Padding
+/// removed] in `ember-model`'s `unpad.rs`): row `t` of `x` is the padded row `padded_rows[t]` of a
+/// batch padded to `dropout.seq_len` = S, and its dropout mask is that row's, as
+/// [`dropout_rows`] gives it. The dense bias and the dropout stay inside the one fused op.
+///
+/// # Shapes
+/// `x`, `residual` `[.., N]` of T rows; each of the pairs `[N]`; `padded_rows` `[T]` with
+/// values in `0..B·S` → the shape of `x`
+///
+/// # Panics
+/// If dropout is on and `dropout.seq_len` is 0.
+pub fn bias_dropout_add_layer_norm_of_packed_rows<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    bias: (Tensor<B, 1>, Tensor<B, 1>),
+    residual: Tensor<B, D>,
+    (gamma, beta): ((Tensor<B, 1>, Tensor<B, 1>), (Tensor<B, 1>, Tensor<B, 1>)),
+    dropout: DropoutSpec,
+    padded_rows: Tensor<B, 1, burn::tensor::Int>,
+    eps: f64,
+) -> Tensor<B, D> {
+    assert!(
+        !dropout.enabled() || dropout.seq_len > 0,
+        "dropout of packed rows needs the padded length (DropoutSpec::with_seq_len)"
+    );
+    let (x, dims) = rows(x);
+    let (residual, _) = rows(residual);
+    let forward = B::bias_dropout_add_layer_norm_of_masters(
+        prim(x),
+        prim(residual),
+        [bias.0, gamma.0, beta.0].map(prim),
+        [bias.1, gamma.1, beta.1].map(prim),
+        dropout,
+        Some(padded_rows.into_primitive()),
         eps,
     );
     reshape(float::<B, 2>(forward.output), dims)

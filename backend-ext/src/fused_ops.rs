@@ -153,8 +153,18 @@ pub trait FusedOps: MasterOps + BucketOps {
     /// `LayerNorm(residual + dropout(x + bias)) · gamma + beta` over the last dim, as BERT's
     /// `BertSelfOutput` / `BertOutput` (dense bias, dropout, residual add, post-LN).
     ///
+    /// `dropout_rows`: for packed rows (`model.unpad`, Note [Padding removed] in
+    /// `ember-model`'s `unpad.rs`), the padded row `b·S + s` of each row, so that row `t`'s
+    /// dropout mask is the one [`FusedOps::dropout_rows`] gives it (keyed as row
+    /// `dropout_rows[t]` of `[B·S, N]` rows, `dropout.seq_len` = S per sample); `None`: rows
+    /// keyed as themselves.
+    ///
     /// # Shapes
-    /// `x`, `residual` `[R, N]`; `bias`, `gamma`, `beta` `[N]` → [`LayerNormForward`]
+    /// `x`, `residual` `[R, N]`; `bias`, `gamma`, `beta` `[N]`; `dropout_rows` `[R]` →
+    /// [`LayerNormForward`]
+    ///
+    /// # Panics
+    /// With `dropout_rows` and dropout on, if `dropout.seq_len` is 0.
     #[allow(clippy::too_many_arguments)]
     fn bias_dropout_add_layer_norm(
         x: FloatTensor<Self>,
@@ -163,6 +173,7 @@ pub trait FusedOps: MasterOps + BucketOps {
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
         dropout: DropoutSpec,
+        dropout_rows: Option<IntTensor<Self>>,
         eps: f64,
     ) -> LayerNormForward<Self> {
         reference::bias_dropout_add_layer_norm_forward::<Self>(
@@ -172,6 +183,7 @@ pub trait FusedOps: MasterOps + BucketOps {
             float(gamma),
             float(beta),
             dropout,
+            dropout_rows,
             eps,
         )
     }
@@ -183,7 +195,9 @@ pub trait FusedOps: MasterOps + BucketOps {
     /// # Shapes
     /// `grad`, `pre_norm` `[R, N]`; `mean`, `rstd` `[R]` (as the forward gave them: f32 on
     /// CubeCL backends, Note [LayerNorm statistics in f32]; the default body takes them in
-    /// `pre_norm`'s dtype); `gamma` `[N]` → [`LayerNormBackward`]
+    /// `pre_norm`'s dtype); `gamma` `[N]`; `dropout_rows` `[R]` as the forward's →
+    /// [`LayerNormBackward`]
+    #[allow(clippy::too_many_arguments)]
     fn bias_dropout_add_layer_norm_backward(
         grad: FloatTensor<Self>,
         pre_norm: FloatTensor<Self>,
@@ -191,6 +205,7 @@ pub trait FusedOps: MasterOps + BucketOps {
         rstd: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
         dropout: DropoutSpec,
+        dropout_rows: Option<IntTensor<Self>>,
     ) -> LayerNormBackward<Self> {
         reference::bias_dropout_add_layer_norm_backward::<Self>(
             float(grad),
@@ -199,6 +214,7 @@ pub trait FusedOps: MasterOps + BucketOps {
             float(rstd),
             float(gamma),
             dropout,
+            dropout_rows,
         )
     }
 

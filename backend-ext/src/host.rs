@@ -249,11 +249,8 @@ where
         if !dropout.enabled() {
             return x;
         }
-        let data = burn::tensor::Tensor::<Self, 1, burn::tensor::Int>::from_primitive(rows.clone())
-            .into_data()
-            .convert::<i64>();
-        let values = data.as_slice::<i64>().expect("i64 rows after convert");
-        match host_layer::dropout(&x, dropout, Some(values)) {
+        let values = host_rows::<Self>(&rows);
+        match host_layer::dropout(&x, dropout, Some(&values)) {
             Some(out) => out,
             None => reference::dropout_rows_primitive::<Self>(x, dropout, rows),
         }
@@ -266,9 +263,17 @@ where
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
         dropout: DropoutSpec,
+        dropout_rows: Option<IntTensor<Self>>,
         eps: f64,
     ) -> LayerNormForward<Self> {
-        match host_layer::layer_norm(&x, &bias, &residual, &gamma, &beta, dropout, eps) {
+        let rows = mask_rows::<Self>(dropout, &dropout_rows);
+        let parts = host_layer::layer_norm(
+            [&x, &bias, &residual, &gamma, &beta],
+            dropout,
+            rows.as_deref(),
+            eps,
+        );
+        match parts {
             Some([output, pre_norm, mean, rstd]) => LayerNormForward {
                 output,
                 pre_norm,
@@ -282,6 +287,7 @@ where
                 float(gamma),
                 float(beta),
                 dropout,
+                dropout_rows,
                 eps,
             ),
         }
@@ -294,8 +300,15 @@ where
         rstd: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
         dropout: DropoutSpec,
+        dropout_rows: Option<IntTensor<Self>>,
     ) -> LayerNormBackward<Self> {
-        match host_layer::layer_norm_backward(&grad, &pre_norm, &mean, &rstd, &gamma, dropout) {
+        let rows = mask_rows::<Self>(dropout, &dropout_rows);
+        let parts = host_layer::layer_norm_backward(
+            [&grad, &pre_norm, &mean, &rstd, &gamma],
+            dropout,
+            rows.as_deref(),
+        );
+        match parts {
             Some([grad_pre_norm, grad_x, grad_x_hat]) => LayerNormBackward {
                 grad_pre_norm,
                 grad_x,
@@ -308,6 +321,7 @@ where
                 float(rstd),
                 float(gamma),
                 dropout,
+                dropout_rows,
             ),
         }
     }
@@ -345,4 +359,24 @@ where
             )),
         }
     }
+}
+
+/// The values of an integer tensor on the host, as i64 (NdArray: a copy, no device wait).
+fn host_rows<B: burn::tensor::backend::Backend>(rows: &IntTensor<B>) -> Vec<i64> {
+    burn::tensor::Tensor::<B, 1, burn::tensor::Int>::from_primitive(rows.clone())
+        .into_data()
+        .convert::<i64>()
+        .into_vec::<i64>()
+        .expect("i64 rows after convert")
+}
+
+/// The padded rows that key a fused LayerNorm's dropout mask, when it has both.
+fn mask_rows<B: burn::tensor::backend::Backend>(
+    dropout: DropoutSpec,
+    dropout_rows: &Option<IntTensor<B>>,
+) -> Option<Vec<i64>> {
+    dropout_rows
+        .as_ref()
+        .filter(|_| dropout.enabled())
+        .map(host_rows::<B>)
 }

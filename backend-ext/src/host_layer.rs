@@ -169,17 +169,34 @@ pub(crate) fn bias_gelu_backward(
 /// The outputs of [`layer_norm`]: output and pre-norm `[R, N]`, mean and rstd `[R]`.
 pub(crate) type LayerNormParts = [NdArrayTensor; 4];
 
-/// `LayerNorm(residual + dropout(x + bias)) · gamma + beta` over rows of `[R, N]`, with what
-/// the backward needs. Mean and variance are summed left to right in f32; `rstd =
-/// 1/√(var + eps)` as the reference.
-#[allow(clippy::too_many_arguments)]
+/// The dropout mask of a fused LayerNorm's `[R, N]` rows (`None`: dropout off) and the row
+/// that keys row `r`: itself, or with `rows` (packed rows, `FusedOps::dropout_rows`) its padded
+/// row `rows[r]`. `Err` for a row map of another length than R.
+#[allow(clippy::type_complexity)]
+fn layer_norm_mask<'a>(
+    spec: DropoutSpec,
+    shape: &[usize],
+    rows: Option<&'a [i64]>,
+) -> Result<(Option<RowMask>, impl Fn(usize) -> usize + Sync + 'a), ()> {
+    let r = shape.first().copied().unwrap_or(0);
+    let mask = match rows {
+        Some(rows) if rows.len() != r => return Err(()),
+        Some(_) => spec.enabled().then(|| RowMask::packed(spec)),
+        None => RowMask::new(spec, shape),
+    };
+    Ok((mask, move |row: usize| {
+        rows.map_or(row, |rows| rows[row] as usize)
+    }))
+}
+
+/// `LayerNorm(residual + dropout(x + bias)) · gamma + beta` over rows of `[R, N]`
+/// (`[x, bias, residual, gamma, beta]`), with what the backward needs; with `rows`, row `r`'s
+/// mask keyed as padded row `rows[r]`. Mean and variance are summed left to right in f32;
+/// `rstd = 1/√(var + eps)` as the reference.
 pub(crate) fn layer_norm(
-    x: &NdArrayTensor,
-    bias: &NdArrayTensor,
-    residual: &NdArrayTensor,
-    gamma: &NdArrayTensor,
-    beta: &NdArrayTensor,
+    [x, bias, residual, gamma, beta]: [&NdArrayTensor; 5],
     dropout: DropoutSpec,
+    rows: Option<&[i64]>,
     eps: f64,
 ) -> Option<LayerNormParts> {
     with_values(x, |shape, x| {
@@ -194,7 +211,7 @@ pub(crate) fn layer_norm(
                         {
                             return None;
                         }
-                        let mask = RowMask::new(dropout, shape);
+                        let (mask, key_row) = layer_norm_mask(dropout, shape, rows).ok()?;
                         let eps = eps as f32;
                         let rows = rows_per_task(n);
                         let mut out = par_zeros(r * n);
@@ -216,7 +233,7 @@ pub(crate) fn layer_norm(
                                     let residual = &residual[row * n..(row + 1) * n];
                                     match mask {
                                         Some(mask) => {
-                                            let key = mask.row_key(row);
+                                            let key = mask.row_key(key_row(row));
                                             for (c, p) in pre.iter_mut().enumerate() {
                                                 *p = (x[c] + bias[c]) * mask.factor(key, c)
                                                     + residual[c];
@@ -247,15 +264,13 @@ pub(crate) fn layer_norm(
     })
 }
 
-/// Backward of [`layer_norm`]: `[grad_pre_norm, grad_x, grad_x_hat]`, each `[R, N]` (see
+/// Backward of [`layer_norm`] (`[grad, pre_norm, mean, rstd, gamma]`, `rows` as the
+/// forward's): `[grad_pre_norm, grad_x, grad_x_hat]`, each `[R, N]` (see
 /// [`crate::LayerNormBackward`]).
 pub(crate) fn layer_norm_backward(
-    grad: &NdArrayTensor,
-    pre_norm: &NdArrayTensor,
-    mean: &NdArrayTensor,
-    rstd: &NdArrayTensor,
-    gamma: &NdArrayTensor,
+    [grad, pre_norm, mean, rstd, gamma]: [&NdArrayTensor; 5],
     dropout: DropoutSpec,
+    rows: Option<&[i64]>,
 ) -> Option<[NdArrayTensor; 3]> {
     with_values(grad, |shape, grad| {
         with_values(pre_norm, |pre_shape, pre| {
@@ -271,7 +286,7 @@ pub(crate) fn layer_norm_backward(
                         {
                             return None;
                         }
-                        let mask = RowMask::new(dropout, shape);
+                        let (mask, key_row) = layer_norm_mask(dropout, shape, rows).ok()?;
                         let rows = rows_per_task(n);
                         let mut grad_pre = par_zeros(r * n);
                         let mut grad_x_hat = par_zeros(r * n);
@@ -294,7 +309,8 @@ pub(crate) fn layer_norm_backward(
                                     );
                                 }
                             });
-                        let grad_x = mask.map(|mask| output(shape, masked(mask, &grad_pre, n)));
+                        let grad_x = mask
+                            .map(|mask| output(shape, masked_rows(mask, &grad_pre, n, key_row)));
                         let grad_pre = output(shape, grad_pre);
                         let grad_x = grad_x.unwrap_or_else(|| grad_pre.clone());
                         Some([grad_pre, grad_x, output(shape, grad_x_hat)])

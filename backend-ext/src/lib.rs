@@ -92,9 +92,9 @@ pub use cross_entropy::CrossEntropyForward;
 pub use dropout::{DropoutScope, DropoutSpec, keep_mask, reseed_dropout};
 pub use functions::{
     attention, attention_qkv, bias_dropout_add_layer_norm, bias_dropout_add_layer_norm_of_masters,
-    bias_gelu, bias_gelu_of_master, concat_columns, cross_entropy, dense, dense_module,
-    dense_of_masters, dropout, dropout_rows, embedding, lamb_multi_tensor, ordered_after, reshape,
-    sum_ordered, sum_squares, tied_decoder_weight,
+    bias_dropout_add_layer_norm_of_packed_rows, bias_gelu, bias_gelu_of_master, concat_columns,
+    cross_entropy, dense, dense_module, dense_of_masters, dropout, dropout_rows, embedding,
+    lamb_multi_tensor, ordered_after, reshape, sum_ordered, sum_squares, tied_decoder_weight,
 };
 pub use fused_ops::FusedOps;
 pub use fused_outputs::{DenseGrads, LayerNormBackward, LayerNormForward, SoftmaxForward};

@@ -23,7 +23,7 @@
 
 use burn::tensor::FloatDType;
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 
 use crate::{DenseGrads, DropoutSpec, FusedOps, Gelu, LayerNormForward, linear};
 
@@ -93,14 +93,20 @@ pub trait MasterOps: Backend {
     /// masters are the parents, and their gradients (column sums) are written in the masters'
     /// dtype.
     ///
+    /// `dropout_rows`: the padded row of each packed row, as
+    /// [`FusedOps::bias_dropout_add_layer_norm`] takes it.
+    ///
     /// # Shapes
-    /// `x`, `residual` `[R, N]`; each of `masters` and `copies` `[N]` → [`LayerNormForward`]
+    /// `x`, `residual` `[R, N]`; each of `masters` and `copies` `[N]`; `dropout_rows` `[R]` →
+    /// [`LayerNormForward`]
+    #[allow(clippy::too_many_arguments)]
     fn bias_dropout_add_layer_norm_of_masters(
         x: FloatTensor<Self>,
         residual: FloatTensor<Self>,
         masters: [FloatTensor<Self>; 3],
         copies: [FloatTensor<Self>; 3],
         dropout: DropoutSpec,
+        dropout_rows: Option<IntTensor<Self>>,
         eps: f64,
     ) -> LayerNormForward<Self>
     where
@@ -108,7 +114,16 @@ pub trait MasterOps: Backend {
     {
         let _ = masters;
         let [bias, gamma, beta] = copies;
-        Self::bias_dropout_add_layer_norm(x, bias, residual, gamma, beta, dropout, eps)
+        Self::bias_dropout_add_layer_norm(
+            x,
+            bias,
+            residual,
+            gamma,
+            beta,
+            dropout,
+            dropout_rows,
+            eps,
+        )
     }
 
     /// [`FusedOps::sum_rows_many`] written in `dtype`: the masters' gradients of the column

@@ -89,6 +89,7 @@ pub fn bias_gelu_backward<B: Backend, const D: usize>(
 /// The tensors of the LayerNorm forward: output, pre-norm sum, mean `[R, 1]`, rstd `[R, 1]`.
 type LayerNormParts<B> = (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>);
 
+#[allow(clippy::too_many_arguments)]
 fn layer_norm_parts<B: Backend>(
     x: Tensor<B, 2>,
     bias: Tensor<B, 1>,
@@ -96,11 +97,12 @@ fn layer_norm_parts<B: Backend>(
     gamma: Tensor<B, 1>,
     beta: Tensor<B, 1>,
     dropout: DropoutSpec,
+    dropout_rows: Option<IntTensor<B>>,
     eps: f64,
 ) -> LayerNormParts<B> {
     let mut z = x + bias.unsqueeze::<2>();
     if dropout.enabled() {
-        z = z.clone() * keep_mask::<B, 2>(dropout, z.dims(), &z.device());
+        z = z.clone() * rows_keep_mask::<B>(dropout, dropout_rows, z.dims(), &z.device());
     }
     let pre_norm = z + residual;
     let mean = pre_norm.clone().mean_dim(1); // [R, 1]
@@ -141,12 +143,38 @@ pub fn bias_dropout_add_layer_norm<B: Backend, const D: usize>(
         gamma,
         beta,
         dropout,
+        None,
         eps,
     );
     output.reshape(dims)
 }
 
+/// The keep mask of `[R, N]` rows, each row keyed as itself or, with `dropout_rows`, as its
+/// padded row (read back to the host; [`crate::FusedOps::dropout_rows`]'s mask).
+fn rows_keep_mask<B: Backend>(
+    dropout: DropoutSpec,
+    dropout_rows: Option<IntTensor<B>>,
+    [r, n]: [usize; 2],
+    device: &B::Device,
+) -> Tensor<B, 2> {
+    let Some(rows) = dropout_rows else {
+        return keep_mask::<B, 2>(dropout, [r, n], device);
+    };
+    let rows = Tensor::<B, 1, burn::tensor::Int>::from_primitive(rows)
+        .into_data()
+        .convert::<i64>();
+    let rows = rows.as_slice::<i64>().expect("i64 rows after convert");
+    assert_eq!(
+        rows.len(),
+        r,
+        "bias_dropout_add_layer_norm: a padded row per row"
+    );
+    let values = crate::dropout::mask_values_of_rows(dropout, n, rows);
+    Tensor::from_data(TensorData::new(values, [r, n]), device)
+}
+
 /// The default body of [`FusedOps::bias_dropout_add_layer_norm`](crate::FusedOps).
+#[allow(clippy::too_many_arguments)]
 pub fn bias_dropout_add_layer_norm_forward<B: Backend>(
     x: Tensor<B, 2>,
     bias: Tensor<B, 1>,
@@ -154,11 +182,12 @@ pub fn bias_dropout_add_layer_norm_forward<B: Backend>(
     gamma: Tensor<B, 1>,
     beta: Tensor<B, 1>,
     dropout: DropoutSpec,
+    dropout_rows: Option<IntTensor<B>>,
     eps: f64,
 ) -> LayerNormForward<B> {
     let [r, _] = x.dims();
     let (output, pre_norm, mean, rstd) =
-        layer_norm_parts(x, bias, residual, gamma, beta, dropout, eps);
+        layer_norm_parts(x, bias, residual, gamma, beta, dropout, dropout_rows, eps);
     LayerNormForward {
         output: prim(output),
         pre_norm: prim(pre_norm),
@@ -176,6 +205,7 @@ pub fn bias_dropout_add_layer_norm_backward<B: Backend>(
     rstd: Tensor<B, 1>,
     gamma: Tensor<B, 1>,
     dropout: DropoutSpec,
+    dropout_rows: Option<IntTensor<B>>,
 ) -> crate::LayerNormBackward<B> {
     let [r, n] = grad.dims();
     let rstd = rstd.reshape([r, 1]);
@@ -185,7 +215,7 @@ pub fn bias_dropout_add_layer_norm_backward<B: Backend>(
     let mean_gx = (g.clone() * x_hat.clone()).mean_dim(1);
     let grad_pre_norm = (g - mean_g - x_hat.clone() * mean_gx) * rstd;
     let grad_x = if dropout.enabled() {
-        grad_pre_norm.clone() * keep_mask::<B, 2>(dropout, [r, n], &grad.device())
+        grad_pre_norm.clone() * rows_keep_mask::<B>(dropout, dropout_rows, [r, n], &grad.device())
     } else {
         grad_pre_norm.clone()
     };

@@ -295,9 +295,10 @@ impl<B: FusedOps> BertLayer<B> {
     /// copies, or (`layer_norm` among the reference ops) the dense layer with its bias, the
     /// dropout op, the sum and Burn's `LayerNorm` in f32, as the reference path.
     ///
-    /// Packed rows with dropout (Note [Padding removed]): the dense layer with its bias, the
-    /// dropout of [`Unpadding::dropout`] (the padded rows' masks), then the LayerNorm of the
-    /// sum (fused: with a zero bias and no dropout inside).
+    /// Packed rows with dropout (Note [Padding removed]): fused, the same op with each row's
+    /// mask keyed through the row map ([`Unpadding::layer_norm`]); composed, the dense layer
+    /// with its bias, the dropout of [`Unpadding::dropout`] (the padded rows' masks) and the
+    /// LayerNorm of the sum.
     fn dense_dropout_add_norm(
         &self,
         x: Tensor<B, 3>,
@@ -307,20 +308,18 @@ impl<B: FusedOps> BertLayer<B> {
         unpadding: Option<&Unpadding<B>>,
     ) -> Tensor<B, 3> {
         if let Some(u) = unpadding.filter(|_| dropout.enabled()) {
-            let dropped = u.dropout(dense_as(dense, x), dropout);
             return if self.runs_fused(FusedOp::LayerNorm) {
-                let dtype = dropped.dtype();
-                let (gamma, beta) = gamma_beta_pairs(norm, dtype);
-                let zero_bias = u.zero_bias(&gamma, dtype);
-                ember_backend_ext::bias_dropout_add_layer_norm_of_masters(
-                    dropped,
-                    zero_bias,
+                let dtype = x.dtype();
+                u.layer_norm(
+                    dense_no_bias(x, dense),
+                    bias_pair(dense, dtype),
                     residual,
-                    (gamma, beta),
-                    DropoutSpec::NONE,
+                    gamma_beta_pairs(norm, dtype),
+                    dropout,
                     self.layer_norm_eps,
                 )
             } else {
+                let dropped = u.dropout(dense_as(dense, x), dropout);
                 layer_norm_f32(norm, dropped + residual)
             };
         }

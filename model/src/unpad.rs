@@ -30,15 +30,15 @@
 //! Dropout keeps its masks. The keyed masks of `ember-backend-ext`'s `dropout.rs` are a
 //! function of (sample, position, column), so a packed row must be keyed as the padded row it
 //! came from. On the fused path the two hidden-dropout sites of a packed layer (attention
-//! output, feed-forward output) therefore run the dropout op of packed rows,
-//! `FusedOps::dropout_rows` ([`Unpadding::dropout`]): each row keyed through the row map as its
-//! padded row, one pass (a kernel on CubeCL backends, rayon's threads on NdArray); the
-//! reference path pads, runs its composed dropout and unpads ([`Unpadding::around`]). The dense
-//! layer's bias is then added by the GEMM, and the fused bias + dropout + residual + LayerNorm
-//! runs with a zero bias and no dropout inside (its own dropout would key the packed rows as
-//! rows of one sample). The masks are those of the padded model, bit for bit; the cost is that
-//! one pass per site, which the row map inside the fused LayerNorm kernel would remove. The
-//! attention probabilities' dropout runs inside the padded core, as before.
+//! output, feed-forward output) hand the row map to the fused bias + dropout + residual +
+//! LayerNorm ([`Unpadding::layer_norm`]; `FusedOps::bias_dropout_add_layer_norm`'s
+//! `dropout_rows`): its kernels key row r's mask as padded row `rows[r]`, forward and
+//! backward, and the dense bias, the dropout and the bias gradient stay inside the op, as
+//! without `unpad`. Where LayerNorm runs composed, the dropout op of packed rows,
+//! `FusedOps::dropout_rows` ([`Unpadding::dropout`]), keys the rows the same way in one pass,
+//! and the reference path pads, runs its composed dropout and unpads ([`Unpadding::around`]).
+//! The masks are those of the padded model, bit for bit. The attention probabilities' dropout
+//! runs inside the padded core, as before.
 //!
 //! What changes for a caller: [`crate::ForwardHook::layer_input`] receives the packed
 //! `[1, T, H]` rows, and `sequence_output` is 0 (not the padded rows' values) at padded
@@ -47,9 +47,7 @@
 //! `input_mask` back to the host once instead (on a GPU, a wait for the device's queue).
 
 use burn::tensor::backend::Backend;
-use std::cell::RefCell;
-
-use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
 use ember_backend_ext::{DropoutSpec, FusedOps};
 
 /// Which rows of a padded batch are real tokens: the map between `[B, S, N]` and the packed
@@ -61,9 +59,6 @@ pub struct Unpadding<B: Backend> {
     /// `[T]`, the flattened row `b·S + s` of each real token, ascending.
     rows: Tensor<B, 1, Int>,
     tokens: usize,
-    /// The zero bias of the fused LayerNorm after a packed dropout site (master and copy, by
-    /// dtype), made once per forward instead of twice per layer.
-    zero_bias: RefCell<Vec<(DType, (Tensor<B, 1>, Tensor<B, 1>))>>,
 }
 
 impl<B: FusedOps> Unpadding<B> {
@@ -85,7 +80,6 @@ impl<B: FusedOps> Unpadding<B> {
             seq_len,
             rows,
             tokens,
-            zero_bias: RefCell::new(Vec::new()),
         }
     }
 
@@ -105,7 +99,6 @@ impl<B: FusedOps> Unpadding<B> {
             seq_len,
             rows: Tensor::from_data(TensorData::new(rows, [tokens]), device),
             tokens,
-            zero_bias: RefCell::new(Vec::new()),
         }
     }
 
@@ -153,20 +146,28 @@ impl<B: FusedOps> Unpadding<B> {
         self.unpad(f(self.pad(x)))
     }
 
-    /// A zero bias like `gamma` (`[N]`: the f32 master and its copy in `dtype`), made once
-    /// per forward and dtype: the bias of the fused LayerNorm after a packed dropout site.
-    pub(crate) fn zero_bias(
+    /// `LayerNorm(residual + dropout(x + bias))` of packed rows `[1, T, N]`, fused, with each
+    /// row's dropout mask that of its padded position (Note [Padding removed]):
+    /// [`ember_backend_ext::bias_dropout_add_layer_norm_of_packed_rows`] through the row map.
+    /// `bias` and `(gamma, beta)` are (master, copy) pairs.
+    pub(crate) fn layer_norm(
         &self,
-        gamma: &(Tensor<B, 1>, Tensor<B, 1>),
-        dtype: DType,
-    ) -> (Tensor<B, 1>, Tensor<B, 1>) {
-        let mut cache = self.zero_bias.borrow_mut();
-        if let Some((_, pair)) = cache.iter().find(|(d, _)| *d == dtype) {
-            return pair.clone();
-        }
-        let pair = (gamma.0.zeros_like(), gamma.1.zeros_like());
-        cache.push((dtype, pair.clone()));
-        pair
+        x: Tensor<B, 3>,
+        bias: (Tensor<B, 1>, Tensor<B, 1>),
+        residual: Tensor<B, 3>,
+        gamma_beta: ((Tensor<B, 1>, Tensor<B, 1>), (Tensor<B, 1>, Tensor<B, 1>)),
+        spec: DropoutSpec,
+        eps: f64,
+    ) -> Tensor<B, 3> {
+        ember_backend_ext::bias_dropout_add_layer_norm_of_packed_rows(
+            x,
+            bias,
+            residual,
+            gamma_beta,
+            spec.with_seq_len(self.seq_len),
+            self.rows.clone(),
+            eps,
+        )
     }
 
     /// `spec`'s dropout of packed rows `[1, T, N]` with the masks of their padded positions

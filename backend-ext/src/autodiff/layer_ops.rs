@@ -11,7 +11,7 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, FloatDType, TensorMetadata};
 
 use super::{dense, untracked};
@@ -46,13 +46,13 @@ impl<B: FusedOps> Backward<B, 2> for BiasGeluBackward {
 }
 
 /// What the LayerNorm backward needs: pre-norm sum, mean, rstd, the γ the kernel read,
-/// dropout, and the dtype of the bias's, γ's and β's gradients.
+/// dropout and its padded rows, and the dtype of the bias's, γ's and β's gradients.
 type LayerNormState<B> = (
     FloatTensor<B>,
     FloatTensor<B>,
     FloatTensor<B>,
     FloatTensor<B>,
-    DropoutSpec,
+    (DropoutSpec, Option<IntTensor<B>>),
     FloatDType,
 );
 
@@ -67,7 +67,7 @@ impl<B: FusedOps> Backward<B, 5> for LayerNormBackwardOp {
     fn backward(self, ops: Ops<Self::State, 5>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node_x, node_bias, node_residual, node_gamma, node_beta] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
-        let (pre_norm, mean, rstd, gamma, dropout, dtype) = ops.state;
+        let (pre_norm, mean, rstd, gamma, (dropout, dropout_rows), dtype) = ops.state;
         let back = B::bias_dropout_add_layer_norm_backward(
             grad.clone(),
             pre_norm,
@@ -75,6 +75,7 @@ impl<B: FusedOps> Backward<B, 5> for LayerNormBackwardOp {
             rstd,
             gamma,
             dropout,
+            dropout_rows,
         );
         // β's, γ's and the bias's gradients: column sums of the same rows, taken together
         // (MasterOps::sum_rows_many_as: two launches for the three on CubeCL), written in the
@@ -133,13 +134,14 @@ pub(super) fn bias_gelu<B: FusedOps, C: CheckpointStrategy>(
 }
 
 /// The fused LayerNorm of the kernel's `copies` (bias, γ, β), with their gradients going to
-/// `params` (the same tensors, or their masters), written in the dtype of `params`.
+/// `params` (the same tensors, or their masters), written in the dtype of `params`; dropout
+/// keyed through `dropout_rows` where given (packed rows).
 pub(super) fn layer_norm<B: FusedOps, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     residual: FloatTensor<Autodiff<B, C>>,
     params: [FloatTensor<Autodiff<B, C>>; 3],
     copies: [FloatTensor<B>; 3],
-    dropout: DropoutSpec,
+    (dropout, dropout_rows): (DropoutSpec, Option<IntTensor<B>>),
     eps: f64,
 ) -> LayerNormForward<Autodiff<B, C>> {
     let [bias, gamma, beta] = params;
@@ -162,6 +164,7 @@ pub(super) fn layer_norm<B: FusedOps, C: CheckpointStrategy>(
         used_gamma.clone(),
         used_beta,
         dropout,
+        dropout_rows.clone(),
         eps,
     );
     let output = match prepared {
@@ -171,7 +174,7 @@ pub(super) fn layer_norm<B: FusedOps, C: CheckpointStrategy>(
                 forward.mean.clone(),
                 forward.rstd.clone(),
                 used_gamma,
-                dropout,
+                (dropout, dropout_rows),
                 dtype,
             );
             prep.finish(state, forward.output)
@@ -215,6 +218,7 @@ impl<B: FusedOps, C: CheckpointStrategy> MasterOps for Autodiff<B, C> {
         masters: [FloatTensor<Self>; 3],
         copies: [FloatTensor<Self>; 3],
         dropout: DropoutSpec,
+        dropout_rows: Option<IntTensor<Self>>,
         eps: f64,
     ) -> LayerNormForward<Self> {
         layer_norm::<B, C>(
@@ -222,7 +226,7 @@ impl<B: FusedOps, C: CheckpointStrategy> MasterOps for Autodiff<B, C> {
             residual,
             masters,
             copies.map(|t| t.primitive),
-            dropout,
+            (dropout, dropout_rows),
             eps,
         )
     }

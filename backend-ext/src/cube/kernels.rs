@@ -37,6 +37,17 @@ pub(super) fn row_key(
     pcg_hash(sample_key ^ pcg_hash(canonical + 0x9e3779b9u32))
 }
 
+/// The row that keys row `row`'s dropout mask: itself, or with `mapped` (packed rows,
+/// `FusedOps::dropout_rows`) its padded row `padded_rows[row]`.
+#[cube]
+fn mask_row<I: Int>(padded_rows: &Tensor<I>, row: usize, #[comptime] mapped: bool) -> u32 {
+    let mut key_row = row as u32;
+    if mapped {
+        key_row = u32::cast_from(padded_rows[row]);
+    }
+    key_row
+}
+
 /// The dropout scale of element `column` of a row keyed `rk`: `keep_scale` if kept, 0 if
 /// dropped (the host's `dropout::keeps`).
 #[cube]
@@ -154,15 +165,18 @@ fn pre_norm_value<F: Float>(
 /// One cube per row: `y = residual + dropout(x + bias)`, then LayerNorm of y (two-pass
 /// variance over the stored y). With `per_unit` > 0 each unit keeps its `per_unit` elements of
 /// y, as stored, in registers instead of reading them back twice (Note [Softmax rows in
-/// registers] in `reductions.rs`: the same values, the same bits).
+/// registers] in `reductions.rs`: the same values, the same bits). With `mapped`, row r's
+/// dropout mask is keyed as padded row `padded_rows[r]` (packed rows; otherwise
+/// `padded_rows` is not read).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
+pub fn bias_dropout_add_layer_norm_kernel<F: Float, I: Int>(
     x: &Tensor<F>,
     bias: &Tensor<F>,
     residual: &Tensor<F>,
     gamma: &Tensor<F>,
     beta: &Tensor<F>,
+    padded_rows: &Tensor<I>,
     pre_norm: &mut Tensor<F>,
     output: &mut Tensor<F>,
     mean_out: &mut Tensor<f32>,
@@ -178,9 +192,10 @@ pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
     eps: f32,
     #[comptime] block: u32,
     #[comptime] dropout: bool,
+    #[comptime] mapped: bool,
     #[comptime] planes: bool,
     #[comptime] per_unit: u32,
-    #[define(F)] _dtype: StorageType,
+    #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let row = row_index();
     if row >= rows as usize {
@@ -192,7 +207,7 @@ pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
         sample_offset,
         rows_per_sample,
         seq,
-        row as u32,
+        mask_row(padded_rows, row, mapped),
     );
     let n = gamma.len();
     let base = row * n;
@@ -296,15 +311,17 @@ pub fn bias_dropout_add_layer_norm_kernel<F: Float>(
 /// unrounded `g` against the rounded one of the sum: on an H200 hidden size 1 gave dx =
 /// 0.014 where 0 is exact. In apex's order `g` enters only as a rounded factor
 /// (`fma(g, N, −Σg)`), so a constant row's `N·g − Σg` is exactly 0 for N = 1 and the
-/// difference of two roundings of the same sum otherwise.
+/// difference of two roundings of the same sum otherwise. `padded_rows` and `mapped` as the
+/// forward kernel's.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-pub fn layer_norm_backward_kernel<F: Float>(
+pub fn layer_norm_backward_kernel<F: Float, I: Int>(
     grad: &Tensor<F>,
     pre_norm: &Tensor<F>,
     mean: &Tensor<f32>,
     rstd: &Tensor<f32>,
     gamma: &Tensor<F>,
+    padded_rows: &Tensor<I>,
     grad_pre_norm: &mut Tensor<F>,
     grad_x: &mut Tensor<F>,
     grad_x_hat: &mut Tensor<F>,
@@ -318,9 +335,10 @@ pub fn layer_norm_backward_kernel<F: Float>(
     keep_scale: f32,
     #[comptime] block: u32,
     #[comptime] dropout: bool,
+    #[comptime] mapped: bool,
     #[comptime] planes: bool,
     #[comptime] per_unit: u32,
-    #[define(F)] _dtype: StorageType,
+    #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let row = row_index();
     if row >= rows as usize {
@@ -332,7 +350,7 @@ pub fn layer_norm_backward_kernel<F: Float>(
         sample_offset,
         rows_per_sample,
         seq,
-        row as u32,
+        mask_row(padded_rows, row, mapped),
     );
     let n = gamma.len();
     let base = row * n;

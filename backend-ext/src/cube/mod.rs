@@ -107,6 +107,43 @@ fn dropout_args(dropout: DropoutSpec, shape: &[usize]) -> MaskArgs {
     }
 }
 
+/// The padded rows and mask arguments of a fused LayerNorm's `[rows, n]` rows (`x` gives the
+/// device): with `dropout_rows` and dropout on, the row map (contiguous) and the layout of
+/// `[B·S, n]` padded rows, S = `dropout.seq_len` per sample (as `dropout_rows` keys them);
+/// else an unread one-element stand-in (an allocation, no launch) and the rows' own layout.
+/// The third value is the kernels' `mapped`.
+fn mask_of_rows<R: CubeRuntime, I: IntElement>(
+    x: &CubeTensor<R>,
+    dropout: DropoutSpec,
+    dropout_rows: Option<CubeTensor<R>>,
+    [rows, n]: [usize; 2],
+) -> (CubeTensor<R>, MaskArgs, bool) {
+    match dropout_rows.filter(|_| dropout.enabled()) {
+        Some(padded_rows) => {
+            assert!(
+                dropout.seq_len > 0,
+                "dropout of packed rows needs the padded length (DropoutSpec::with_seq_len)"
+            );
+            assert_eq!(
+                padded_rows.shape().num_elements(),
+                rows,
+                "bias_dropout_add_layer_norm: a padded row per row"
+            );
+            let mask = dropout_args(dropout, &[dropout.seq_len as usize, n]);
+            (into_contiguous(padded_rows), mask, true)
+        }
+        None => {
+            let stand_in = empty_device_contiguous_dtype(
+                x.client.clone(),
+                x.device.clone(),
+                Shape::new([1]),
+                I::dtype(),
+            );
+            (stand_in, dropout_args(dropout, &[rows, n]), false)
+        }
+    }
+}
+
 fn numel<R: CubeRuntime>(t: &CubeTensor<R>) -> usize {
     t.shape().num_elements()
 }
@@ -308,11 +345,14 @@ where
         gamma: CubeTensor<R>,
         beta: CubeTensor<R>,
         dropout: DropoutSpec,
+        dropout_rows: Option<CubeTensor<R>>,
         eps: f64,
     ) -> LayerNormForward<Self> {
         let x = into_contiguous(x);
         let [rows, n] = x.shape().dims::<2>();
         check_rows(rows * n);
+        let (padded_rows, mask, mapped) =
+            mask_of_rows::<R, I>(&x, dropout, dropout_rows, [rows, n]);
         let pre_norm = empty_like(&x, x.shape());
         let output = empty_like(&x, x.shape());
         // Note [LayerNorm statistics in f32].
@@ -327,8 +367,7 @@ where
         let (mean, rstd) = (stats(), stats());
         let (planes, min_units) = reductions::row_form(&x.client);
         let (count, dim, block) = row_launch(rows, n, min_units);
-        let mask = dropout_args(dropout, &[rows, n]);
-        let dtype = storage(x.dtype);
+        let dtypes = [storage(x.dtype), storage(padded_rows.dtype)];
         kernels::bias_dropout_add_layer_norm_kernel::launch::<R>(
             &x.client,
             count,
@@ -338,6 +377,7 @@ where
             into_contiguous(residual).into_tensor_arg(),
             into_contiguous(gamma).into_tensor_arg(),
             into_contiguous(beta).into_tensor_arg(),
+            padded_rows.into_tensor_arg(),
             pre_norm.clone().into_tensor_arg(),
             output.clone().into_tensor_arg(),
             mean.clone().into_tensor_arg(),
@@ -353,9 +393,10 @@ where
             eps as f32,
             block as u32,
             mask.enabled,
+            mapped,
             planes,
             reductions::registers_per_unit(n, block) as u32,
-            dtype,
+            dtypes,
         );
         LayerNormForward {
             output,
@@ -372,17 +413,19 @@ where
         rstd: CubeTensor<R>,
         gamma: CubeTensor<R>,
         dropout: DropoutSpec,
+        dropout_rows: Option<CubeTensor<R>>,
     ) -> LayerNormBackward<Self> {
         let grad = into_contiguous(grad);
         let [rows, n] = grad.shape().dims::<2>();
         check_rows(rows * n);
+        let (padded_rows, mask, mapped) =
+            mask_of_rows::<R, I>(&grad, dropout, dropout_rows, [rows, n]);
         let grad_pre_norm = empty_like(&grad, grad.shape());
         let grad_x = empty_like(&grad, grad.shape());
         let grad_x_hat = empty_like(&grad, grad.shape());
         let (planes, min_units) = reductions::row_form(&grad.client);
         let (count, dim, block) = row_launch(rows, n, min_units);
-        let mask = dropout_args(dropout, &[rows, n]);
-        let dtype = storage(grad.dtype);
+        let dtypes = [storage(grad.dtype), storage(padded_rows.dtype)];
         kernels::layer_norm_backward_kernel::launch::<R>(
             &grad.client,
             count,
@@ -392,6 +435,7 @@ where
             f32_stats::<R, F, I, BT>(mean).into_tensor_arg(),
             f32_stats::<R, F, I, BT>(rstd).into_tensor_arg(),
             into_contiguous(gamma).into_tensor_arg(),
+            padded_rows.into_tensor_arg(),
             grad_pre_norm.clone().into_tensor_arg(),
             grad_x.clone().into_tensor_arg(),
             grad_x_hat.clone().into_tensor_arg(),
@@ -405,9 +449,10 @@ where
             mask.keep_scale,
             block as u32,
             mask.enabled,
+            mapped,
             planes,
             reductions::registers_per_unit(n, block) as u32,
-            dtype,
+            dtypes,
         );
         LayerNormBackward {
             grad_pre_norm,

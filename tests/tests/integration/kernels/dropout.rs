@@ -1,14 +1,14 @@
 //! Dropout on the kernels: the mask is the host's counter-based mask (keyed by sample and
 //! position, so a micro-batch offset into the step keeps its samples' masks), the backward
-//! pass reuses the forward's mask, the dropout op equals the host mask, and the dropout op of
-//! packed rows gives each row its padded row's mask.
+//! pass reuses the forward's mask, the dropout op equals the host mask, and the dropout op and
+//! the fused LayerNorm of packed rows give each row its padded row's mask.
 
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use ember_backend_ext::{DropoutSpec, FusedOps, keep_mask};
 
 use super::common::{assert_close, random, values};
-use super::{FWD, weighted_sum};
+use super::{BWD, FWD, weighted_sum};
 
 /// The kernel's dropout mask is the host's [`keep_mask`], the same seed gives the same mask,
 /// another seed another one, and the keep rate is within 6σ of 1 − p.
@@ -187,4 +187,130 @@ where
         )
     }));
     assert!(refused.is_err(), "packed rows without their padded length");
+}
+
+/// The fused bias + dropout + residual + LayerNorm of packed rows (its `dropout_rows`, Note
+/// [Padding removed]) equals the padded op at the real rows, forward and backward: three
+/// samples of 11, 4 and 7 real tokens padded to 11, a micro-batch whose samples start at 2 of
+/// the step, random bias, γ and β; the padded rows get a zero cotangent, so the parameters'
+/// gradients are the real rows' sums in both. Without the row map the packed rows would be
+/// keyed as rows of one sample, which other keys show moves the output.
+pub fn check_layer_norm_of_packed_rows<B: AutodiffBackend + FusedOps>(device: &B::Device)
+where
+    B::InnerBackend: FusedOps,
+{
+    let (seq_len, n, lengths) = (11usize, 40usize, [11usize, 4, 7]);
+    let batch = lengths.len();
+    let padded_rows: Vec<i64> = lengths
+        .iter()
+        .enumerate()
+        .flat_map(|(b, &len)| (0..len).map(move |s| (b * seq_len + s) as i64))
+        .collect();
+    let tokens = padded_rows.len();
+    let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(padded_rows, [tokens]), device);
+    let spec = DropoutSpec {
+        sample_offset: 2,
+        ..DropoutSpec::new(0.3, 0x1a7e_0b0d_5eed)
+    };
+    let padded = |t: Tensor<B, 2>| {
+        Tensor::<B, 2>::zeros([batch * seq_len, n], device).select_assign(
+            0,
+            rows.clone(),
+            t,
+            burn::tensor::IndexingUpdateOp::Add,
+        )
+    };
+    let [x, residual, weight] = [0, 1, 2].map(|_| random::<B, 2>([tokens, n], device));
+    let [bias, gamma, beta] = [0, 1, 2].map(|_| random::<B, 1>([n], device));
+    let leaves = |x: &Tensor<B, 2>, residual: &Tensor<B, 2>| {
+        (
+            x.clone().detach().require_grad(),
+            residual.clone().detach().require_grad(),
+            [&bias, &gamma, &beta].map(|t| t.clone().detach().require_grad()),
+        )
+    };
+
+    // Padded: the op on [B, S, N] (its mask keyed by sample and position), cotangent 0 at the
+    // padded rows.
+    let (x_pad, residual_pad, [b_pad, g_pad, be_pad]) =
+        leaves(&padded(x.clone()), &padded(residual.clone()));
+    let out_pad = ember_backend_ext::bias_dropout_add_layer_norm(
+        x_pad.clone().reshape([batch, seq_len, n]),
+        b_pad.clone(),
+        residual_pad.clone().reshape([batch, seq_len, n]),
+        g_pad.clone(),
+        be_pad.clone(),
+        spec,
+        1e-12,
+    )
+    .reshape([batch * seq_len, n]);
+    let mut grads_pad = weighted_sum(out_pad.clone(), &padded(weight.clone())).backward();
+
+    let packed_op = |x: Tensor<B, 2>, residual: Tensor<B, 2>, params: [Tensor<B, 1>; 3], spec| {
+        let [b, g, be] = params;
+        ember_backend_ext::bias_dropout_add_layer_norm_of_packed_rows(
+            x,
+            (b.clone(), b),
+            residual,
+            ((g.clone(), g), (be.clone(), be)),
+            spec,
+            rows.clone(),
+            1e-12,
+        )
+    };
+    let (x_packed, residual_packed, params) = leaves(&x, &residual);
+    let out = packed_op(
+        x_packed.clone(),
+        residual_packed.clone(),
+        params.clone(),
+        spec.with_seq_len(seq_len),
+    );
+    assert_close(
+        "packed LayerNorm = the padded one's real rows",
+        out.clone(),
+        out_pad.clone().detach().select(0, rows.clone()),
+        FWD,
+    );
+    let other = packed_op(
+        x.clone(),
+        residual.clone(),
+        [&bias, &gamma, &beta].map(|t| t.clone()),
+        DropoutSpec {
+            seed: spec.seed ^ 1,
+            ..spec.with_seq_len(seq_len)
+        },
+    );
+    let moved: f64 = (other - out.clone().detach())
+        .abs()
+        .max()
+        .into_scalar()
+        .elem();
+    assert!(moved > 0.1, "another key moves the output (by {moved})");
+
+    let mut grads = weighted_sum(out, &weight).backward();
+    let grad = |t: &Tensor<B, 2>, grads: &mut B::Gradients| t.grad_remove(grads).unwrap();
+    assert_close(
+        "packed LayerNorm's dx = the padded one's at the real rows",
+        grad(&x_packed, &mut grads),
+        grad(&x_pad, &mut grads_pad).select(0, rows.clone().inner()),
+        BWD,
+    );
+    assert_close(
+        "packed LayerNorm's d residual",
+        grad(&residual_packed, &mut grads),
+        grad(&residual_pad, &mut grads_pad).select(0, rows.clone().inner()),
+        BWD,
+    );
+    for (name, packed, pad) in [
+        ("bias", &params[0], &b_pad),
+        ("gamma", &params[1], &g_pad),
+        ("beta", &params[2], &be_pad),
+    ] {
+        assert_close(
+            &format!("packed LayerNorm's d {name}"),
+            packed.grad_remove(&mut grads).unwrap(),
+            pad.grad_remove(&mut grads_pad).unwrap(),
+            BWD,
+        );
+    }
 }

@@ -173,6 +173,7 @@ fn check_layer_norm_statistics<H: FusedOps>(device: &H::Device, dtype: DType) {
             vector(1.0),
             vector(0.0),
             DropoutSpec::NONE,
+            None,
             1e-5,
         );
         let stat_dtype =

@@ -40,6 +40,7 @@ mod streams;
 use common::{assert_close, mask_bias, random, values};
 use dropout::{
     check_dropout_backward_mask, check_dropout_mask, check_dropout_op, check_dropout_rows,
+    check_layer_norm_of_packed_rows,
 };
 use optimizer::check_optimizer_ops;
 
@@ -474,6 +475,12 @@ macro_rules! kernel_tests {
         #[test]
         fn dropout_of_packed_rows_keys_each_row_as_its_padded_row() {
             check_dropout_rows::<B>(&$device);
+        }
+
+        /// Note [Padding removed]: the fused LayerNorm's dropout keyed through the row map.
+        #[test]
+        fn layer_norm_of_packed_rows_equals_the_padded_rows() {
+            check_layer_norm_of_packed_rows::<B>(&$device);
         }
     };
 }
