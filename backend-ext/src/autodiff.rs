@@ -45,6 +45,7 @@ macro_rules! register_sum {
 mod attention;
 mod dense;
 mod layer_ops;
+mod packed_rows;
 
 /// A reshape: parent x; state x's shape. Both ways through [`FusedOps::reshape_contiguous`],
 /// so that NdArray moves neither a contiguous activation nor its gradient (Burn's autodiff
@@ -76,24 +77,6 @@ impl<B: FusedOps> Backward<B, 1> for DropoutBackward {
         if let Some(node) = node_x {
             // y = x · mask  ⇒  dx = grad · mask: dropout with the same key.
             register_sum!(grads, &node, B::dropout(grad, ops.state));
-        }
-    }
-}
-
-/// [`FusedOps::dropout_rows`]: parent `x`; state the spec and the row map. Backward: the
-/// same op on the gradient.
-#[derive(Debug)]
-struct DropoutRowsBackward;
-
-impl<B: FusedOps> Backward<B, 1> for DropoutRowsBackward {
-    type State = (DropoutSpec, IntTensor<B>);
-
-    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_x] = ops.parents;
-        let grad = grads.consume::<B>(&ops.node);
-        let (dropout, rows) = ops.state;
-        if let Some(node) = node_x {
-            register_sum!(grads, &node, B::dropout_rows(grad, dropout, rows));
         }
     }
 }
@@ -378,24 +361,6 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
                 prep.finish(dropout, output)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::dropout(x.primitive, dropout)),
-        }
-    }
-
-    fn dropout_rows(
-        x: FloatTensor<Self>,
-        dropout: DropoutSpec,
-        rows: IntTensor<Self>,
-    ) -> FloatTensor<Self> {
-        match DropoutRowsBackward
-            .prepare::<C>([x.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let output = B::dropout_rows(x.primitive, dropout, rows.clone());
-                prep.finish((dropout, rows), output)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::dropout_rows(x.primitive, dropout, rows)),
         }
     }
 

@@ -1,7 +1,8 @@
 //! The [`FusedOps`] trait (the crate's docs say what it adds to a Burn backend); what its
 //! methods return is in `fused_outputs.rs`, the ops of autocast's f32 masters and half copies
 //! in `masters.rs` (its supertrait [`MasterOps`]), the flat buckets' in `bucket_ops.rs` (its
-//! supertrait [`BucketOps`]).
+//! supertrait [`BucketOps`]), the packed rows' of `model.unpad` in `packed_rows.rs` (its
+//! supertrait [`PackedRowOps`]).
 
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, FloatDType, TensorMetadata};
@@ -13,7 +14,7 @@ use crate::*;
 ///
 /// Inputs may have any strides; outputs are contiguous. Float inputs are f32 or bf16
 /// (kernels accumulate in f32).
-pub trait FusedOps: MasterOps + BucketOps {
+pub trait FusedOps: MasterOps + BucketOps + PackedRowOps {
     /// Whether this backend implements the ops with its own kernels (what [`Kernels::Auto`]
     /// picks).
     const HAS_KERNELS: bool = false;
@@ -155,7 +156,7 @@ pub trait FusedOps: MasterOps + BucketOps {
     ///
     /// `dropout_rows`: for packed rows (`model.unpad`, Note [Padding removed] in
     /// `ember-model`'s `unpad.rs`), the padded row `b·S + s` of each row, so that row `t`'s
-    /// dropout mask is the one [`FusedOps::dropout_rows`] gives it (keyed as row
+    /// dropout mask is the one [`PackedRowOps::dropout_rows`] gives it (keyed as row
     /// `dropout_rows[t]` of `[B·S, N]` rows, `dropout.seq_len` = S per sample); `None`: rows
     /// keyed as themselves.
     ///
@@ -266,28 +267,6 @@ pub trait FusedOps: MasterOps + BucketOps {
     /// shape of `x`
     fn dropout(x: FloatTensor<Self>, dropout: DropoutSpec) -> FloatTensor<Self> {
         reference::dropout_primitive::<Self>(x, dropout)
-    }
-
-    /// Dropout of packed rows (`model.unpad`, Note [Padding removed] in `ember-model`'s
-    /// `unpad.rs`): row `t` of `x` is keyed as row `rows[t]` of a padded `[B·S, N]` tensor of
-    /// `dropout.seq_len` = S rows per sample, so each packed row gets the mask
-    /// [`FusedOps::dropout`] gives its padded position. One pass, no padded copy. Its own
-    /// backward: the same op on the gradient.
-    ///
-    /// The default reads `rows` back to the host and builds the mask there.
-    ///
-    /// # Shapes
-    /// `x` `[.., N]` of T rows (all dimensions but the last), `rows` `[T]` with values in
-    /// `0..B·S` → the shape of `x`
-    ///
-    /// # Panics
-    /// If dropout is on and `dropout.seq_len` is 0.
-    fn dropout_rows(
-        x: FloatTensor<Self>,
-        dropout: DropoutSpec,
-        rows: IntTensor<Self>,
-    ) -> FloatTensor<Self> {
-        reference::dropout_rows_primitive::<Self>(x, dropout, rows)
     }
 
     /// One Adam-family step of many tensors, apex's `multi_tensor_adam`/`multi_tensor_lamb`

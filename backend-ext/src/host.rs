@@ -32,6 +32,32 @@ macro_rules! default_bodies_on_ndarray {
 }
 default_bodies_on_ndarray!(MasterOps, crate::BucketOps);
 
+/// Packed rows on NdArray: dropout on rayon's threads; gathering and scattering by Burn's ops
+/// (the default bodies).
+impl<E, I, Q> crate::PackedRowOps for burn_ndarray::NdArray<E, I, Q>
+where
+    E: burn_ndarray::FloatNdArrayElement,
+    I: burn_ndarray::IntNdArrayElement,
+    Q: burn_ndarray::QuantElement,
+    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<E>>,
+    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<I>>,
+{
+    fn dropout_rows(
+        x: FloatTensor<Self>,
+        dropout: DropoutSpec,
+        rows: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        if !dropout.enabled() {
+            return x;
+        }
+        let values = host_rows::<Self>(&rows);
+        match host_layer::dropout(&x, dropout, Some(&values)) {
+            Some(out) => out,
+            None => reference::dropout_rows_primitive::<Self>(x, dropout, rows),
+        }
+    }
+}
+
 impl<E, I, Q> FusedOps for burn_ndarray::NdArray<E, I, Q>
 where
     E: burn_ndarray::FloatNdArrayElement,
@@ -238,21 +264,6 @@ where
         match host_layer::dropout(&x, dropout, None) {
             Some(out) => out,
             None => reference::dropout_primitive::<Self>(x, dropout),
-        }
-    }
-
-    fn dropout_rows(
-        x: FloatTensor<Self>,
-        dropout: DropoutSpec,
-        rows: IntTensor<Self>,
-    ) -> FloatTensor<Self> {
-        if !dropout.enabled() {
-            return x;
-        }
-        let values = host_rows::<Self>(&rows);
-        match host_layer::dropout(&x, dropout, Some(&values)) {
-            Some(out) => out,
-            None => reference::dropout_rows_primitive::<Self>(x, dropout, rows),
         }
     }
 

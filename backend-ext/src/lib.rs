@@ -56,6 +56,7 @@ mod host_sum;
 mod kernels_choice;
 mod linear;
 mod masters;
+mod packed_rows;
 mod qkv;
 pub mod reference;
 mod reference_ops;
@@ -109,4 +110,5 @@ pub use kernels_choice::{
     Kernels, QkvProjections, RowReductions, row_reductions, set_row_reductions,
 };
 pub use masters::MasterOps;
+pub use packed_rows::{PackedRowOps, gather_rows, scatter_rows, slots_of_rows};
 pub use reference_ops::{FusedOp, ReferenceOps};

@@ -47,7 +47,7 @@
 //! `input_mask` back to the host once instead (on a GPU, a wait for the device's queue).
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 use ember_backend_ext::{DropoutSpec, FusedOps};
 
 /// Which rows of a padded batch are real tokens: the map between `[B, S, N]` and the packed
@@ -58,6 +58,9 @@ pub struct Unpadding<B: Backend> {
     seq_len: usize,
     /// `[T]`, the flattened row `b·S + s` of each real token, ascending.
     rows: Tensor<B, 1, Int>,
+    /// `[B·S]`, the packed row of each padded row, T at padding (the inverse map:
+    /// `ember_backend_ext::PackedRowOps`'s `slots`).
+    slots: Tensor<B, 1, Int>,
     tokens: usize,
 }
 
@@ -73,12 +76,15 @@ impl<B: FusedOps> Unpadding<B> {
 
     /// The real tokens as their rows `b·S + s` (`[T]`, ascending; `ember_data::Batch::
     /// real_rows`), of a batch of `batch` samples padded to `seq_len`: no read-back.
+    /// The inverse map is made on the device (a fill and a scatter, once per forward).
     pub fn from_rows(rows: Tensor<B, 1, Int>, batch: usize, seq_len: usize) -> Self {
         let [tokens] = rows.dims();
+        let slots = ember_backend_ext::slots_of_rows(&rows, batch * seq_len);
         Self {
             batch,
             seq_len,
             rows,
+            slots,
             tokens,
         }
     }
@@ -94,10 +100,15 @@ impl<B: FusedOps> Unpadding<B> {
             .map(|i| i as i64)
             .collect();
         let tokens = rows.len();
+        let mut slots = vec![tokens as i64; mask.len()];
+        for (t, &row) in rows.iter().enumerate() {
+            slots[row as usize] = t as i64;
+        }
         Self {
             batch,
             seq_len,
             rows: Tensor::from_data(TensorData::new(rows, [tokens]), device),
+            slots: Tensor::from_data(TensorData::new(slots, [mask.len()]), device),
             tokens,
         }
     }
@@ -112,28 +123,31 @@ impl<B: FusedOps> Unpadding<B> {
         (self.batch, self.seq_len)
     }
 
-    /// Gathers the real rows: `[B, S, N]` → `[1, T, N]`. Backward: a scatter into zeros.
+    /// Gathers the real rows: `[B, S, N]` → `[1, T, N]` (`ember_backend_ext::gather_rows`).
+    /// Backward: the scatter of [`Unpadding::pad`].
     pub fn unpad(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [batch, seq_len, n] = x.dims();
         debug_assert_eq!((batch, seq_len), (self.batch, self.seq_len));
-        ember_backend_ext::reshape(x, [batch * seq_len, n])
-            .select(0, self.rows.clone())
-            .unsqueeze::<3>()
+        ember_backend_ext::gather_rows(
+            ember_backend_ext::reshape(x, [batch * seq_len, n]),
+            self.rows.clone(),
+            self.slots.clone(),
+        )
+        .unsqueeze::<3>()
     }
 
-    /// Scatters packed rows back: `[1, T, N]` → `[B, S, N]`, zeros at the padded positions.
-    /// Backward: a gather.
+    /// Scatters packed rows back: `[1, T, N]` → `[B, S, N]`, zeros at the padded positions
+    /// (`ember_backend_ext::scatter_rows`: one pass writing each padded row once). Backward:
+    /// the gather of [`Unpadding::unpad`].
     pub fn pad(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [_, tokens, n] = x.dims();
         debug_assert_eq!(tokens, self.tokens);
-        Tensor::<B, 2>::zeros([self.batch * self.seq_len, n], (&x.device(), x.dtype()))
-            .select_assign(
-                0,
-                self.rows.clone(),
-                x.reshape([tokens, n]),
-                IndexingUpdateOp::Add,
-            )
-            .reshape([self.batch, self.seq_len, n])
+        let padded = ember_backend_ext::scatter_rows(
+            ember_backend_ext::reshape(x, [tokens, n]),
+            self.rows.clone(),
+            self.slots.clone(),
+        );
+        ember_backend_ext::reshape(padded, [self.batch, self.seq_len, n])
     }
 
     /// `f` of the padded layout, for packed rows: `unpad(f(pad(x)))`, `[1, T, N]` →

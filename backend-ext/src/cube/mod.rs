@@ -16,6 +16,7 @@ mod kernels;
 mod masters;
 mod multi_tensor;
 mod multi_tensor_kernels;
+mod packed_rows;
 mod qkv;
 mod reductions;
 mod softmax_kernels;
@@ -509,49 +510,6 @@ where
             mask.keep_scale,
             block as u32,
             dtype,
-        );
-        output
-    }
-
-    fn dropout_rows(x: CubeTensor<R>, dropout: DropoutSpec, rows: CubeTensor<R>) -> CubeTensor<R> {
-        if !dropout.enabled() {
-            return x;
-        }
-        assert!(
-            dropout.seq_len > 0,
-            "dropout of packed rows needs the padded length (DropoutSpec::with_seq_len)"
-        );
-        let x = into_contiguous(x);
-        let padded_rows = into_contiguous(rows);
-        let n = x.shape().to_vec().last().copied().unwrap_or(1).max(1);
-        let n_rows = x.shape().num_elements() / n;
-        check_rows(n_rows * n);
-        assert_eq!(
-            padded_rows.shape().num_elements(),
-            n_rows,
-            "dropout_rows: a padded row per row"
-        );
-        let output = empty_like(&x, x.shape());
-        let (count, dim, block) = row_launch(n_rows, n, 1);
-        // The layout of `[B·S, N]` rows, S per sample: that of the padded rows.
-        let mask = dropout_args(dropout, &[dropout.seq_len as usize, n]);
-        let dtypes = [storage(x.dtype), storage(padded_rows.dtype)];
-        kernels::dropout_rows_kernel::launch::<R>(
-            &x.client,
-            count,
-            dim,
-            x.clone().into_tensor_arg(),
-            padded_rows.into_tensor_arg(),
-            output.clone().into_tensor_arg(),
-            n_rows as u32,
-            mask.key_lo,
-            mask.key_hi,
-            mask.sample_offset,
-            mask.seq,
-            mask.threshold,
-            mask.keep_scale,
-            block as u32,
-            dtypes,
         );
         output
     }

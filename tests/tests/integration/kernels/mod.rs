@@ -33,6 +33,7 @@ mod gemm_window;
 mod half_precision;
 mod layer_masters;
 mod optimizer;
+mod packed_rows;
 mod packing;
 mod softmax;
 #[cfg(feature = "cuda")]
@@ -475,6 +476,12 @@ macro_rules! kernel_tests {
         #[test]
         fn dropout_of_packed_rows_keys_each_row_as_its_padded_row() {
             check_dropout_rows::<B>(&$device);
+        }
+
+        /// Note [Padding removed]: packed rows gathered and scattered, one launch each way.
+        #[test]
+        fn packed_rows_gather_and_scatter_as_select_and_select_assign() {
+            packed_rows::check_gather_and_scatter_rows::<B>(&$device);
         }
 
         /// Note [Padding removed]: the fused LayerNorm's dropout keyed through the row map.

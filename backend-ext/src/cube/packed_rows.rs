@@ -1,0 +1,130 @@
+//! [`PackedRowOps`] for `CubeBackend` (`model.unpad`, Note [Padding removed] in `ember-model`'s
+//! `unpad.rs`): the dropout of packed rows keyed through the row map (`dropout_rows_kernel`),
+//! the gather by Burn's `select` (one launch), and the scatter as one pass over the padded
+//! rows by their slots ([`scatter_rows_kernel`]), where Burn's `select_assign` into zeros takes
+//! a fill and a scatter.
+
+use burn::tensor::{Shape, TensorMetadata};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use cubecl::prelude::*;
+
+use super::kernels::{self, row_index};
+use super::reductions::row_launch;
+use super::{check_rows, dropout_args, empty_like, storage};
+use crate::{DropoutSpec, PackedRowOps};
+
+/// Row `row` of the padded `output` (`[R, N]`): row `slots[row]` of the packed `x` (`[T, N]`)
+/// where it is below `tokens` (T), else zeros; the cube's units stride over the row.
+#[cube(launch)]
+pub fn scatter_rows_kernel<F: Float, I: Int>(
+    x: &Tensor<F>,
+    slots: &Tensor<I>,
+    output: &mut Tensor<F>,
+    rows: u32,
+    tokens: u32,
+    #[comptime] block: u32,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let row = row_index();
+    if row >= rows as usize {
+        terminate!();
+    }
+    let n = output.shape(output.rank() - 1);
+    let base = row * n;
+    let slot = u32::cast_from(slots[row]);
+    let mut j = UNIT_POS_X as usize;
+    if slot < tokens {
+        let source = slot as usize * n;
+        while j < n {
+            output[base + j] = x[source + j];
+            j += block as usize;
+        }
+    } else {
+        while j < n {
+            output[base + j] = F::cast_from(f32::new(0.0));
+            j += block as usize;
+        }
+    }
+}
+
+impl<R, F, I, BT> PackedRowOps for CubeBackend<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    fn dropout_rows(x: CubeTensor<R>, dropout: DropoutSpec, rows: CubeTensor<R>) -> CubeTensor<R> {
+        if !dropout.enabled() {
+            return x;
+        }
+        assert!(
+            dropout.seq_len > 0,
+            "dropout of packed rows needs the padded length (DropoutSpec::with_seq_len)"
+        );
+        let x = into_contiguous(x);
+        let padded_rows = into_contiguous(rows);
+        let n = x.shape().to_vec().last().copied().unwrap_or(1).max(1);
+        let n_rows = x.shape().num_elements() / n;
+        check_rows(n_rows * n);
+        assert_eq!(
+            padded_rows.shape().num_elements(),
+            n_rows,
+            "dropout_rows: a padded row per row"
+        );
+        let output = empty_like(&x, x.shape());
+        let (count, dim, block) = row_launch(n_rows, n, 1);
+        // The layout of `[B·S, N]` rows, S per sample: that of the padded rows.
+        let mask = dropout_args(dropout, &[dropout.seq_len as usize, n]);
+        let dtypes = [storage(x.dtype), storage(padded_rows.dtype)];
+        kernels::dropout_rows_kernel::launch::<R>(
+            &x.client,
+            count,
+            dim,
+            x.clone().into_tensor_arg(),
+            padded_rows.into_tensor_arg(),
+            output.clone().into_tensor_arg(),
+            n_rows as u32,
+            mask.key_lo,
+            mask.key_hi,
+            mask.sample_offset,
+            mask.seq,
+            mask.threshold,
+            mask.keep_scale,
+            block as u32,
+            dtypes,
+        );
+        output
+    }
+
+    fn scatter_rows(x: CubeTensor<R>, rows: CubeTensor<R>, slots: CubeTensor<R>) -> CubeTensor<R> {
+        let x = into_contiguous(x);
+        let slots = into_contiguous(slots);
+        let [tokens, n] = x.shape().dims::<2>();
+        assert_eq!(
+            rows.shape().num_elements(),
+            tokens,
+            "scatter_rows: a padded row per packed row"
+        );
+        let padded = slots.shape().num_elements();
+        check_rows(padded * n);
+        let output = empty_like(&x, Shape::new([padded, n]));
+        let (count, dim, block) = row_launch(padded, n, 1);
+        let dtypes = [storage(x.dtype), storage(slots.dtype)];
+        scatter_rows_kernel::launch::<R>(
+            &x.client,
+            count,
+            dim,
+            x.clone().into_tensor_arg(),
+            slots.into_tensor_arg(),
+            output.clone().into_tensor_arg(),
+            padded as u32,
+            tokens as u32,
+            block as u32,
+            dtypes,
+        );
+        output
+    }
+}

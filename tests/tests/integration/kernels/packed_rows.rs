@@ -1,0 +1,91 @@
+//! The gather and scatter of packed rows (`PackedRowOps`, Note [Padding removed]): against
+//! Burn's `select` and `select_assign` into zeros, forward and backward, bit for bit (they
+//! copy); the inverse map made on the device equals the host's.
+
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
+use ember_backend_ext::{FusedOps, gather_rows, scatter_rows, slots_of_rows};
+
+use super::common::{assert_close, random, values};
+use super::weighted_sum;
+
+/// Three samples of 11, 4 and 7 real tokens padded to 11 (rows of 40): the scatter puts each
+/// packed row at its padded row and zeros elsewhere, the gather takes them back, and each one's
+/// gradient is the other of the cotangent.
+pub fn check_gather_and_scatter_rows<B: AutodiffBackend + FusedOps>(device: &B::Device)
+where
+    B::InnerBackend: FusedOps,
+{
+    let (seq_len, n, lengths) = (11usize, 40usize, [11usize, 4, 7]);
+    let padded = lengths.len() * seq_len;
+    let rows_host: Vec<i64> = lengths
+        .iter()
+        .enumerate()
+        .flat_map(|(b, &len)| (0..len).map(move |s| (b * seq_len + s) as i64))
+        .collect();
+    let tokens = rows_host.len();
+    let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(rows_host.clone(), [tokens]), device);
+    let slots = slots_of_rows(&rows, padded);
+    let mut expected_slots = vec![tokens as i64; padded];
+    for (t, &row) in rows_host.iter().enumerate() {
+        expected_slots[row as usize] = t as i64;
+    }
+    let slot_values = slots
+        .clone()
+        .into_data()
+        .convert::<i64>()
+        .to_vec::<i64>()
+        .unwrap();
+    assert_eq!(slot_values, expected_slots, "the inverse map");
+
+    let x = random::<B, 2>([tokens, n], device).require_grad();
+    let scattered = scatter_rows(x.clone(), rows.clone(), slots.clone());
+    let reference = Tensor::<B, 2>::zeros([padded, n], device).select_assign(
+        0,
+        rows.clone(),
+        x.clone().detach(),
+        IndexingUpdateOp::Add,
+    );
+    assert_close(
+        "scatter = select_assign into zeros",
+        scattered.clone(),
+        reference,
+        (0.0, 0.0),
+    );
+    let weight = random::<B, 2>([padded, n], device);
+    let mut grads = weighted_sum(scattered.clone(), &weight).backward();
+    assert_close(
+        "scatter's backward = the cotangent's real rows",
+        x.grad_remove(&mut grads).unwrap(),
+        weight.clone().select(0, rows.clone()).inner(),
+        (0.0, 0.0),
+    );
+
+    let y = scattered.detach().require_grad();
+    let gathered = gather_rows(y.clone(), rows.clone(), slots.clone());
+    assert_close(
+        "gather of the scatter = the packed rows",
+        gathered.clone(),
+        x.clone().detach(),
+        (0.0, 0.0),
+    );
+    let weight = random::<B, 2>([tokens, n], device);
+    let mut grads = weighted_sum(gathered, &weight).backward();
+    let grad = y.grad_remove(&mut grads).unwrap();
+    let expected = Tensor::<B, 2>::zeros([padded, n], device)
+        .select_assign(0, rows.clone(), weight, IndexingUpdateOp::Add)
+        .inner();
+    assert_close(
+        "gather's backward = the cotangent scattered",
+        grad.clone(),
+        expected,
+        (0.0, 0.0),
+    );
+    let padding_row = (lengths[1] + seq_len) * n; // sample 1, first padded position
+    assert!(
+        values(grad)[padding_row..padding_row + n]
+            .iter()
+            .all(|&v| v == 0.0),
+        "zeros at the padding"
+    );
+}
