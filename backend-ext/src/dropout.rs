@@ -300,7 +300,7 @@ pub(crate) fn mask_values(spec: DropoutSpec, shape: &[usize]) -> Vec<f32> {
     values
 }
 
-/// The values of the mask of packed rows (see [`crate::FusedOps::dropout_rows`]): row `t` of a
+/// The values of the mask of packed rows (see [`crate::PackedRowOps::dropout_rows`]): row `t` of a
 /// `[T, columns]` tensor keyed as row `rows[t]` of the padded `[B·S, columns]` rows, S =
 /// `spec.seq_len`; row-major.
 ///
@@ -333,7 +333,7 @@ impl RowMask {
     }
 
     /// The mask of packed rows: each row keyed by the padded row it came from, in `[B·S, N]`
-    /// rows of `spec.seq_len` per sample ([`crate::FusedOps::dropout_rows`]).
+    /// rows of `spec.seq_len` per sample ([`crate::PackedRowOps::dropout_rows`]).
     ///
     /// # Panics
     /// If `spec.seq_len` is 0: packed rows need the padded length to find their sample.

@@ -240,29 +240,44 @@ pub fn bias_dropout_add_layer_norm_of_masters<B: FusedOps, const D: usize>(
     eps: f64,
 ) -> Tensor<B, D> {
     let (x, residual, dims, dropout) = layer_norm_rows(x, residual, dropout);
+    let output = layer_norm_of_masters(x, bias, residual, (gamma, beta), dropout, None, eps);
+    reshape(output, dims)
+}
+
+/// [`crate::MasterOps::bias_dropout_add_layer_norm_of_masters`] of `[R, N]` rows: its output.
+fn layer_norm_of_masters<B: FusedOps>(
+    x: Tensor<B, 2>,
+    bias: (Tensor<B, 1>, Tensor<B, 1>),
+    residual: Tensor<B, 2>,
+    (gamma, beta): ((Tensor<B, 1>, Tensor<B, 1>), (Tensor<B, 1>, Tensor<B, 1>)),
+    dropout: DropoutSpec,
+    dropout_rows: Option<Tensor<B, 1, burn::tensor::Int>>,
+    eps: f64,
+) -> Tensor<B, 2> {
     let forward = B::bias_dropout_add_layer_norm_of_masters(
         prim(x),
         prim(residual),
         [bias.0, gamma.0, beta.0].map(prim),
         [bias.1, gamma.1, beta.1].map(prim),
         dropout,
-        None,
+        dropout_rows.map(Tensor::into_primitive),
         eps,
     );
-    reshape(float::<B, 2>(forward.output), dims)
+    float(forward.output)
 }
 
 /// [`bias_dropout_add_layer_norm_of_masters`] of packed rows (`model.unpad`, Note [Padding
-/// removed] in `ember-model`'s `unpad.rs`): row `t` of `x` is the padded row `padded_rows[t]` of a
-/// batch padded to `dropout.seq_len` = S, and its dropout mask is that row's, as
-/// [`dropout_rows`] gives it. The dense bias and the dropout stay inside the one fused op.
+/// removed] in `ember-model`'s `unpad.rs`): row `t` of `x` is the padded row
+/// `padded_rows[t]` of a batch padded to `dropout.seq_len` = S, and its dropout mask is that
+/// row's, as [`dropout_rows`] gives it. The dense bias and the dropout stay inside the one
+/// fused op. `dropout` is taken as given: its `seq_len` is the padded length, not T.
 ///
 /// # Shapes
 /// `x`, `residual` `[.., N]` of T rows; each of the pairs `[N]`; `padded_rows` `[T]` with
 /// values in `0..B·S` → the shape of `x`
 ///
 /// # Panics
-/// If dropout is on and `dropout.seq_len` is 0.
+/// If dropout is on and `dropout.seq_len` is 0, or `padded_rows` does not hold T rows.
 pub fn bias_dropout_add_layer_norm_of_packed_rows<B: FusedOps, const D: usize>(
     x: Tensor<B, D>,
     bias: (Tensor<B, 1>, Tensor<B, 1>),
@@ -278,16 +293,16 @@ pub fn bias_dropout_add_layer_norm_of_packed_rows<B: FusedOps, const D: usize>(
     );
     let (x, dims) = rows(x);
     let (residual, _) = rows(residual);
-    let forward = B::bias_dropout_add_layer_norm_of_masters(
-        prim(x),
-        prim(residual),
-        [bias.0, gamma.0, beta.0].map(prim),
-        [bias.1, gamma.1, beta.1].map(prim),
+    let output = layer_norm_of_masters(
+        x,
+        bias,
+        residual,
+        (gamma, beta),
         dropout,
-        Some(padded_rows.into_primitive()),
+        Some(padded_rows),
         eps,
     );
-    reshape(float::<B, 2>(forward.output), dims)
+    reshape(output, dims)
 }
 
 /// Dropout through [`FusedOps::dropout`] (its own backward under autodiff), keyed per sample
@@ -302,9 +317,9 @@ pub fn dropout<B: FusedOps, const D: usize>(x: Tensor<B, D>, dropout: DropoutSpe
     float::<B, D>(B::dropout(prim(x), dropout))
 }
 
-/// Dropout of packed rows through [`FusedOps::dropout_rows`]: row `t` of `x` keyed as row
-/// `rows[t]` of the padded `[B·S, N]` rows (`dropout.seq_len` = S), so it gets its padded
-/// position's mask; `x` itself when `dropout` drops nothing.
+/// Dropout of packed rows through [`crate::PackedRowOps::dropout_rows`]: row `t` of `x` keyed
+/// as row `rows[t]` of the padded `[B·S, N]` rows (`dropout.seq_len` = S), so it gets its
+/// padded position's mask; `x` itself when `dropout` drops nothing.
 ///
 /// # Shapes
 /// `x` `[.., N]` of T rows, `rows` `[T]` → the shape of `x`

@@ -165,7 +165,8 @@ pub trait FusedOps: MasterOps + BucketOps + PackedRowOps {
     /// [`LayerNormForward`]
     ///
     /// # Panics
-    /// With `dropout_rows` and dropout on, if `dropout.seq_len` is 0.
+    /// With `dropout_rows` and dropout on: if `dropout.seq_len` is 0, or `dropout_rows` does
+    /// not hold R rows.
     #[allow(clippy::too_many_arguments)]
     fn bias_dropout_add_layer_norm(
         x: FloatTensor<Self>,
@@ -198,6 +199,9 @@ pub trait FusedOps: MasterOps + BucketOps + PackedRowOps {
     /// CubeCL backends, Note [LayerNorm statistics in f32]; the default body takes them in
     /// `pre_norm`'s dtype); `gamma` `[N]`; `dropout_rows` `[R]` as the forward's →
     /// [`LayerNormBackward`]
+    ///
+    /// # Panics
+    /// As the forward, with `dropout_rows` and dropout on.
     #[allow(clippy::too_many_arguments)]
     fn bias_dropout_add_layer_norm_backward(
         grad: FloatTensor<Self>,

@@ -95,7 +95,7 @@ fn masked_rows(
 }
 
 /// The dropout op, `x · mask`, on rayon's threads; with `rows`, row `t` of `x` keyed as row
-/// `rows[t]` of the padded rows (`FusedOps::dropout_rows`). The reference's product per
+/// `rows[t]` of the padded rows (`PackedRowOps::dropout_rows`). The reference's product per
 /// element. `None` for dtypes other than f32, dropout off, or a row map of another length.
 pub(crate) fn dropout(
     x: &NdArrayTensor,
@@ -170,7 +170,7 @@ pub(crate) fn bias_gelu_backward(
 pub(crate) type LayerNormParts = [NdArrayTensor; 4];
 
 /// The dropout mask of a fused LayerNorm's `[R, N]` rows (`None`: dropout off) and the row
-/// that keys row `r`: itself, or with `rows` (packed rows, `FusedOps::dropout_rows`) its padded
+/// that keys row `r`: itself, or with `rows` (packed rows, `PackedRowOps::dropout_rows`) its padded
 /// row `rows[r]`. `Err` for a row map of another length than R.
 #[allow(clippy::type_complexity)]
 fn layer_norm_mask<'a>(
@@ -185,7 +185,9 @@ fn layer_norm_mask<'a>(
         None => RowMask::new(spec, shape),
     };
     Ok((mask, move |row: usize| {
-        rows.map_or(row, |rows| rows[row] as usize)
+        rows.map_or(row, |rows| {
+            usize::try_from(rows[row]).expect("a padded row index")
+        })
     }))
 }
 

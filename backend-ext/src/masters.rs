@@ -99,6 +99,9 @@ pub trait MasterOps: Backend {
     /// # Shapes
     /// `x`, `residual` `[R, N]`; each of `masters` and `copies` `[N]`; `dropout_rows` `[R]` →
     /// [`LayerNormForward`]
+    ///
+    /// # Panics
+    /// As [`FusedOps::bias_dropout_add_layer_norm`], with `dropout_rows` and dropout on.
     #[allow(clippy::too_many_arguments)]
     fn bias_dropout_add_layer_norm_of_masters(
         x: FloatTensor<Self>,

@@ -17,8 +17,10 @@ use burn::tensor::{Int, Tensor};
 use crate::{DropoutSpec, float, prim, reference};
 
 /// The ops of packed rows; part of [`crate::FusedOps`], whose supertrait it is. The default
-/// bodies are Burn's ops (and the host's mask for [`PackedRowOps::dropout_rows`]); CubeCL
-/// backends override them with kernels and `Autodiff` with their backward passes.
+/// bodies are Burn's ops (and the host's mask for [`PackedRowOps::dropout_rows`], the host's
+/// map for [`PackedRowOps::slots_of_rows`]); CubeCL backends run kernels for the dropout, the
+/// scatter and the map (the gather is Burn's `select` there too), and `Autodiff` adds the
+/// backward passes.
 pub trait PackedRowOps: Backend {
     /// Dropout of packed rows: row `t` of `x` is keyed as row `rows[t]` of a padded `[B·S, N]`
     /// tensor of `dropout.seq_len` = S rows per sample, so each packed row gets the mask
@@ -46,7 +48,11 @@ pub trait PackedRowOps: Backend {
     /// default is Burn's `select`.
     ///
     /// # Shapes
-    /// `x` `[R, N]`, `rows` `[T]` with values in `0..R`, `slots` `[R]` → `[T, N]`
+    /// `x` `[R, N]`, `rows` `[T]` with values in `0..R`, `slots` `[R]` (of the same map) →
+    /// `[T, N]`
+    ///
+    /// # Panics
+    /// As Burn's `select`: on NdArray, if a row is outside `0..R`.
     fn gather_rows(
         x: FloatTensor<Self>,
         rows: IntTensor<Self>,
@@ -62,7 +68,12 @@ pub trait PackedRowOps: Backend {
     /// `rows`. The default selects by `slots` from `x` with a zero row appended.
     ///
     /// # Shapes
-    /// `x` `[T, N]`, `rows` `[T]`, `slots` `[R]` with values in `0..=T` → `[R, N]`
+    /// `x` `[T, N]`, `rows` `[T]`, `slots` `[R]` with values in `0..=T` (of the same map) →
+    /// `[R, N]`
+    ///
+    /// # Panics
+    /// If `x` is not `[T, N]` with T the length of `rows` (CubeCL), or a slot is above T (the
+    /// default).
     fn scatter_rows(
         x: FloatTensor<Self>,
         rows: IntTensor<Self>,
@@ -75,25 +86,53 @@ pub trait PackedRowOps: Backend {
         let with_zero = Tensor::cat(vec![x, zero], 0);
         prim(with_zero.select(0, Tensor::<Self, 1, Int>::from_primitive(slots)))
     }
+
+    /// The inverse of a row map: `[R]`, the packed row of each of the R = `padded_rows`
+    /// padded rows, T where it is padding (the `slots` of the other ops). `rows` must be
+    /// distinct and ascending (as `ember_data::Batch::real_rows` and `Unpadding::from_mask`
+    /// give them). CubeCL backends run one kernel (a binary search per padded row, no
+    /// read-back); the default reads `rows` back to the host and uploads the map.
+    ///
+    /// # Shapes
+    /// `rows` `[T]` with values in `0..R` → `[R]`
+    ///
+    /// # Panics
+    /// The default, if a row is outside `0..padded_rows`.
+    fn slots_of_rows(rows: IntTensor<Self>, padded_rows: usize) -> IntTensor<Self> {
+        let rows = Tensor::<Self, 1, Int>::from_primitive(rows);
+        let device = rows.device();
+        let rows = rows.into_data().convert::<i64>();
+        let rows = rows.as_slice::<i64>().expect("i64 rows after convert");
+        let tokens = rows.len();
+        let mut slots = vec![tokens as i64; padded_rows];
+        for (t, &row) in rows.iter().enumerate() {
+            let row = usize::try_from(row)
+                .ok()
+                .filter(|&row| row < padded_rows)
+                .unwrap_or_else(|| panic!("slots_of_rows: row {row} outside 0..{padded_rows}"));
+            slots[row] = t as i64;
+        }
+        Tensor::<Self, 1, Int>::from_data(
+            burn::tensor::TensorData::new(slots, [padded_rows]),
+            &device,
+        )
+        .into_primitive()
+    }
 }
 
-/// The inverse of a row map: `[R]`, the packed row of each of the R padded rows, T where it is
-/// padding ([`PackedRowOps`]'s `slots`), from `rows` (`[T]`) on the device: a fill and a
-/// scatter, no read-back.
-pub fn slots_of_rows<B: Backend>(
+/// The inverse map of a row map ([`PackedRowOps::slots_of_rows`]), made on the device where
+/// the backend has a kernel for it.
+///
+/// # Shapes
+/// `rows` `[T]` → `[padded_rows]`
+///
+/// # Panics
+/// On backends without the kernel (the host's body), if a row is outside `0..padded_rows`.
+pub fn slots_of_rows<B: crate::FusedOps>(
     rows: &Tensor<B, 1, Int>,
     padded_rows: usize,
 ) -> Tensor<B, 1, Int> {
-    let [tokens] = rows.dims();
-    let device = rows.device();
-    // slots[rows[t]] = T + (t − T) = t.
-    let offsets: Vec<i64> = (0..tokens as i64).map(|t| t - tokens as i64).collect();
-    Tensor::<B, 1, Int>::full([padded_rows], tokens as i64, &device).select_assign(
-        0,
-        rows.clone(),
-        Tensor::from_data(burn::tensor::TensorData::new(offsets, [tokens]), &device),
-        burn::tensor::IndexingUpdateOp::Add,
-    )
+    Tensor::from_primitive(B::slots_of_rows(rows.clone().into_primitive(), padded_rows))
 }
 
 /// The packed rows of `x` through [`PackedRowOps::gather_rows`] (its backward under autodiff).

@@ -150,7 +150,7 @@ pub fn bias_dropout_add_layer_norm<B: Backend, const D: usize>(
 }
 
 /// The keep mask of `[R, N]` rows, each row keyed as itself or, with `dropout_rows`, as its
-/// padded row (read back to the host; [`crate::FusedOps::dropout_rows`]'s mask).
+/// padded row (read back to the host; [`crate::PackedRowOps::dropout_rows`]'s mask).
 fn rows_keep_mask<B: Backend>(
     dropout: DropoutSpec,
     dropout_rows: Option<IntTensor<B>>,
@@ -267,7 +267,7 @@ pub fn dropout_primitive<B: Backend>(x: FloatTensor<B>, dropout: DropoutSpec) ->
 }
 
 /// Dropout of packed rows, the default body of
-/// [`FusedOps::dropout_rows`](crate::FusedOps::dropout_rows): `rows` read back to the host,
+/// [`PackedRowOps::dropout_rows`](crate::PackedRowOps::dropout_rows): `rows` read back to the host,
 /// the mask built there ([`crate::dropout::RowMask`], each row keyed as its padded row) and
 /// multiplied in.
 pub fn dropout_rows_primitive<B: Backend>(

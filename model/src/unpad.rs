@@ -35,7 +35,7 @@
 //! `dropout_rows`): its kernels key row r's mask as padded row `rows[r]`, forward and
 //! backward, and the dense bias, the dropout and the bias gradient stay inside the op, as
 //! without `unpad`. Where LayerNorm runs composed, the dropout op of packed rows,
-//! `FusedOps::dropout_rows` ([`Unpadding::dropout`]), keys the rows the same way in one pass,
+//! `PackedRowOps::dropout_rows` ([`Unpadding::dropout`]), keys the rows the same way in one pass,
 //! and the reference path pads, runs its composed dropout and unpads ([`Unpadding::around`]).
 //! The masks are those of the padded model, bit for bit. The attention probabilities' dropout
 //! runs inside the padded core, as before.
@@ -76,7 +76,8 @@ impl<B: FusedOps> Unpadding<B> {
 
     /// The real tokens as their rows `b·S + s` (`[T]`, ascending; `ember_data::Batch::
     /// real_rows`), of a batch of `batch` samples padded to `seq_len`: no read-back.
-    /// The inverse map is made on the device (a fill and a scatter, once per forward).
+    /// The inverse map is made on the device (`ember_backend_ext::slots_of_rows`: one launch on
+    /// CubeCL backends, once per forward).
     pub fn from_rows(rows: Tensor<B, 1, Int>, batch: usize, seq_len: usize) -> Self {
         let [tokens] = rows.dims();
         let slots = ember_backend_ext::slots_of_rows(&rows, batch * seq_len);

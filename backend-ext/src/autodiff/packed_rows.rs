@@ -31,39 +31,55 @@ impl<B: FusedOps> Backward<B, 1> for DropoutRowsBackward {
     }
 }
 
-/// [`PackedRowOps::gather_rows`]: parent `x`; state the row map both ways. Backward:
-/// [`PackedRowOps::scatter_rows`] of the gradient.
+/// [`PackedRowOps::gather_rows`] (`gathered`) or [`PackedRowOps::scatter_rows`]: parent `x`;
+/// state the row map both ways and the direction. Backward: the other direction on the
+/// gradient.
 #[derive(Debug)]
-struct GatherRowsBackward;
+struct MovedRowsBackward;
 
-impl<B: FusedOps> Backward<B, 1> for GatherRowsBackward {
-    type State = (IntTensor<B>, IntTensor<B>);
+impl<B: FusedOps> Backward<B, 1> for MovedRowsBackward {
+    type State = (IntTensor<B>, IntTensor<B>, bool);
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node_x] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
-        let (rows, slots) = ops.state;
+        let (rows, slots, gathered) = ops.state;
         if let Some(node) = node_x {
-            register_sum!(grads, &node, B::scatter_rows(grad, rows, slots));
+            let moved = if gathered {
+                B::scatter_rows(grad, rows, slots)
+            } else {
+                B::gather_rows(grad, rows, slots)
+            };
+            register_sum!(grads, &node, moved);
         }
     }
 }
 
-/// [`PackedRowOps::scatter_rows`]: parent `x`; state the row map both ways. Backward:
-/// [`PackedRowOps::gather_rows`] of the gradient.
-#[derive(Debug)]
-struct ScatterRowsBackward;
-
-impl<B: FusedOps> Backward<B, 1> for ScatterRowsBackward {
-    type State = (IntTensor<B>, IntTensor<B>);
-
-    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_x] = ops.parents;
-        let grad = grads.consume::<B>(&ops.node);
-        let (rows, slots) = ops.state;
-        if let Some(node) = node_x {
-            register_sum!(grads, &node, B::gather_rows(grad, rows, slots));
+/// The rows of `x` gathered (`gathered`) or scattered by the inner backend, tracked as one
+/// node.
+fn move_rows<B: FusedOps, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<B, C>>,
+    rows: IntTensor<B>,
+    slots: IntTensor<B>,
+    gathered: bool,
+) -> FloatTensor<Autodiff<B, C>> {
+    let inner = |x, rows, slots| {
+        if gathered {
+            B::gather_rows(x, rows, slots)
+        } else {
+            B::scatter_rows(x, rows, slots)
         }
+    };
+    match MovedRowsBackward
+        .prepare::<C>([x.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let output = inner(x.primitive, rows.clone(), slots.clone());
+            prep.finish((rows, slots, gathered), output)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(inner(x.primitive, rows, slots)),
     }
 }
 
@@ -86,22 +102,16 @@ impl<B: FusedOps, C: CheckpointStrategy> PackedRowOps for Autodiff<B, C> {
         }
     }
 
+    fn slots_of_rows(rows: IntTensor<Self>, padded_rows: usize) -> IntTensor<Self> {
+        B::slots_of_rows(rows, padded_rows)
+    }
+
     fn gather_rows(
         x: FloatTensor<Self>,
         rows: IntTensor<Self>,
         slots: IntTensor<Self>,
     ) -> FloatTensor<Self> {
-        match GatherRowsBackward
-            .prepare::<C>([x.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let output = B::gather_rows(x.primitive, rows.clone(), slots.clone());
-                prep.finish((rows, slots), output)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::gather_rows(x.primitive, rows, slots)),
-        }
+        move_rows::<B, C>(x, rows, slots, true)
     }
 
     fn scatter_rows(
@@ -109,16 +119,6 @@ impl<B: FusedOps, C: CheckpointStrategy> PackedRowOps for Autodiff<B, C> {
         rows: IntTensor<Self>,
         slots: IntTensor<Self>,
     ) -> FloatTensor<Self> {
-        match ScatterRowsBackward
-            .prepare::<C>([x.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let output = B::scatter_rows(x.primitive, rows.clone(), slots.clone());
-                prep.finish((rows, slots), output)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::scatter_rows(x.primitive, rows, slots)),
-        }
+        move_rows::<B, C>(x, rows, slots, false)
     }
 }

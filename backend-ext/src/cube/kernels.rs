@@ -38,7 +38,7 @@ pub(super) fn row_key(
 }
 
 /// The row that keys row `row`'s dropout mask: itself, or with `mapped` (packed rows,
-/// `FusedOps::dropout_rows`) its padded row `padded_rows[row]`.
+/// `PackedRowOps::dropout_rows`) its padded row `padded_rows[row]`.
 #[cube]
 fn mask_row<I: Int>(padded_rows: &Tensor<I>, row: usize, #[comptime] mapped: bool) -> u32 {
     let mut key_row = row as u32;
@@ -491,7 +491,7 @@ fn dropout_row<F: Float>(
     }
 }
 
-/// [`dropout_kernel`] of packed rows (`FusedOps::dropout_rows`): row `r` of `x` is keyed as
+/// [`dropout_kernel`] of packed rows (`PackedRowOps::dropout_rows`): row `r` of `x` is keyed as
 /// row `padded_rows[r]` of the padded rows, `seq` of them per sample.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]

@@ -1,8 +1,9 @@
 //! [`PackedRowOps`] for `CubeBackend` (`model.unpad`, Note [Padding removed] in `ember-model`'s
 //! `unpad.rs`): the dropout of packed rows keyed through the row map (`dropout_rows_kernel`),
-//! the gather by Burn's `select` (one launch), and the scatter as one pass over the padded
-//! rows by their slots ([`scatter_rows_kernel`]), where Burn's `select_assign` into zeros takes
-//! a fill and a scatter.
+//! the gather by Burn's `select` (one launch), the scatter as one pass over the padded rows by
+//! their slots ([`scatter_rows_kernel`]), where Burn's `select_assign` into zeros takes a fill
+//! and a scatter, and the slots themselves in one launch ([`slots_of_rows_kernel`]; Burn's
+//! 1-D `select_assign` runs its indices on a single unit).
 
 use burn::tensor::{Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
@@ -12,7 +13,7 @@ use cubecl::prelude::*;
 
 use super::kernels::{self, row_index};
 use super::reductions::row_launch;
-use super::{check_rows, dropout_args, empty_like, storage};
+use super::{check_rows, dropout_args, elemwise_launch, empty_like, storage};
 use crate::{DropoutSpec, PackedRowOps};
 
 /// Row `row` of the padded `output` (`[R, N]`): row `slots[row]` of the packed `x` (`[T, N]`)
@@ -47,6 +48,39 @@ pub fn scatter_rows_kernel<F: Float, I: Int>(
             j += block as usize;
         }
     }
+}
+
+/// `slots[p]`: the index t of padded row p in the ascending `rows` (`[T]`), or T where p is not
+/// among them (padding); a binary search per padded row, one unit each.
+#[cube(launch)]
+pub fn slots_of_rows_kernel<I: Int>(
+    rows: &Tensor<I>,
+    slots: &mut Tensor<I>,
+    tokens: u32,
+    #[define(I)] _dtype: StorageType,
+) {
+    let p = ABSOLUTE_POS;
+    if p >= slots.len() {
+        terminate!();
+    }
+    let target = p as u32;
+    let mut lo = 0u32;
+    let mut hi = tokens;
+    while lo < hi {
+        let mid = (lo + hi) / 2u32;
+        if u32::cast_from(rows[mid as usize]) < target {
+            lo = mid + 1u32;
+        } else {
+            hi = mid;
+        }
+    }
+    let mut slot = tokens;
+    if lo < tokens {
+        if u32::cast_from(rows[lo as usize]) == target {
+            slot = lo;
+        }
+    }
+    slots[p] = I::cast_from(slot);
 }
 
 impl<R, F, I, BT> PackedRowOps for CubeBackend<R, F, I, BT>
@@ -97,6 +131,25 @@ where
             dtypes,
         );
         output
+    }
+
+    fn slots_of_rows(rows: CubeTensor<R>, padded_rows: usize) -> CubeTensor<R> {
+        let rows = into_contiguous(rows);
+        let tokens = rows.shape().num_elements();
+        check_rows(padded_rows.max(tokens));
+        let slots = empty_like(&rows, Shape::new([padded_rows]));
+        let (count, dim) = elemwise_launch(&rows, padded_rows.max(1));
+        let dtype = storage(rows.dtype);
+        slots_of_rows_kernel::launch::<R>(
+            &rows.client,
+            count,
+            dim,
+            rows.clone().into_tensor_arg(),
+            slots.clone().into_tensor_arg(),
+            tokens as u32,
+            dtype,
+        );
+        slots
     }
 
     fn scatter_rows(x: CubeTensor<R>, rows: CubeTensor<R>, slots: CubeTensor<R>) -> CubeTensor<R> {

@@ -4,10 +4,11 @@
 //! the fused LayerNorm of packed rows give each row its padded row's mask.
 
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use burn::tensor::{ElementConversion, Int, Tensor};
 use ember_backend_ext::{DropoutSpec, FusedOps, keep_mask};
 
 use super::common::{assert_close, random, values};
+use super::packed_rows::{PACKED_LENGTHS, packed_rows};
 use super::{BWD, FWD, weighted_sum};
 
 /// The kernel's dropout mask is the host's [`keep_mask`], the same seed gives the same mask,
@@ -139,7 +140,7 @@ where
     );
 }
 
-/// The dropout op of packed rows (`FusedOps::dropout_rows`, Note [Padding removed]): each row
+/// The dropout op of packed rows (`PackedRowOps::dropout_rows`, Note [Padding removed]): each row
 /// of a packed `[T, N]` gets the host mask of the padded row it came from (a micro-batch whose
 /// samples start at 2 of the step, three samples of 11, 4 and 7 real tokens padded to 11),
 /// forward and backward; the same spec without the padded length is refused.
@@ -147,14 +148,8 @@ pub fn check_dropout_rows<B: AutodiffBackend + FusedOps>(device: &B::Device)
 where
     B::InnerBackend: FusedOps,
 {
-    let (seq_len, n, lengths) = (11usize, 40usize, [11usize, 4, 7]);
-    let padded_rows: Vec<i64> = lengths
-        .iter()
-        .enumerate()
-        .flat_map(|(b, &len)| (0..len).map(move |s| (b * seq_len + s) as i64))
-        .collect();
-    let tokens = padded_rows.len();
-    let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(padded_rows, [tokens]), device);
+    let (seq_len, n, lengths) = (11usize, 40usize, PACKED_LENGTHS);
+    let (rows, tokens) = packed_rows::<B>(&lengths, seq_len, device);
     let spec = DropoutSpec {
         sample_offset: 2,
         ..DropoutSpec::new(0.3, 0x0dd_5eed_cafe)
@@ -199,15 +194,9 @@ pub fn check_layer_norm_of_packed_rows<B: AutodiffBackend + FusedOps>(device: &B
 where
     B::InnerBackend: FusedOps,
 {
-    let (seq_len, n, lengths) = (11usize, 40usize, [11usize, 4, 7]);
+    let (seq_len, n, lengths) = (11usize, 40usize, PACKED_LENGTHS);
     let batch = lengths.len();
-    let padded_rows: Vec<i64> = lengths
-        .iter()
-        .enumerate()
-        .flat_map(|(b, &len)| (0..len).map(move |s| (b * seq_len + s) as i64))
-        .collect();
-    let tokens = padded_rows.len();
-    let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(padded_rows, [tokens]), device);
+    let (rows, tokens) = packed_rows::<B>(&lengths, seq_len, device);
     let spec = DropoutSpec {
         sample_offset: 2,
         ..DropoutSpec::new(0.3, 0x1a7e_0b0d_5eed)

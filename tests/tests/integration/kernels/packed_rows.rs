@@ -2,32 +2,53 @@
 //! Burn's `select` and `select_assign` into zeros, forward and backward, bit for bit (they
 //! copy); the inverse map made on the device equals the host's.
 
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
 use ember_backend_ext::{FusedOps, gather_rows, scatter_rows, slots_of_rows};
 
 use super::common::{assert_close, random, values};
 use super::weighted_sum;
 
-/// Three samples of 11, 4 and 7 real tokens padded to 11 (rows of 40): the scatter puts each
+/// The real tokens of the packed-row tests' three samples, padded to 11: the first one short,
+/// so that from its fifth row on no packed row sits at its own index among the padded rows.
+pub const PACKED_LENGTHS: [usize; 3] = [4, 11, 7];
+
+/// The padded rows `b·S + s` of samples of `lengths` real tokens padded to `seq_len`, in order.
+pub fn padded_rows(lengths: &[usize], seq_len: usize) -> Vec<i64> {
+    lengths
+        .iter()
+        .enumerate()
+        .flat_map(|(b, &len)| (0..len).map(move |s| (b * seq_len + s) as i64))
+        .collect()
+}
+
+/// [`padded_rows`] on the device, and their count T.
+pub fn packed_rows<B: Backend>(
+    lengths: &[usize],
+    seq_len: usize,
+    device: &B::Device,
+) -> (Tensor<B, 1, Int>, usize) {
+    let rows = padded_rows(lengths, seq_len);
+    let tokens = rows.len();
+    (
+        Tensor::from_data(TensorData::new(rows, [tokens]), device),
+        tokens,
+    )
+}
+
+/// Three samples of 4, 11 and 7 real tokens padded to 11 (rows of 40): the scatter puts each
 /// packed row at its padded row and zeros elsewhere, the gather takes them back, and each one's
 /// gradient is the other of the cotangent.
 pub fn check_gather_and_scatter_rows<B: AutodiffBackend + FusedOps>(device: &B::Device)
 where
     B::InnerBackend: FusedOps,
 {
-    let (seq_len, n, lengths) = (11usize, 40usize, [11usize, 4, 7]);
+    let (seq_len, n, lengths) = (11usize, 40usize, PACKED_LENGTHS);
     let padded = lengths.len() * seq_len;
-    let rows_host: Vec<i64> = lengths
-        .iter()
-        .enumerate()
-        .flat_map(|(b, &len)| (0..len).map(move |s| (b * seq_len + s) as i64))
-        .collect();
-    let tokens = rows_host.len();
-    let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(rows_host.clone(), [tokens]), device);
+    let (rows, tokens) = packed_rows::<B>(&lengths, seq_len, device);
     let slots = slots_of_rows(&rows, padded);
     let mut expected_slots = vec![tokens as i64; padded];
-    for (t, &row) in rows_host.iter().enumerate() {
+    for (t, row) in padded_rows(&lengths, seq_len).into_iter().enumerate() {
         expected_slots[row as usize] = t as i64;
     }
     let slot_values = slots
@@ -81,7 +102,7 @@ where
         expected,
         (0.0, 0.0),
     );
-    let padding_row = (lengths[1] + seq_len) * n; // sample 1, first padded position
+    let padding_row = lengths[0] * n; // sample 0's first padded position
     assert!(
         values(grad)[padding_row..padding_row + n]
             .iter()
