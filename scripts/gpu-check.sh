@@ -154,8 +154,9 @@
 #                  `bench step` on BERT-large, padded and unpadded, on the embedded corpus with
 #                  dynamic padding, seq 128 batch 32 and seq 512 batch 16: step time, samples/s,
 #                  the unpadded row's ratio to the padded one (`× padded`), launches (the
-#                  gathers and scatters around the attention core add 4 a layer: about 100
-#                  for BERT-large), host syncs per step (none more than padded); then `bench
+#                  gathers and scatters around the attention core add 4 a layer and 5 a
+#                  step: about 100 for BERT-large), host syncs per step (none more than
+#                  padded); then `bench
 #                  train-step --lengths stratified --unpad false,true` at seq 512 batch 16 bf16
 #                  against PyTorch on the same padded batch (MLPerf's stratified mix, about
 #                  half padding; the first losses must agree). About 7 minutes (estimated; not
