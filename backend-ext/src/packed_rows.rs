@@ -128,7 +128,7 @@ pub trait PackedRowOps: Backend {
 ///
 /// # Panics
 /// On backends without the kernel (the host's body), if a row is outside `0..padded_rows`.
-pub fn slots_of_rows<B: crate::FusedOps>(
+pub fn slots_of_rows<B: PackedRowOps>(
     rows: &Tensor<B, 1, Int>,
     padded_rows: usize,
 ) -> Tensor<B, 1, Int> {
@@ -139,7 +139,7 @@ pub fn slots_of_rows<B: crate::FusedOps>(
 ///
 /// # Shapes
 /// `x` `[R, N]`, `rows` `[T]`, `slots` `[R]` → `[T, N]`
-pub fn gather_rows<B: crate::FusedOps>(
+pub fn gather_rows<B: PackedRowOps>(
     x: Tensor<B, 2>,
     rows: Tensor<B, 1, Int>,
     slots: Tensor<B, 1, Int>,
@@ -156,7 +156,7 @@ pub fn gather_rows<B: crate::FusedOps>(
 ///
 /// # Shapes
 /// `x` `[T, N]`, `rows` `[T]`, `slots` `[R]` → `[R, N]`
-pub fn scatter_rows<B: crate::FusedOps>(
+pub fn scatter_rows<B: PackedRowOps>(
     x: Tensor<B, 2>,
     rows: Tensor<B, 1, Int>,
     slots: Tensor<B, 1, Int>,

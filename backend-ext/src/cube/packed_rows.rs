@@ -67,7 +67,7 @@ pub fn slots_of_rows_kernel<I: Int>(
     let mut lo = 0u32;
     let mut hi = tokens;
     while lo < hi {
-        let mid = (lo + hi) / 2u32;
+        let mid = lo + (hi - lo) / 2u32;
         if u32::cast_from(rows[mid as usize]) < target {
             lo = mid + 1u32;
         } else {
@@ -136,7 +136,19 @@ where
     fn slots_of_rows(rows: CubeTensor<R>, padded_rows: usize) -> CubeTensor<R> {
         let rows = into_contiguous(rows);
         let tokens = rows.shape().num_elements();
-        check_rows(padded_rows.max(tokens));
+        // T itself must fit the integer type (i32 on CubeCL backends).
+        assert!(
+            padded_rows.max(tokens) <= i32::MAX as usize,
+            "slots_of_rows: {padded_rows} padded rows, {tokens} rows: more than 32-bit indices"
+        );
+        if padded_rows == 0 || tokens == 0 {
+            // Nothing to search (no empty buffer bound to a kernel): every slot is T = 0.
+            return <Self as burn::tensor::ops::IntTensorOps<Self>>::int_zeros(
+                Shape::new([padded_rows]),
+                &rows.device,
+                rows.dtype.into(),
+            );
+        }
         let slots = empty_like(&rows, Shape::new([padded_rows]));
         let (count, dim) = elemwise_launch(&rows, padded_rows.max(1));
         let dtype = storage(rows.dtype);

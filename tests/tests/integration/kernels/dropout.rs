@@ -142,8 +142,9 @@ where
 
 /// The dropout op of packed rows (`PackedRowOps::dropout_rows`, Note [Padding removed]): each row
 /// of a packed `[T, N]` gets the host mask of the padded row it came from (a micro-batch whose
-/// samples start at 2 of the step, three samples of 11, 4 and 7 real tokens padded to 11),
-/// forward and backward; the same spec without the padded length is refused.
+/// samples start at 2 of the step, three samples of 4, 11 and 7 real tokens padded to 11),
+/// forward and backward; keyed through the identity map instead, the output moves; the same
+/// spec without the padded length is refused.
 pub fn check_dropout_rows<B: AutodiffBackend + FusedOps>(device: &B::Device)
 where
     B::InnerBackend: FusedOps,
@@ -166,6 +167,14 @@ where
         x.clone().detach() * mask.clone(),
         (0.0, 0.0),
     );
+    let identity = Tensor::<B, 1, Int>::arange(0..tokens as i64, device);
+    let unmapped = ember_backend_ext::dropout_rows(x.clone(), spec.with_seq_len(seq_len), identity);
+    let moved: f64 = (unmapped - out.clone().detach())
+        .abs()
+        .max()
+        .into_scalar()
+        .elem();
+    assert!(moved > 0.1, "the row map moves the mask (by {moved})");
     let weight = random::<B, 2>([tokens, n], device);
     let mut grads = weighted_sum(out, &weight).backward();
     assert_close(
@@ -186,10 +195,10 @@ where
 
 /// The fused bias + dropout + residual + LayerNorm of packed rows (its `dropout_rows`, Note
 /// [Padding removed]) equals the padded op at the real rows, forward and backward: three
-/// samples of 11, 4 and 7 real tokens padded to 11, a micro-batch whose samples start at 2 of
+/// samples of 4, 11 and 7 real tokens padded to 11, a micro-batch whose samples start at 2 of
 /// the step, random bias, γ and β; the padded rows get a zero cotangent, so the parameters'
-/// gradients are the real rows' sums in both. Without the row map the packed rows would be
-/// keyed as rows of one sample, which other keys show moves the output.
+/// gradients are the real rows' sums in both. The same op keying the packed rows as
+/// themselves (the identity map) and the mapped op under another key both move the output.
 pub fn check_layer_norm_of_packed_rows<B: AutodiffBackend + FusedOps>(device: &B::Device)
 where
     B::InnerBackend: FusedOps,
@@ -275,6 +284,22 @@ where
         .into_scalar()
         .elem();
     assert!(moved > 0.1, "another key moves the output (by {moved})");
+    let identity = Tensor::<B, 1, Int>::arange(0..tokens as i64, device);
+    let unmapped = ember_backend_ext::bias_dropout_add_layer_norm_of_packed_rows(
+        x.clone(),
+        (bias.clone(), bias.clone()),
+        residual.clone(),
+        ((gamma.clone(), gamma.clone()), (beta.clone(), beta.clone())),
+        spec.with_seq_len(seq_len),
+        identity.clone(),
+        1e-12,
+    );
+    let moved: f64 = (unmapped - out.clone().detach())
+        .abs()
+        .max()
+        .into_scalar()
+        .elem();
+    assert!(moved > 0.1, "the row map moves the output (by {moved})");
 
     let mut grads = weighted_sum(out, &weight).backward();
     let grad = |t: &Tensor<B, 2>, grads: &mut B::Gradients| t.grad_remove(grads).unwrap();

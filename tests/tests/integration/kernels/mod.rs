@@ -484,6 +484,12 @@ macro_rules! kernel_tests {
             packed_rows::check_gather_and_scatter_rows::<B>(&$device);
         }
 
+        /// Note [Padding removed]: the inverse row map where it is empty or full.
+        #[test]
+        fn slots_of_rows_at_the_edges() {
+            packed_rows::check_slots_of_rows_at_the_edges::<$backend>(&$device);
+        }
+
         /// Note [Padding removed]: the fused LayerNorm's dropout keyed through the row map.
         #[test]
         fn layer_norm_of_packed_rows_equals_the_padded_rows() {

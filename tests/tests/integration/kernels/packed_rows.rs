@@ -110,3 +110,30 @@ where
         "zeros at the padding"
     );
 }
+
+/// The inverse map at its edges against the host's: no real row (T = 0), every row real
+/// (T = R), only the last padded row, every other row, and a single padded row.
+pub fn check_slots_of_rows_at_the_edges<B: Backend + FusedOps>(device: &B::Device) {
+    let cases: [(&[i64], usize); 5] = [
+        (&[], 5),
+        (&[0, 1, 2, 3, 4], 5),
+        (&[4], 5),
+        (&[0, 2, 4], 5),
+        (&[0], 1),
+    ];
+    for (rows, padded) in cases {
+        let tokens = rows.len();
+        let device_rows =
+            Tensor::<B, 1, Int>::from_data(TensorData::new(rows.to_vec(), [tokens]), device);
+        let slots = slots_of_rows(&device_rows, padded)
+            .into_data()
+            .convert::<i64>()
+            .to_vec::<i64>()
+            .unwrap();
+        let mut expected = vec![tokens as i64; padded];
+        for (t, &row) in rows.iter().enumerate() {
+            expected[row as usize] = t as i64;
+        }
+        assert_eq!(slots, expected, "the slots of rows {rows:?} among {padded}");
+    }
+}
