@@ -160,17 +160,27 @@ fn rows_keep_mask<B: Backend>(
     let Some(rows) = dropout_rows else {
         return keep_mask::<B, 2>(dropout, [r, n], device);
     };
+    let values = packed_mask_values::<B>(dropout, rows, r, n);
+    Tensor::from_data(TensorData::new(values, [r, n]), device)
+}
+
+/// The mask values of `r` packed rows of `columns`, row `t` keyed as padded row `rows[t]`
+/// (read back to the host), row-major.
+///
+/// # Panics
+/// If `rows` does not hold `r` rows, or `dropout.seq_len` is 0.
+fn packed_mask_values<B: Backend>(
+    dropout: DropoutSpec,
+    rows: IntTensor<B>,
+    r: usize,
+    columns: usize,
+) -> Vec<f32> {
     let rows = Tensor::<B, 1, burn::tensor::Int>::from_primitive(rows)
         .into_data()
         .convert::<i64>();
     let rows = rows.as_slice::<i64>().expect("i64 rows after convert");
-    assert_eq!(
-        rows.len(),
-        r,
-        "bias_dropout_add_layer_norm: a padded row per row"
-    );
-    let values = crate::dropout::mask_values_of_rows(dropout, n, rows);
-    Tensor::from_data(TensorData::new(values, [r, n]), device)
+    assert_eq!(rows.len(), r, "packed rows: a padded row per row");
+    crate::dropout::mask_values_of_rows(dropout, columns, rows)
 }
 
 /// The default body of [`FusedOps::bias_dropout_add_layer_norm`](crate::FusedOps).
@@ -279,17 +289,8 @@ pub fn dropout_rows_primitive<B: Backend>(
         return x;
     }
     let shape = x.shape();
-    let columns = shape.as_slice().last().copied().unwrap_or(1);
-    let rows = Tensor::<B, 1, burn::tensor::Int>::from_primitive(rows)
-        .into_data()
-        .convert::<i64>();
-    let rows = rows.as_slice::<i64>().expect("i64 rows after convert");
-    assert_eq!(
-        rows.len() * columns,
-        shape.num_elements(),
-        "dropout_rows: a padded row per row"
-    );
-    let values = crate::dropout::mask_values_of_rows(dropout, columns, rows);
+    let columns = shape.as_slice().last().copied().unwrap_or(1).max(1);
+    let values = packed_mask_values::<B>(dropout, rows, shape.num_elements() / columns, columns);
     let data = TensorData::new(values, shape).convert_dtype(x.dtype());
     let mask = B::float_from_data(data, &B::float_device(&x));
     B::float_mul(x, mask)

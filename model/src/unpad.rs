@@ -101,17 +101,8 @@ impl<B: FusedOps> Unpadding<B> {
             .map(|i| i as i64)
             .collect();
         let tokens = rows.len();
-        let mut slots = vec![tokens as i64; mask.len()];
-        for (t, &row) in rows.iter().enumerate() {
-            slots[row as usize] = t as i64;
-        }
-        Self {
-            batch,
-            seq_len,
-            rows: Tensor::from_data(TensorData::new(rows, [tokens]), device),
-            slots: Tensor::from_data(TensorData::new(slots, [mask.len()]), device),
-            tokens,
-        }
+        let rows = Tensor::from_data(TensorData::new(rows, [tokens]), device);
+        Self::from_rows(rows, batch, seq_len)
     }
 
     /// T, the real tokens.
