@@ -11,10 +11,17 @@
 #                                       # bench-kernels, resume, onebit, train-step, largest-batch,
 #                                       # streaming, precision, embed, init-passes, vocab, unpad,
 #                                       # or all
-#                                       # (default: launch kernels step gemm, one device call's
-#                                       # 8 minutes);
-#                                       # logs in $OUT (or
-#                                       # gpu-check/out), one table per part
+#                                       # (default: launch kernels train-step step gemm, as
+#                                       # many as fit the deadline); logs in $OUT (or
+#                                       # gpu-check/out), one table per part, then
+#                                       # `xtask bench summary`: one table of the parts (how
+#                                       # each ended), the kernel tests and the training
+#                                       # steps against the issue's targets (summary.md)
+#
+# The run ends by a deadline, GPU_CHECK_DEADLINE_S seconds after it starts (default 540,
+# inside the device machine's 600-second call): every command's timeout is cut to the time
+# left, parts that cannot start in time are skipped (parts.tsv says so), and the summary is
+# printed last. GPU_CHECK_DIR (default gpu-check) is where the binaries are.
 #
 # Parts:
 #   launch         the launch path of a fresh machine: `ember gpu-libs` (where the driver, NVRTC
@@ -110,14 +117,15 @@
 #                  host, momenta compressed there, parameters written back). One rank compresses
 #                  nothing (the average of one), so this measures the host path's cost alone.
 #   train-step     `xtask bench train-step --device cuda`: the GPU-speed issue's targets, BERT-large
-#                  at sequence length 128 (batch 32; eager and torch.compile) and 512 (batch 16;
-#                  eager), f32 and bf16 (ember's autocast against torch.autocast), ember's step
-#                  against Hugging Face + fused torch.optim.AdamW on the same GPU when the
+#                  at sequence length 128 (batch 32) and 512 (batch 16), bf16 then f32 (ember's
+#                  autocast against torch.autocast), a process each, ember's step against
+#                  Hugging Face + fused torch.optim.AdamW (eager) on the same GPU when the
 #                  machine's Python has torch (/opt/torch/.venv), else ember alone: samples/s,
 #                  ratio, MFU against each precision's GEMM peak, ember's kernel launches per
 #                  step (target <= 1,500), each side's reserved GPU memory; then ember alone
 #                  with `--gemm cublaslt --cublaslt-sync device` at seq 128 batch 32 (the same
-#                  columns, to set beside the first table's autotune rows).
+#                  columns, to set beside the first rows' default GEMMs), and last bf16 at seq
+#                  128 against torch.compile (whose compilation takes minutes).
 
 #   largest-batch  `xtask bench train-step --largest-batch`: the largest batch whose BERT-large
 #                  training step (bf16, seq 512) fits in the GPU's memory, ember's (a process per
@@ -170,7 +178,7 @@
 # ($ORIGIN/lib) finds; nothing else sees them (python3 and nvidia-smi keep the system's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-dir=gpu-check
+dir="${GPU_CHECK_DIR:-gpu-check}"
 
 case "${1:-}" in
 build)
@@ -198,10 +206,11 @@ run)
     shift
     all=(launch step gemm kernels bench-kernels resume onebit train-step largest-batch streaming precision embed init-passes vocab unpad)
     parts=("$@")
-    # No part named: the four that fit one device call (about 8 minutes: the launch path, the
-    # kernel tests, the training step, the GEMMs); `all`: every part in order, far more than
-    # one call's 10 minutes. Every name is checked before the first part spends a minute.
-    [ ${#parts[@]} -gt 0 ] || parts=(launch kernels step gemm)
+    # No part named: the issue's measurements in the order they matter (the launch path, the
+    # kernel tests, the training step against PyTorch, the step's launches, the GEMMs), as
+    # many as the deadline lets run; `all`: every part in order, far more than one call's 10
+    # minutes. Every name is checked before the first part spends a minute.
+    [ ${#parts[@]} -gt 0 ] || parts=(launch kernels train-step step gemm)
     [ "${parts[*]}" != all ] || parts=("${all[@]}")
     for part in "${parts[@]}"; do
         known=0
@@ -215,6 +224,33 @@ run)
     done
     out="${OUT:-$dir/out}"
     mkdir -p "$out"
+    # Note [One table per GPU check] (xtask/src/bench_summary.rs): the run ends by its
+    # deadline, inside the device machine's 10-minute call. Each command's timeout is cut to
+    # the time left, a part that cannot start in time is skipped, and the summary keeps the
+    # last seconds: what the session sees last is one table of what ran and what it measured.
+    deadline=$(( SECONDS + ${GPU_CHECK_DEADLINE_S:-540} ))
+    reserve=10
+    left() { echo $(( deadline - SECONDS - reserve )); }
+    # `bounded N command...`: `timeout N command...`, N cut to the time left; nothing run
+    # (exit 124, as a timeout) when under 10 s are left. A command timed out or not run
+    # leaves $out/.timed-out (in a pipeline, a variable would stay in its subshell).
+    bounded() {
+        local want=$1 room rc=0
+        shift
+        room=$(left)
+        if [ "$room" -lt 10 ]; then
+            echo "   not run, the deadline is near: ${*:2:2}" >&2
+            : > "$out/.timed-out"
+            return 124
+        fi
+        [ "$want" -le "$room" ] || want=$room
+        timeout "$want" "$@" || rc=$?
+        [ "$rc" != 124 ] && [ "$rc" != 137 ] || : > "$out/.timed-out"
+        return "$rc"
+    }
+    # A command of the current part failed (or timed out: 124).
+    failed() { status=$1; part_rc=$1; }
+    : > "$out/parts.tsv"
     if [ ! -x "$dir/xtask" ] || [ ! -x "$dir/kernels" ]; then
         [ -f "$dir/bins.tar.xz" ] || { echo "no $dir/bins.tar.xz: run '$0 build' first and carry it" >&2; exit 2; }
         xz -dc "$dir/bins.tar.xz" | tar -C "$dir" -xf -
@@ -233,17 +269,24 @@ run)
     status=0
     for part in "${parts[@]}"; do
         start=$SECONDS
+        part_rc=0
+        rm -f "$out/.timed-out"
+        if [ "$(left)" -lt 20 ]; then
+            echo "== skipped, the deadline is near: $part"
+            printf '%s\t0\tskipped: the deadline\n' "$part" >> "$out/parts.tsv"
+            continue
+        fi
         case "$part" in
         launch)
             echo "== launch: GPU libraries found by ember, the GPU named, torchrun's store"
-            "$dir/xtask" gpu-libs 2>&1 | tee "$out/gpu-libs.txt" || status=$?
-            timeout 120 "$dir/xtask" train --device cuda --steps 2 --eval-every 2 --eval-samples 16 \
+            "$dir/xtask" gpu-libs 2>&1 | tee "$out/gpu-libs.txt" || failed $?
+            bounded 120 "$dir/xtask" train --device cuda --steps 2 --eval-every 2 --eval-samples 16 \
                 --no-progress --out "$out/launch-run" 2>&1 | grep -E "GPU [0-9]+ of|cudarc opens|starting again|reduced_after_backward|error|ember:" \
-                | tee "$out/launch.txt" || status=$?
+                | tee "$out/launch.txt" || failed $?
             torchrun="$(dirname "${torch_python:-/nonexistent}")/torchrun"
             if [ -x "$torchrun" ]; then
-                timeout 60 "$torchrun" --nproc-per-node 2 --no-python "$dir/xtask" comm-check \
-                    --rendezvous --timeout 30 2>&1 | grep -E "^rank|rror" | tee -a "$out/launch.txt" || status=$?
+                bounded 60 "$torchrun" --nproc-per-node 2 --no-python "$dir/xtask" comm-check \
+                    --rendezvous --timeout 30 2>&1 | grep -E "^rank|rror" | tee -a "$out/launch.txt" || failed $?
             else
                 echo "no torchrun beside the machine's torch: rendezvous not checked" | tee -a "$out/launch.txt"
             fi
@@ -254,22 +297,22 @@ run)
             if [ -n "$torch_python" ] && "$torch_python" -c "import sentence_transformers" 2>/dev/null; then
                 reference=(--reference pytorch --python "$torch_python")
             fi
-            timeout 240 "$dir/xtask" bench embed --device cuda --sentences 512 --rounds 3 \
-                "${reference[@]}" --out "$out/embed" 2>&1 | tail -8 || status=$?
+            bounded 240 "$dir/xtask" bench embed --device cuda --sentences 512 --rounds 3 \
+                "${reference[@]}" --out "$out/embed" 2>&1 | tail -8 || failed $?
             ;;
         step)
             echo "== bench step: device reducer check, then BERT-base/large steps (seq 128)"
-            timeout 360 "$dir/xtask" bench step --device cuda --check --presets base,large \
+            bounded 360 "$dir/xtask" bench step --device cuda --check --presets base,large \
                 --batch-size 64,32 --seq-len 128 --steps 4 --top-kernels 15 2>&1 \
-                | tee "$out/step.md" || status=$?
+                | tee "$out/step.md" || failed $?
             echo "   BERT-large with the Q, K and V projections separate (the rows above: packed)"
-            timeout 200 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
+            bounded 200 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
                 --seq-len 128 --steps 4 --buckets device --qkv-projections separate 2>&1 \
-                | grep -E "^\| (model|large)|rror" | tee -a "$out/step.md" || status=$?
+                | grep -E "^\| (model|large)|rror" | tee -a "$out/step.md" || failed $?
             echo "   BERT-large with bucket-wise clipping (Samsung's; the rows above: global)"
-            timeout 200 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
+            bounded 200 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
                 --seq-len 128 --steps 4 --buckets device --clip bucket 2>&1 \
-                | grep -E "^\| (model|large)|rror" | tee -a "$out/step.md" || status=$?
+                | grep -E "^\| (model|large)|rror" | tee -a "$out/step.md" || failed $?
             ;;
         gemm)
             echo "== GEMM kernels (model.gemm): a BERT-large step (seq 128, batch 32, device buckets)"
@@ -278,18 +321,18 @@ run)
             reference=(--reference none)
             [ -n "$torch_python" ] && reference=(--reference pytorch --python "$torch_python")
             echo "   bench gemm: each product of a BERT-large step alone, autotune, cmma and cublaslt, f32 and bf16"
-            timeout 300 "$dir/xtask" bench gemm --device cuda --preset large --iters 5 \
+            bounded 300 "$dir/xtask" bench gemm --device cuda --preset large --iters 5 \
                 "${reference[@]}" --out "$out/gemm" 2>&1 | grep -vE "^\s*$|INFO" \
-                | tee "$out/bench-gemm.md" || status=$?
+                | tee "$out/bench-gemm.md" || failed $?
             for gemm in cmma autotune autotune cublaslt; do
-                timeout 300 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
+                bounded 300 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
                     --seq-len 128 --steps 4 --buckets device --gemm "$gemm" 2>&1 \
-                    | grep -E "^GEMMs|^\| (model|large)|rror" | tee -a "$out/gemm.md" || status=$?
+                    | grep -E "^GEMMs|^\| (model|large)|rror" | tee -a "$out/gemm.md" || failed $?
             done
             # cuBLASLt ordered on the device (a stuck window would expire in minutes: bounded).
-            timeout 150 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
+            bounded 150 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
                 --seq-len 128 --steps 4 --buckets device --gemm cublaslt --cublaslt-sync device 2>&1 \
-                | grep -E "^GEMMs|^\| (model|large)|rror|cublaslt_sync" | tee -a "$out/gemm.md" || status=$?
+                | grep -E "^GEMMs|^\| (model|large)|rror|cublaslt_sync" | tee -a "$out/gemm.md" || failed $?
             du -sh "$out/kernel-cache"/build-*/* 2>/dev/null || echo "no kernel cache written"
             ;;
         kernels)
@@ -297,17 +340,17 @@ run)
             # The test binary opens NVRTC through cudarc as ember does, without ember's start-up:
             # it gets ember's library path, and the packed libraries.
             LD_LIBRARY_PATH="$dir/lib:$("$dir/xtask" gpu-libs --ld-library-path)" \
-                timeout 200 "$dir/kernels" kernels::cuda:: --test-threads 1 2>&1 | tee "$out/kernels.log" || status=$?
+                bounded 200 "$dir/kernels" kernels::cuda:: --test-threads 1 2>&1 | tee "$out/kernels.log" || failed $?
             grep -E "^test |test result" "$out/kernels.log" || true
             ;;
         bench-kernels)
             echo "== kernel benchmark, f32"
-            timeout 120 "$dir/xtask" bench kernels --device cuda --dtype f32 --iters 10 2>&1 | tee "$out/bench-f32.md" || status=$?
+            bounded 120 "$dir/xtask" bench kernels --device cuda --dtype f32 --iters 10 2>&1 | tee "$out/bench-f32.md" || failed $?
             echo "== kernel benchmark, bf16"
-            timeout 90 "$dir/xtask" bench kernels --device cuda --dtype bf16 --iters 10 2>&1 | tee "$out/bench-bf16.md" || status=$?
+            bounded 90 "$dir/xtask" bench kernels --device cuda --dtype bf16 --iters 10 2>&1 | tee "$out/bench-bf16.md" || failed $?
             echo "== kernel benchmark, bf16, the row kernels reducing by a tree (before: the rows above reduce by warps)"
-            timeout 90 "$dir/xtask" bench kernels --device cuda --dtype bf16 --iters 10 --row-reductions tree --ops layer_norm,attention 2>&1 \
-                | grep -E "^\| (op|bias_dropout|masked_softmax|attention)|rror" | tee "$out/bench-bf16-tree.md" || status=$?
+            bounded 90 "$dir/xtask" bench kernels --device cuda --dtype bf16 --iters 10 --row-reductions tree --ops layer_norm,attention 2>&1 \
+                | grep -E "^\| (op|bias_dropout|masked_softmax|attention)|rror" | tee "$out/bench-bf16-tree.md" || failed $?
             # Note [Fused where it pays]: the ops the bf16 table found slower fused than their
             # reference (its `slower fused:` line), taken out of a BERT-large step's fused path.
             slower="$(sed -n 's/^slower fused: //p' "$out/bench-bf16.md" 2>/dev/null | tail -1)" || true
@@ -316,16 +359,16 @@ run)
                 : > "$out/bench-reference-ops.md"
                 for ops in none "$slower"; do
                     # GEMMs by cmma: both runs alike, without autotuning every shape again.
-                    timeout 120 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
+                    bounded 120 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
                         --seq-len 128 --steps 4 --buckets device --gemm cmma --reference-ops "$ops" 2>&1 \
-                        | grep -E "^GEMMs|^\| (model|large)|rror" | tee -a "$out/bench-reference-ops.md" || status=$?
+                        | grep -E "^GEMMs|^\| (model|large)|rror" | tee -a "$out/bench-reference-ops.md" || failed $?
                 done
             fi
             if [ -n "$torch_python" ]; then
                 echo "== attention against PyTorch's scaled_dot_product_attention, bf16, seq 128 and 512"
-                timeout 90 "$dir/xtask" bench kernels --device cuda --dtype bf16 --iters 10 --ops attention \
+                bounded 90 "$dir/xtask" bench kernels --device cuda --dtype bf16 --iters 10 --ops attention \
                     --shapes large-128,base-512,large-512 --reference pytorch --python "$torch_python" 2>&1 \
-                    | sed -n '/^Attention core against/,$p; /rror/p' | tee "$out/bench-sdpa.md" || status=$?
+                    | sed -n '/^Attention core against/,$p; /rror/p' | tee "$out/bench-sdpa.md" || failed $?
             fi
             ;;
         resume)
@@ -333,11 +376,11 @@ run)
             r="$out/resume"
             rm -rf "$r" && mkdir -p "$r"
             printf '[model]\npreset = "tiny"\n[instances]\nmax_seq_length = 64\ndupe_factor = 1\n[train]\nbatch_size = 8\neval_every = 6\neval_samples = 64\nlog_every = 1\n[checkpoint]\nevery = 6\n' > "$r/train.toml"
-            run_train() { timeout 120 "$dir/xtask" train --device cuda --config "$r/train.toml" --no-progress "$@" 2>&1 | tail -1; }
-            run_train --steps 12 --out "$r/full" || status=$?
+            run_train() { bounded 120 "$dir/xtask" train --device cuda --config "$r/train.toml" --no-progress "$@" 2>&1 | tail -1; }
+            run_train --steps 12 --out "$r/full" || failed $?
             # The step-6 checkpoint alone in another folder, as a run killed after step 6.
             mkdir -p "$r/cut/checkpoints" && cp -r "$r/full/checkpoints/step-0000006" "$r/cut/checkpoints/"
-            run_train --steps 12 --out "$r/cut" --resume "$r/cut" || status=$?
+            run_train --steps 12 --out "$r/cut" --resume "$r/cut" || failed $?
             losses() { grep '"event":"train"' "$1/metrics.jsonl" | grep -o '"loss":[^,]*'; }
             if cmp -s "$r/full/model.safetensors" "$r/cut/model.safetensors" \
                 && diff <(losses "$r/full") <(losses "$r/cut") > /dev/null; then
@@ -354,32 +397,40 @@ run)
             echo "| optimizer | warm-up step s (median) | compression step s (median) |" | tee "$o.md"
             echo "|---|---:|---:|" | tee -a "$o.md"
             for opt in onebit-adam onebit-lamb; do
-                timeout 240 "$dir/xtask" train --device cuda --preset base --seq-len 128 --batch-size 32 \
+                bounded 240 "$dir/xtask" train --device cuda --preset base --seq-len 128 --batch-size 32 \
                     --steps 12 --freeze-step 6 --eval-every 12 --log-every 1 --optimizer "$opt" \
-                    --no-progress --out "$o/$opt" 2>&1 | tail -1 || status=$?
+                    --no-progress --out "$o/$opt" 2>&1 | tail -1 || failed $?
                 med() { sort -g | awk '{a[NR]=$1} END {print (NR ? a[int((NR+1)/2)] : "n/a")}'; }
                 steps() { grep '"event":"train"' "$o/$opt/metrics.jsonl" | grep "\"compressed\":$1" | grep -o '"step_s":[^,}]*' | cut -d: -f2 | tail -n +2; }
                 echo "| $opt | $(steps false | med) | $(steps true | med) |" | tee -a "$o.md"
             done
             ;;
         train-step)
-            echo "== training step against PyTorch on CUDA (large; seq 128 batch 32, seq 512 batch 16; f32, bf16)"
+            echo "== training step against PyTorch on CUDA (large; seq 128 batch 32, seq 512 batch 16; bf16, f32)"
             reference=(--reference none)
             compile=()
             if [ -n "$torch_python" ] && "$torch_python" -c "import transformers, safetensors" 2>/dev/null; then
                 reference=(--reference pytorch --python "$torch_python")
                 compile=(--compile)
             fi
-            timeout 300 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
-                --seq-len 128 --precision f32,bf16 --steps 3 --rounds 2 "${reference[@]}" "${compile[@]}" \
-                --out "$out/train-step" 2>&1 | tail -16 || status=$?
-            timeout 240 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 16 \
-                --seq-len 512 --precision f32,bf16 --steps 3 --rounds 2 "${reference[@]}" \
-                --out "$out/train-step" 2>&1 | tail -14 || status=$?
+            # A command per shape and precision, the issue's headline first: a command cut at
+            # the deadline loses its own row only.
+            for shape in 128:32:bf16 512:16:bf16 128:32:f32 512:16:f32; do
+                IFS=: read -r seq batch prec <<< "$shape"
+                bounded 200 "$dir/xtask" bench train-step --device cuda --presets large --batch-size "$batch" \
+                    --seq-len "$seq" --precision "$prec" --steps 3 --rounds 2 "${reference[@]}" \
+                    --out "$out/train-step" 2>&1 | tail -8 || failed $?
+            done
             echo "   the same step with cuBLASLt's GEMMs ordered on the device (model.gemm = cublaslt, cublaslt_sync = device), ember alone"
-            timeout 180 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
+            bounded 180 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
                 --seq-len 128 --precision f32,bf16 --steps 3 --rounds 2 --reference none \
-                --gemm cublaslt --cublaslt-sync device --out "$out/train-step-cublaslt" 2>&1 | tail -10 || status=$?
+                --gemm cublaslt --cublaslt-sync device --out "$out/train-step-cublaslt" 2>&1 | tail -10 || failed $?
+            if [ ${#compile[@]} -gt 0 ]; then
+                echo "   bf16 at seq 128 against torch.compile too (its compilation takes minutes: last)"
+                bounded 300 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
+                    --seq-len 128 --precision bf16 --steps 3 --rounds 2 "${reference[@]}" "${compile[@]}" \
+                    --out "$out/train-step-compile" 2>&1 | tail -8 || failed $?
+            fi
             ;;
         largest-batch)
             echo "== the largest batch that fits: BERT-large, bf16, seq 512 (ember against PyTorch)"
@@ -387,10 +438,10 @@ run)
             if [ -n "$torch_python" ] && "$torch_python" -c "import transformers, safetensors" 2>/dev/null; then
                 reference=(--reference pytorch --python "$torch_python")
             fi
-            timeout 480 "$dir/xtask" bench train-step --device cuda --presets large --seq-len 512 \
+            bounded 480 "$dir/xtask" bench train-step --device cuda --presets large --seq-len 512 \
                 --batch-size 16 --precision bf16 --gemm cmma --largest-batch --largest-batch-timeout-s 90 \
                 "${reference[@]}" \
-                --out "$out/largest-batch" 2>&1 | grep -vE "INFO" | tail -16 || status=$?
+                --out "$out/largest-batch" 2>&1 | grep -vE "INFO" | tail -16 || failed $?
             ;;
         streaming)
             echo "== streamed shards: data wait against the step (BERT-large, batch 16, seq 512)"
@@ -399,14 +450,14 @@ run)
             echo "| shards | step s (mean, after the first) | data wait s (mean) | wait % | first step wait s | peak host MiB |" | tee "$d.md"
             echo "|---|---:|---:|---:|---:|---:|" | tee -a "$d.md"
             for comp in none gzip; do
-                timeout 120 "$dir/xtask" prepare-data --out "$d/$comp" --seq-len 512 --max-pred 76 \
-                    --num-shards 4 --dupe-factor 1 --compression "$comp" 2>&1 | tail -1 || status=$?
+                bounded 120 "$dir/xtask" prepare-data --out "$d/$comp" --seq-len 512 --max-pred 76 \
+                    --num-shards 4 --dupe-factor 1 --compression "$comp" 2>&1 | tail -1 || failed $?
                 mkdir -p "$d/eval-$comp" && mv "$d/$comp/part-00003-of-00004.hdf5" "$d/eval-$comp/"
-                timeout 240 "$dir/xtask" train --device cuda --preset large --seq-len 512 \
+                bounded 240 "$dir/xtask" train --device cuda --preset large --seq-len 512 \
                     --max-predictions 76 --batch-size 16 --steps 12 --eval-every 12 --eval-samples 256 \
                     --log-every 1 --data "$d/$comp" --eval-data "$d/eval-$comp" --mllog "$d/$comp.mllog" \
-                    --no-progress --out "$d/run-$comp" 2>&1 | tail -2 || status=$?
-                python3 - "$d/run-$comp/metrics.jsonl" "$comp" <<'PY' | tee -a "$d.md" || status=$?
+                    --no-progress --out "$d/run-$comp" 2>&1 | tail -2 || failed $?
+                python3 - "$d/run-$comp/metrics.jsonl" "$comp" <<'PY' | tee -a "$d.md" || failed $?
 import json, sys
 records = [json.loads(line) for line in open(sys.argv[1])]
 train = [r for r in records if r["event"] == "train"]
@@ -435,13 +486,13 @@ PY
                     run="$m/$seq-$prec"
                     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$run.mem" &
                     smi=$!
-                    timeout 150 "$dir/xtask" train --device cuda --preset large --seq-len "$seq" \
+                    bounded 150 "$dir/xtask" train --device cuda --preset large --seq-len "$seq" \
                         --batch-size "$batch" --steps 20 --eval-every 20 --eval-samples 64 --log-every 1 \
-                        --precision "$prec" --no-progress --out "$run" 2>&1 | tail -1 || status=$?
+                        --precision "$prec" --no-progress --out "$run" 2>&1 | tail -1 || failed $?
                     kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
                 done
             done
-            python3 - "$m" <<'PY' | tee "$m.md" || status=$?
+            python3 - "$m" <<'PY' | tee "$m.md" || failed $?
 import json, sys
 root = sys.argv[1]
 print("| seq | batch | precision | samples/s | x f32 | peak GPU MiB | max loss diff vs f32 | skipped |")
@@ -471,11 +522,11 @@ PY
             echo "== init passes: BERT-large, empty kernel cache, one pass before the first step"
             run="$out/init-passes"
             rm -rf "$run" "$out/kernel-cache-init"
-            EMBER_KERNEL_CACHE="$out/kernel-cache-init" timeout 240 "$dir/xtask" train --device cuda \
+            EMBER_KERNEL_CACHE="$out/kernel-cache-init" bounded 240 "$dir/xtask" train --device cuda \
                 --preset large --seq-len 128 --batch-size 32 --steps 5 --eval-every 5 --eval-samples 32 \
                 --log-every 1 --init-passes 1 --no-progress --out "$run" 2>&1 \
-                | grep -E "init passes done|first step done|rror" | tee "$run.txt" || status=$?
-            python3 - "$run/metrics.jsonl" <<'PY' | tee -a "$run.txt" || status=$?
+                | grep -E "init passes done|first step done|rror" | tee "$run.txt" || failed $?
+            python3 - "$run/metrics.jsonl" <<'PY' | tee -a "$run.txt" || failed $?
 import json, sys
 records = [json.loads(l) for l in open(sys.argv[1])]
 passes = [r for r in records if r["event"] == "init_passes"]
@@ -494,16 +545,16 @@ PY
             reference=(--reference none)
             [ -n "$torch_python" ] && reference=(--reference pytorch --python "$torch_python")
             for multiple in 1 8 128; do
-                timeout 120 "$dir/xtask" bench gemm --device cuda --preset large --iters 10 \
+                bounded 120 "$dir/xtask" bench gemm --device cuda --preset large --iters 10 \
                     --only mlm-decoder --make-vocab-size-divisible-by "$multiple" \
                     "${reference[@]}" --out "$out/vocab-gemm-$multiple" 2>&1 \
-                    | grep -vE "^\s*$|INFO" | tee -a "$out/vocab.md" || status=$?
+                    | grep -vE "^\s*$|INFO" | tee -a "$out/vocab.md" || failed $?
             done
             for multiple in 1 8; do
-                timeout 150 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
+                bounded 150 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
                     --seq-len 128 --steps 4 --buckets device --gemm cublaslt \
                     --make-vocab-size-divisible-by "$multiple" 2>&1 \
-                    | grep -E "^GEMMs|^\| (model|large)|rror" | tee -a "$out/vocab.md" || status=$?
+                    | grep -E "^GEMMs|^\| (model|large)|rror" | tee -a "$out/vocab.md" || failed $?
             done
             echo "   against PyTorch, both models padded to 30,528 (NVIDIA's MLPerf BERT), bf16, seq 128, batch 32"
             if [ -n "$torch_python" ] && "$torch_python" -c "import transformers, safetensors" 2>/dev/null; then
@@ -511,19 +562,19 @@ PY
             else
                 reference=(--reference none)
             fi
-            timeout 180 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
+            bounded 180 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
                 --seq-len 128 --precision bf16 --steps 3 --rounds 2 "${reference[@]}" \
-                --make-vocab-size-divisible-by 8 --out "$out/vocab-train-step" 2>&1 | tail -10 || status=$?
+                --make-vocab-size-divisible-by 8 --out "$out/vocab-train-step" 2>&1 | tail -10 || failed $?
             ;;
         unpad)
             echo "== padding removed (model.unpad): BERT-large steps padded and unpadded on the embedded corpus"
             echo "   (dynamic padding: each batch to its longest sample), seq 128 batch 32, seq 512 batch 16"
-            timeout 240 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
+            bounded 240 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
                 --seq-len 128 --steps 4 --buckets device --unpad false,true 2>&1 \
-                | grep -E "^GEMMs|^\| (model|large)|rror" | tee "$out/unpad.md" || status=$?
-            timeout 240 "$dir/xtask" bench step --device cuda --presets large --batch-size 16 \
+                | grep -E "^GEMMs|^\| (model|large)|rror" | tee "$out/unpad.md" || failed $?
+            bounded 240 "$dir/xtask" bench step --device cuda --presets large --batch-size 16 \
                 --seq-len 512 --max-predictions 76 --steps 4 --buckets device --unpad false,true 2>&1 \
-                | grep -E "^\| (model|large)|rror" | tee -a "$out/unpad.md" || status=$?
+                | grep -E "^\| (model|large)|rror" | tee -a "$out/unpad.md" || failed $?
             echo "   MLPerf's stratified batches (6/3/2/5 per 16 from the quarters of 512 tokens, about half"
             echo "   padding), bf16, seq 512 batch 16: ember padded and unpadded against PyTorch (padded)"
             if [ -n "$torch_python" ] && "$torch_python" -c "import transformers, safetensors" 2>/dev/null; then
@@ -531,14 +582,25 @@ PY
             else
                 reference=(--reference none)
             fi
-            timeout 240 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 16 \
+            bounded 240 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 16 \
                 --seq-len 512 --max-predictions 76 --precision bf16 --lengths stratified \
                 --unpad false,true --steps 3 --rounds 2 "${reference[@]}" \
-                --out "$out/unpad-train-step" 2>&1 | tail -16 | tee -a "$out/unpad.md" || status=$?
+                --out "$out/unpad-train-step" 2>&1 | tail -16 | tee -a "$out/unpad.md" || failed $?
             ;;
         esac
-        echo "== $(( SECONDS - start )) s: $part"
+        if [ -e "$out/.timed-out" ]; then
+            if [ "$(left)" -lt 10 ]; then result="cut at the deadline"; else result="timed out"; fi
+            rm -f "$out/.timed-out"
+        elif [ "$part_rc" = 0 ]; then
+            result=ok
+        else
+            result="failed (exit $part_rc)"
+        fi
+        echo "== $(( SECONDS - start )) s: $part ($result)"
+        printf '%s\t%s\t%s\n' "$part" "$(( SECONDS - start ))" "$result" >> "$out/parts.tsv"
     done
+    echo
+    "$dir/xtask" bench summary "$out" || status=$?
     exit $status
     ;;
 *)

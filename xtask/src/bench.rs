@@ -62,6 +62,10 @@ pub enum BenchCommand {
     /// Every matrix product of a BERT training step alone, through ember's GEMM path (each
     /// `model.gemm` choice, f32 and bf16) against torch.matmul on the same device: TFLOP/s.
     Gemm(crate::bench_gemm::GemmArgs),
+    /// One table of a GPU check's folder against the GPU-speed issue's targets: the parts and
+    /// how each ended, the CUDA kernel tests, every `bench train-step` result (also written
+    /// to `summary.md` there)
+    Summary(crate::bench_summary::SummaryArgs),
 }
 
 /// `cargo xtask bench [--setup-reference] [COMMAND]`.
@@ -132,6 +136,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         BenchCommand::Data(args) => crate::bench_data::run(args),
         BenchCommand::Embed(args) => crate::bench_embed::run(args),
         BenchCommand::Gemm(args) => crate::bench_gemm::run(args),
+        BenchCommand::Summary(args) => crate::bench_summary::run(args),
     }
 }
 
