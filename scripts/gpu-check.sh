@@ -118,7 +118,8 @@
 #                  nothing (the average of one), so this measures the host path's cost alone.
 #   train-step     `xtask bench train-step --device cuda`: the GPU-speed issue's targets, BERT-large
 #                  at sequence length 128 (batch 32) and 512 (batch 16), bf16 then f32 (ember's
-#                  autocast against torch.autocast), a process each, ember's step against
+#                  autocast against torch.autocast; seq 128 bf16 first, then 512 both, then 128
+#                  f32: a process each), ember's step against
 #                  Hugging Face + fused torch.optim.AdamW (eager) on the same GPU when the
 #                  machine's Python has torch (/opt/torch/.venv), else ember alone: samples/s,
 #                  ratio, MFU against each precision's GEMM peak, ember's kernel launches per
