@@ -1,4 +1,5 @@
-//! `scripts/gpu-check.sh` runs only on a GPU machine, lent to a session for minutes: a flag
+//! `scripts/gpu-check.sh` (its parts in `scripts/gpu-check-parts.sh`) runs only on a GPU
+//! machine, lent to a session for minutes: a flag
 //! renamed since it was written would cost one of its parts. This test finds every command
 //! the script gives this binary (`"$dir/xtask" ...`, also inside shell functions) and parses
 //! it with the binary's own command line (`xtask::parse_error`), the shell's variables
@@ -42,14 +43,21 @@ fn command_words(rest: &str) -> Vec<String> {
     words
 }
 
+/// The runner and its parts, one after the other.
+fn script_text() -> String {
+    ["gpu-check.sh", "gpu-check-parts.sh"]
+        .iter()
+        .map(|name| {
+            let path = format!("{}/../scripts/{name}", env!("CARGO_MANIFEST_DIR"));
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 #[test]
 fn gpu_check_script_commands_parse() {
-    let script = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../scripts/gpu-check.sh"
-    ))
-    .expect("scripts/gpu-check.sh");
-    let script = script.replace("\\\n", " ");
+    let script = script_text().replace("\\\n", " ");
     let mut commands: Vec<(String, Vec<String>)> = Vec::new();
     for line in script.lines() {
         let mut rest = line;
@@ -120,7 +128,7 @@ fn gpu_check_script_commands_parse() {
 #[test]
 fn gpu_check_kernel_test_filter_names_a_module() {
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
-    let script = std::fs::read_to_string(format!("{root}/scripts/gpu-check.sh")).unwrap();
+    let script = script_text();
     assert!(
         script.contains("\"$dir/kernels\" kernels::cuda:: "),
         "the kernels part's filter changed"
@@ -133,6 +141,33 @@ fn gpu_check_kernel_test_filter_names_a_module() {
     let cuda =
         std::fs::read_to_string(format!("{root}/tests/tests/integration/kernels/cuda.rs")).unwrap();
     assert!(cuda.lines().any(|l| l.starts_with("kernel_tests!(")));
+}
+
+/// Every part `run` knows (its `all` list) is a function of `scripts/gpu-check-parts.sh`
+/// (`part_NAME`, `-` as `_`), and every such function is a part `run` knows: a part left out
+/// of either would end a GPU session's run with "command not found" or never run.
+#[test]
+fn gpu_check_every_part_has_its_function() {
+    let script = script_text();
+    let all: Vec<String> = script
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("all=("))
+        .and_then(|l| l.strip_suffix(')'))
+        .expect("the runner's all=(...) list")
+        .split_whitespace()
+        .map(|p| p.replace('-', "_"))
+        .collect();
+    let functions: Vec<String> = script
+        .lines()
+        .filter_map(|l| l.strip_prefix("part_")?.strip_suffix("() {"))
+        .map(str::to_string)
+        .collect();
+    assert_eq!(all.len(), 15, "{all:?}");
+    let mut sorted = all.clone();
+    sorted.sort();
+    let mut defined = functions.clone();
+    defined.sort();
+    assert_eq!(sorted, defined);
 }
 
 /// `run` checks every part's name, exactly, before the first part starts (a misspelt last
