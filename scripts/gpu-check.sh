@@ -86,25 +86,39 @@ run)
     deadline=$(( SECONDS + ${GPU_CHECK_DEADLINE_S:-540} ))
     reserve=10
     left() { echo $(( deadline - SECONDS - reserve )); }
+    # What the parts' pipelines filter away (`2>&1 | grep ...`) must still reach the log.
+    exec 3>&2
     # `bounded N command...`: `timeout N command...`, N cut to the time left; nothing run
-    # (exit 124, as a timeout) when under 10 s are left. A command timed out or not run
-    # leaves $out/.timed-out (in a pipeline, a variable would stay in its subshell).
+    # (exit 124, as a timeout) when under 10 s are left. SIGTERM first, SIGKILL 5 s later:
+    # `xtask train` answers SIGTERM by finishing its step and writing a checkpoint, which for
+    # BERT-large would outlast the deadline. A command timed out or not run leaves
+    # $out/.timed-out (in a pipeline, a variable would stay in its subshell).
     bounded() {
         local want=$1 room rc=0
         shift
         room=$(left)
         if [ "$room" -lt 10 ]; then
-            echo "   not run, the deadline is near: ${*:2:2}" >&2
+            echo "   not run, the deadline is near: ${*:2:2}" >&3
             : > "$out/.timed-out"
             return 124
         fi
         [ "$want" -le "$room" ] || want=$room
-        timeout "$want" "$@" || rc=$?
+        timeout -k 5 "$(( want - 5 ))" "$@" || rc=$?
         [ "$rc" != 124 ] && [ "$rc" != 137 ] || : > "$out/.timed-out"
         return "$rc"
     }
-    # A command of the current part failed (or timed out: 124).
-    failed() { status=$1; part_rc=$1; }
+    # A command of the current part failed. A timeout (124, 137) is the part's result
+    # (`.timed-out`), not the run's exit status: the device machine's tool reads an exit of
+    # 124 or 137 as its own call having run out of time.
+    failed() {
+        part_rc=$1
+        case $1 in
+        124 | 137) ;;
+        *) status=$1 part_failed=$1 ;;
+        esac
+    }
+    # Parts cut or skipped: the run exits 3 if nothing failed.
+    incomplete=0
     : > "$out/parts.tsv"
     if [ ! -x "$dir/xtask" ] || [ ! -x "$dir/kernels" ]; then
         [ -f "$dir/bins.tar.xz" ] || { echo "no $dir/bins.tar.xz: run '$0 build' first and carry it" >&2; exit 2; }
@@ -127,27 +141,36 @@ run)
     for part in "${parts[@]}"; do
         start=$SECONDS
         part_rc=0
+        part_failed=0
         rm -f "$out/.timed-out"
         if [ "$(left)" -lt 20 ]; then
             echo "== skipped, the deadline is near: $part"
             printf '%s\t0\tskipped: the deadline\n' "$part" >> "$out/parts.tsv"
+            incomplete=1
             continue
         fi
-        "part_${part//-/_}"
+        # Called after `||`, the part runs without `set -e`: a command that fails unguarded
+        # (a copy of what a cut command never wrote) ends neither the part nor the run, and
+        # the summary is still printed.
+        "part_${part//-/_}" || failed $?
+        result=""
+        [ "$part_failed" = 0 ] || result="failed (exit $part_failed)"
         if [ -e "$out/.timed-out" ]; then
-            if [ "$(left)" -lt 10 ]; then result="cut at the deadline"; else result="timed out"; fi
+            if [ "$(left)" -lt 10 ]; then cut="cut at the deadline"; else cut="timed out"; fi
+            result="${result:+$result; }$cut"
+            incomplete=1
             rm -f "$out/.timed-out"
-        elif [ "$part_rc" = 0 ]; then
-            result=ok
-        else
-            result="failed (exit $part_rc)"
         fi
+        [ -n "$result" ] || result=ok
         echo "== $(( SECONDS - start )) s: $part ($result)"
         printf '%s\t%s\t%s\n' "$part" "$(( SECONDS - start ))" "$result" >> "$out/parts.tsv"
     done
     echo
     "$dir/xtask" bench summary "$out" || status=$?
-    exit $status
+    # 0: every part ran and passed; 3: nothing failed, but parts were cut or skipped; else the
+    # exit status of the last command that failed.
+    [ "$status" != 0 ] || [ "$incomplete" = 0 ] || status=3
+    exit "$status"
     ;;
 *)
     echo "usage: $0 build | run [all | launch|step|gemm|kernels|bench-kernels|resume|onebit|train-step|largest-batch|streaming|precision|embed|init-passes|vocab|unpad ...]" >&2

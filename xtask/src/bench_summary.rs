@@ -38,9 +38,9 @@ pub struct SummaryArgs {
 /// Prints the summary of `args.dir` and writes it to `summary.md` there.
 ///
 /// # Errors
-/// If the folder cannot be read, or a file in it that should hold JSON does not (named).
+/// If `summary.md` cannot be written (the summary is printed first).
 pub fn run(args: SummaryArgs) -> Result<()> {
-    let markdown = summary(&args.dir)?;
+    let markdown = summary(&args.dir);
     println!("{markdown}");
     crate::bench_train_step_report::write_atomically(
         &args.dir.join("summary.md"),
@@ -49,11 +49,10 @@ pub fn run(args: SummaryArgs) -> Result<()> {
     Ok(())
 }
 
-/// The summary of a GPU check's folder as markdown (Note [One table per GPU check]).
-///
-/// # Errors
-/// If `dir` cannot be read, or a `train-step-*.json` in it is not valid JSON (its path named).
-pub fn summary(dir: &Path) -> Result<String> {
+/// The summary of a GPU check's folder as markdown (Note [One table per GPU check]). What is
+/// missing or unreadable is said in its place (a `train-step-*.json` that is not valid JSON
+/// gets a row naming it and the error): the summary is what a cut run must still print.
+pub fn summary(dir: &Path) -> String {
     let mut out = format!("# GPU check summary ({})\n\n", dir.display());
     match std::fs::read_to_string(dir.join("gpu.txt")) {
         Ok(gpu) if !gpu.trim().is_empty() => out.push_str(&format!("GPU: {}\n\n", gpu.trim())),
@@ -63,8 +62,8 @@ pub fn summary(dir: &Path) -> Result<String> {
     out.push('\n');
     out.push_str(&kernel_tests(dir));
     out.push('\n');
-    out.push_str(&train_step_table(dir)?);
-    Ok(out)
+    out.push_str(&train_step_table(dir));
+    out
 }
 
 /// The parts' table from `parts.tsv` (`part<TAB>seconds<TAB>result` per line).
@@ -145,22 +144,30 @@ fn train_step_results(dir: &Path) -> Vec<PathBuf> {
 }
 
 /// The training-step rows of every result file, with the targets each BERT-large row misses.
-fn train_step_table(dir: &Path) -> Result<String> {
+fn train_step_table(dir: &Path) -> String {
     let files = train_step_results(dir);
     if files.is_empty() {
-        return Ok("Training step: no `bench train-step` results (train-step-*.json).\n".into());
+        return "Training step: no `bench train-step` results (train-step-*.json).\n".into();
     }
     let mut table = "| results | model | precision | batch × seq | unpad | ember samples/s | ember MFU | launches/step | GiB reserved | ember / reference | targets missed |\n|---|---|---|---|---|---:|---:|---:|---:|---|---|\n".to_string();
     for file in &files {
-        let text = std::fs::read_to_string(file).with_context(|| file.display().to_string())?;
-        let results: Value = serde_json::from_str(&text)
-            .with_context(|| format!("{}: not valid JSON", file.display()))?;
         let name = file.strip_prefix(dir).unwrap_or(file).display().to_string();
-        for row in results["rows"].as_array().into_iter().flatten() {
-            table.push_str(&row_line(&name, row));
+        let results = std::fs::read_to_string(file)
+            .context("unreadable")
+            .and_then(|text| serde_json::from_str::<Value>(&text).context("not valid JSON"));
+        match results {
+            Ok(results) => {
+                for row in results["rows"].as_array().into_iter().flatten() {
+                    table.push_str(&row_line(&name, row));
+                }
+            }
+            Err(e) => table.push_str(&format!(
+                "| {name} | {} | | | | | | | | | |\n",
+                format!("{e:#}").replace('|', "/").replace('\n', " ")
+            )),
         }
     }
-    Ok(table)
+    table
 }
 
 fn row_line(file: &str, row: &Value) -> String {

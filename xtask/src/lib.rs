@@ -36,7 +36,6 @@ mod bench_reference;
 pub use bench_reference::{HostInputs as BenchInputs, Lengths as BenchLengths};
 mod bench_step;
 mod bench_summary;
-pub use bench_summary::{summary as gpu_check_summary, targets_missed};
 mod bench_train_step;
 mod bench_train_step_ember;
 mod bench_train_step_report;
