@@ -151,6 +151,15 @@
 #                  half padding; the first losses must agree). About 7 minutes (estimated; not
 #                  run yet).
 
+# `reference`: `bench train-step`'s PyTorch reference (Hugging Face's BertForPreTraining) where
+# the machine's Python has torch, transformers and safetensors, else ember alone.
+hf_reference() {
+    reference=(--reference none)
+    if [ -n "$torch_python" ] && "$torch_python" -c "import transformers, safetensors" 2>/dev/null; then
+        reference=(--reference pytorch --python "$torch_python")
+    fi
+}
+
 part_launch() {
     echo "== launch: GPU libraries found by ember, the GPU named, torchrun's store"
     "$dir/xtask" gpu-libs 2>&1 | tee "$out/gpu-libs.txt" || failed $?
@@ -289,12 +298,9 @@ part_onebit() {
 
 part_train_step() {
     echo "== training step against PyTorch on CUDA (large; seq 128 batch 32, seq 512 batch 16; bf16, f32)"
-    reference=(--reference none)
+    hf_reference
     compile=()
-    if [ -n "$torch_python" ] && "$torch_python" -c "import transformers, safetensors" 2>/dev/null; then
-        reference=(--reference pytorch --python "$torch_python")
-        compile=(--compile)
-    fi
+    [ "${reference[1]}" = none ] || compile=(--compile)
     # A process per shape, the issue's headline (seq 128, bf16) first: a command cut at
     # the deadline loses its own rows only.
     for shape in 128:32:bf16 512:16:bf16,f32 128:32:f32; do
@@ -317,10 +323,7 @@ part_train_step() {
 
 part_largest_batch() {
     echo "== the largest batch that fits: BERT-large, bf16, seq 512 (ember against PyTorch)"
-    reference=(--reference none)
-    if [ -n "$torch_python" ] && "$torch_python" -c "import transformers, safetensors" 2>/dev/null; then
-        reference=(--reference pytorch --python "$torch_python")
-    fi
+    hf_reference
     bounded 480 "$dir/xtask" bench train-step --device cuda --presets large --seq-len 512 \
         --batch-size 16 --precision bf16 --gemm cmma --largest-batch --largest-batch-timeout-s 90 \
         "${reference[@]}" \
@@ -444,11 +447,7 @@ part_vocab() {
             | grep -E "^GEMMs|^\| (model|large)|rror" | tee -a "$out/vocab.md" || failed $?
     done
     echo "   against PyTorch, both models padded to 30,528 (NVIDIA's MLPerf BERT), bf16, seq 128, batch 32"
-    if [ -n "$torch_python" ] && "$torch_python" -c "import transformers, safetensors" 2>/dev/null; then
-        reference=(--reference pytorch --python "$torch_python")
-    else
-        reference=(--reference none)
-    fi
+    hf_reference
     bounded 180 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
         --seq-len 128 --precision bf16 --steps 3 --rounds 2 "${reference[@]}" \
         --make-vocab-size-divisible-by 8 --out "$out/vocab-train-step" 2>&1 | tail -10 || failed $?
@@ -465,11 +464,7 @@ part_unpad() {
         | grep -E "^\| (model|large)|rror" | tee -a "$out/unpad.md" || failed $?
     echo "   MLPerf's stratified batches (6/3/2/5 per 16 from the quarters of 512 tokens, about half"
     echo "   padding), bf16, seq 512 batch 16: ember padded and unpadded against PyTorch (padded)"
-    if [ -n "$torch_python" ] && "$torch_python" -c "import transformers, safetensors" 2>/dev/null; then
-        reference=(--reference pytorch --python "$torch_python")
-    else
-        reference=(--reference none)
-    fi
+    hf_reference
     bounded 240 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 16 \
         --seq-len 512 --max-predictions 76 --precision bf16 --lengths stratified \
         --unpad false,true --steps 3 --rounds 2 "${reference[@]}" \

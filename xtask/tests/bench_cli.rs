@@ -13,37 +13,7 @@ use serde_json::Value;
 use xtask::{BenchInputs, BenchLengths};
 
 mod common;
-use common::result_json;
-
-const BATCH: usize = 2;
-const SEQ_LEN: usize = 32;
-const MAX_PREDICTIONS: usize = 4;
-
-fn bench(device: &str, out: &Path, extra: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_xtask"))
-        .args([
-            "bench",
-            "train-step",
-            "--reference",
-            "none",
-            "--presets",
-            "tiny",
-        ])
-        .args([
-            "--batch-size",
-            &BATCH.to_string(),
-            "--seq-len",
-            &SEQ_LEN.to_string(),
-        ])
-        .args(["--max-predictions", &MAX_PREDICTIONS.to_string()])
-        .args(["--steps", "2", "--rounds", "1", "--gemm-size", "128"])
-        .args(["--device", device])
-        .args(extra)
-        .arg("--out")
-        .arg(out)
-        .output()
-        .expect("running xtask")
-}
+use common::{BATCH, MAX_PREDICTIONS, SEQ_LEN, result_json, train_step_bench as bench};
 
 /// The run's JSON, checked: one row for tiny at the requested shape per GEMM setting
 /// (`gemm_threads`, `None` on GPUs), its FLOPs the formula's, its phases summing to the step,

@@ -1,9 +1,10 @@
 //! `scripts/gpu-check.sh` (its parts in `scripts/gpu-check-parts.sh`) runs only on a GPU
-//! machine, lent to a session for minutes: a flag
-//! renamed since it was written would cost one of its parts. This test finds every command
-//! the script gives this binary (`"$dir/xtask" ...`, also inside shell functions) and parses
+//! machine, lent to a session for minutes: a flag renamed since it was written would cost
+//! one of its parts. The first test finds every command the script gives this binary (`"$dir/xtask" ...`, also inside shell functions) and parses
 //! it with the binary's own command line (`xtask::parse_error`), the shell's variables
 //! standing for values of the kinds they hold.
+
+mod common;
 
 /// What the script's variables stand for here: arrays by the words they hold, values by one
 /// of theirs; any other `$...` word is a path.
@@ -299,28 +300,11 @@ fn gpu_check_run_keeps_its_deadline_and_ends_with_one_table() {
 fn bench_summary_names_the_targets_a_large_row_misses() {
     let dir = tempfile::tempdir().unwrap();
     let xtask = env!("CARGO_BIN_EXE_xtask");
-    let cpu = std::process::Command::new(xtask)
-        .args([
-            "bench",
-            "train-step",
-            "--reference",
-            "none",
-            "--presets",
-            "tiny",
-        ])
-        .args([
-            "--batch-size",
-            "2",
-            "--seq-len",
-            "32",
-            "--max-predictions",
-            "4",
-        ])
-        .args(["--steps", "2", "--rounds", "1", "--gemm-size", "128"])
-        .args(["--device", "cpu", "--gemm-threads", "rayon", "--out"])
-        .arg(dir.path().join("train-step"))
-        .output()
-        .unwrap();
+    let cpu = common::train_step_bench(
+        "cpu",
+        &dir.path().join("train-step"),
+        &["--gemm-threads", "rayon"],
+    );
     assert!(
         cpu.status.success(),
         "{}",
