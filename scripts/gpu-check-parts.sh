@@ -151,6 +151,13 @@
 #                  half padding; the first losses must agree). About 7 minutes (estimated; not
 #                  run yet).
 
+# `reference`: `bench gemm`'s torch.matmul reference where the machine's Python has torch,
+# else ember alone.
+torch_reference() {
+    reference=(--reference none)
+    [ -z "$torch_python" ] || reference=(--reference pytorch --python "$torch_python")
+}
+
 # `reference`: `bench train-step`'s PyTorch reference (Hugging Face's BertForPreTraining) where
 # the machine's Python has torch, transformers and safetensors, else ember alone.
 hf_reference() {
@@ -204,8 +211,7 @@ part_gemm() {
     echo "== GEMM kernels (model.gemm): a BERT-large step (seq 128, batch 32, device buckets)"
     echo "   with cmma, then autotune in two processes (the second reads the kernel cache)"
     export EMBER_KERNEL_CACHE="$out/kernel-cache"
-    reference=(--reference none)
-    [ -n "$torch_python" ] && reference=(--reference pytorch --python "$torch_python")
+    torch_reference
     echo "   bench gemm: each product of a BERT-large step alone, autotune, cmma and cublaslt, f32 and bf16"
     bounded 300 "$dir/xtask" bench gemm --device cuda --preset large --iters 5 \
         "${reference[@]}" --out "$out/gemm" 2>&1 | grep -vE "^\s*$|INFO" \
@@ -432,8 +438,7 @@ part_vocab() {
     echo "== the vocabulary padded (model.make_vocab_size_divisible_by): BERT-large's MLM decoder"
     echo "   products alone at 30,522, 30,528 and 30,592 rows, then the cuBLASLt step unpadded and padded to 8"
     export EMBER_KERNEL_CACHE="$out/kernel-cache"
-    reference=(--reference none)
-    [ -n "$torch_python" ] && reference=(--reference pytorch --python "$torch_python")
+    torch_reference
     for multiple in 1 8 128; do
         bounded 120 "$dir/xtask" bench gemm --device cuda --preset large --iters 10 \
             --only mlm-decoder --make-vocab-size-divisible-by "$multiple" \
