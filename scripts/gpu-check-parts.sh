@@ -2,7 +2,9 @@
 # The parts of `scripts/gpu-check.sh run`, a function each (`part_NAME`, `-` as `_`), sourced
 # by the runner, which sets what they use: $dir (the binaries), $out (the logs), $torch_python
 # (the Python with torch, or empty), `bounded N command...` (a timeout cut to the run's
-# deadline) and `failed $?` (a command of the part failed). What each part runs and checks:
+# deadline), `failed $?` (a command of the part failed; one cut is not) and `cut_short` (a
+# command of the part was cut: what reads its output is skipped). What each part runs and
+# checks:
 #
 #   launch         the launch path of a fresh machine: `ember gpu-libs` (where the driver, NVRTC
 #                  and NCCL were found, by the names pip's wheels ship, with no links made by
@@ -210,7 +212,7 @@ part_step() {
 part_gemm() {
     echo "== GEMM kernels (model.gemm): a BERT-large step (seq 128, batch 32, device buckets)"
     echo "   with cmma, then autotune in two processes (the second reads the kernel cache)"
-    export EMBER_KERNEL_CACHE="$out/kernel-cache"
+    local -x EMBER_KERNEL_CACHE="$out/kernel-cache"
     torch_reference
     echo "   bench gemm: each product of a BERT-large step alone, autotune, cmma and cublaslt, f32 and bf16"
     bounded 300 "$dir/xtask" bench gemm --device cuda --preset large --iters 5 \
@@ -273,9 +275,11 @@ part_resume() {
     printf '[model]\npreset = "tiny"\n[instances]\nmax_seq_length = 64\ndupe_factor = 1\n[train]\nbatch_size = 8\neval_every = 6\neval_samples = 64\nlog_every = 1\n[checkpoint]\nevery = 6\n' > "$r/train.toml"
     run_train() { bounded 120 "$dir/xtask" train --device cuda --config "$r/train.toml" --no-progress "$@" 2>&1 | tail -1; }
     run_train --steps 12 --out "$r/full" || failed $?
+    cut_short && return
     # The step-6 checkpoint alone in another folder, as a run killed after step 6.
     mkdir -p "$r/cut/checkpoints" && cp -r "$r/full/checkpoints/step-0000006" "$r/cut/checkpoints/" || failed $?
     run_train --steps 12 --out "$r/cut" --resume "$r/cut" || failed $?
+    cut_short && return
     losses() { grep '"event":"train"' "$1/metrics.jsonl" | grep -o '"loss":[^,]*'; }
     if cmp -s "$r/full/model.safetensors" "$r/cut/model.safetensors" \
         && diff <(losses "$r/full") <(losses "$r/cut") > /dev/null; then
@@ -345,11 +349,13 @@ part_streaming() {
     for comp in none gzip; do
         bounded 120 "$dir/xtask" prepare-data --out "$d/$comp" --seq-len 512 --max-pred 76 \
             --num-shards 4 --dupe-factor 1 --compression "$comp" 2>&1 | tail -1 || failed $?
+        cut_short && return
         mkdir -p "$d/eval-$comp" && mv "$d/$comp/part-00003-of-00004.hdf5" "$d/eval-$comp/" || failed $?
         bounded 240 "$dir/xtask" train --device cuda --preset large --seq-len 512 \
             --max-predictions 76 --batch-size 16 --steps 12 --eval-every 12 --eval-samples 256 \
             --log-every 1 --data "$d/$comp" --eval-data "$d/eval-$comp" --mllog "$d/$comp.mllog" \
             --no-progress --out "$d/run-$comp" 2>&1 | tail -2 || failed $?
+        cut_short && return
         python3 - "$d/run-$comp/metrics.jsonl" "$comp" <<'PY' | tee -a "$d.md" || failed $?
 import json, sys
 records = [json.loads(line) for line in open(sys.argv[1])]
@@ -400,6 +406,9 @@ for seq, batch in ((128, 32), (512, 8)):
             print(f"| {seq} | {batch} | {prec} | failed | | | | |")
             continue
         train = [r for r in records if r["event"] == "train"]
+        if not train:
+            print(f"| {seq} | {batch} | {prec} | no step logged | | | | |")
+            continue
         steps = train[3:] or train
         rate = batch / (sum(r["step_s"] for r in steps) / len(steps))
         mem = [int(x) for x in open(f"{root}/{seq}-{prec}.mem").read().split() if x.isdigit()]
@@ -421,6 +430,7 @@ part_init_passes() {
         --preset large --seq-len 128 --batch-size 32 --steps 5 --eval-every 5 --eval-samples 32 \
         --log-every 1 --init-passes 1 --no-progress --out "$run" 2>&1 \
         | grep -E "init passes done|first step done|rror" | tee "$run.txt" || failed $?
+    cut_short && return
     python3 - "$run/metrics.jsonl" <<'PY' | tee -a "$run.txt" || failed $?
 import json, sys
 records = [json.loads(l) for l in open(sys.argv[1])]
@@ -437,7 +447,7 @@ PY
 part_vocab() {
     echo "== the vocabulary padded (model.make_vocab_size_divisible_by): BERT-large's MLM decoder"
     echo "   products alone at 30,522, 30,528 and 30,592 rows, then the cuBLASLt step unpadded and padded to 8"
-    export EMBER_KERNEL_CACHE="$out/kernel-cache"
+    local -x EMBER_KERNEL_CACHE="$out/kernel-cache"
     torch_reference
     for multiple in 1 8 128; do
         bounded 120 "$dir/xtask" bench gemm --device cuda --preset large --iters 10 \

@@ -88,13 +88,14 @@ run)
     left() { echo $(( deadline - SECONDS - reserve )); }
     # What the parts' pipelines filter away (`2>&1 | grep ...`) must still reach the log.
     exec 3>&2
-    # `bounded N command...`: `timeout N command...`, N cut to the time left; nothing run
-    # (exit 124, as a timeout) when under 10 s are left. SIGTERM first, SIGKILL 5 s later:
-    # `xtask train` answers SIGTERM by finishing its step and writing a checkpoint, which for
-    # BERT-large would outlast the deadline. A command timed out or not run leaves
-    # $out/.timed-out (in a pipeline, a variable would stay in its subshell).
+    # `bounded N command...`: `timeout N command...`, N cut to the time left (10 s at least);
+    # nothing run (exit 124, as a timeout) when under 10 s are left. SIGTERM first, SIGKILL
+    # 5 s later: `xtask train` answers SIGTERM by finishing its step and writing a checkpoint,
+    # which for BERT-large would outlast the deadline. A command timed out or not run leaves
+    # $out/.timed-out (in a pipeline, a variable would stay in its subshell); one killed
+    # before its time (SIGKILL from elsewhere: out of memory) failed, exit 1.
     bounded() {
-        local want=$1 room rc=0
+        local want=$1 room rc=0 t0=$SECONDS
         shift
         room=$(left)
         if [ "$room" -lt 10 ]; then
@@ -103,20 +104,31 @@ run)
             return 124
         fi
         [ "$want" -le "$room" ] || want=$room
+        [ "$want" -ge 10 ] || want=10
         timeout -k 5 "$(( want - 5 ))" "$@" || rc=$?
-        [ "$rc" != 124 ] && [ "$rc" != 137 ] || : > "$out/.timed-out"
+        if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+            if [ $(( SECONDS - t0 )) -ge $(( want - 6 )) ]; then
+                : > "$out/.timed-out"
+            else
+                echo "   killed after $(( SECONDS - t0 )) s, before its timeout (out of memory?): ${*:2:2}" >&3
+                rc=1
+            fi
+        fi
         return "$rc"
     }
-    # A command of the current part failed. A timeout (124, 137) is the part's result
-    # (`.timed-out`), not the run's exit status: the device machine's tool reads an exit of
-    # 124 or 137 as its own call having run out of time.
+    # A part's command failed: `cmd | filter || failed $?`. A command cut (124 or 137 from
+    # `bounded`, the pipeline's first) is the part's result (`.timed-out`), not a failure, even
+    # where the filter after it then found nothing; and not the run's exit status either: the
+    # device machine's tool reads an exit of 124 or 137 as its own call having run out of time.
     failed() {
-        part_rc=$1
-        case $1 in
-        124 | 137) ;;
+        local first=${PIPESTATUS[0]}
+        case "$first/$1" in
+        124/* | 137/* | */124 | */137) ;;
         *) status=$1 part_failed=$1 ;;
         esac
     }
+    # Whether a command of the current part was cut: what would read its output is skipped.
+    cut_short() { [ -e "$out/.timed-out" ]; }
     # Parts cut or skipped: the run exits 3 if nothing failed.
     incomplete=0
     : > "$out/parts.tsv"
@@ -124,7 +136,7 @@ run)
         [ -f "$dir/bins.tar.xz" ] || { echo "no $dir/bins.tar.xz: run '$0 build' first and carry it" >&2; exit 2; }
         xz -dc "$dir/bins.tar.xz" | tar -C "$dir" -xf -
     fi
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt" || true
+    timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt" || true
     # The Python with torch (train-step's reference; its pip wheels hold NCCL and NVRTC), first
     # on PATH as an activated virtualenv would be: ember searches the environments on PATH.
     torch_python=""
@@ -140,7 +152,6 @@ run)
     status=0
     for part in "${parts[@]}"; do
         start=$SECONDS
-        part_rc=0
         part_failed=0
         rm -f "$out/.timed-out"
         if [ "$(left)" -lt 20 ]; then
@@ -166,10 +177,11 @@ run)
         printf '%s\t%s\t%s\n' "$part" "$(( SECONDS - start ))" "$result" >> "$out/parts.tsv"
     done
     echo
-    "$dir/xtask" bench summary "$out" || status=$?
+    timeout 30 "$dir/xtask" bench summary "$out" || status=$?
     # 0: every part ran and passed; 3: nothing failed, but parts were cut or skipped; else the
-    # exit status of the last command that failed.
+    # exit status of the last command that failed (never 124 or 137).
     [ "$status" != 0 ] || [ "$incomplete" = 0 ] || status=3
+    case $status in 124 | 137) status=1 ;; esac
     exit "$status"
     ;;
 *)

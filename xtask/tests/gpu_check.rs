@@ -208,7 +208,9 @@ fn gpu_check_refuses_an_unknown_part_before_running_any() {
 /// one table, here with stand-ins for the GPU binaries (`GPU_CHECK_DIR`): the kernel tests
 /// (one passed, one failed), a train-step part whose first benchmark never ends (its timeout
 /// cut to the time left, the later commands not run, the part "cut at the deadline"), then a
-/// part with no time left (skipped). The real binary writes the summary.
+/// part with no time left (skipped): the run exits with the kernel tests' 101. Beside it, a
+/// run where nothing fails but a part is cut and one skipped exits 3. The real binary writes
+/// the summaries.
 #[test]
 fn gpu_check_run_keeps_its_deadline_and_ends_with_one_table() {
     use std::os::unix::fs::PermissionsExt;
@@ -239,57 +241,89 @@ fn gpu_check_run_keeps_its_deadline_and_ends_with_one_table() {
          echo 'test result: FAILED. 1 passed; 1 failed'\nexit 101\n"
             .to_string(),
     );
-    let out = dir.path().join("out");
+    // Two runs at once: the one described above, and one where nothing fails but the step
+    // part is cut (its benchmark's table filter then finds nothing: no failure) and launch is
+    // skipped.
     let started = std::time::Instant::now();
-    let run = std::process::Command::new("bash")
-        .arg(script)
-        .args(["run", "kernels", "train-step", "step"])
-        .env("GPU_CHECK_DIR", &bins)
-        .env("GPU_CHECK_DEADLINE_S", "40")
-        .env("OUT", &out)
-        // No torch on this PATH's python3 either way: the parts take their no-reference paths.
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    // The never-ending benchmark was stopped near the deadline, not at its own 200 s.
-    assert!(
-        started.elapsed().as_secs() < 60,
-        "{:?}: {stdout}\n{stderr}",
-        started.elapsed()
-    );
-    // The kernel tests' failure is the run's status; the cut is the part's result only (the
-    // device machine's tool reads 124 as its own call timed out).
-    assert_eq!(run.status.code(), Some(101), "{stdout}\n{stderr}");
-    assert!(
-        stderr.contains("not run, the deadline is near"),
-        "{stdout}\n{stderr}"
-    );
-    let summary = std::fs::read_to_string(out.join("summary.md")).expect("summary.md");
-    assert!(stdout.ends_with(&format!("{summary}\n")), "{stdout}");
-    let row = |part: &str| {
-        summary
-            .lines()
-            .find(|l| l.starts_with(&format!("| {part} | ")))
-            .unwrap_or_else(|| panic!("no row for {part}: {summary}"))
-            .to_string()
+    let spawn = |name: &str, parts: &[&str], deadline: &str| {
+        std::process::Command::new("bash")
+            .arg(script)
+            .arg("run")
+            .args(parts)
+            .env("GPU_CHECK_DIR", &bins)
+            .env("GPU_CHECK_DEADLINE_S", deadline)
+            .env("OUT", dir.path().join(name))
+            // No torch on this PATH's python3 either way: the parts take their no-reference
+            // paths.
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
     };
-    assert!(
-        row("kernels").ends_with("| failed (exit 101) |"),
-        "{summary}"
+    let failing = spawn("failing", &["kernels", "train-step", "step"], "40");
+    let cut = spawn("cut", &["step", "launch"], "34");
+    let (failing, cut) = (
+        failing.wait_with_output().unwrap(),
+        cut.wait_with_output().unwrap(),
     );
-    assert!(
-        row("train-step").ends_with("| cut at the deadline |"),
-        "{summary}"
+    // The never-ending benchmarks were stopped near the deadline, not at their own 200 s and
+    // 360 s.
+    assert!(started.elapsed().as_secs() < 60, "{:?}", started.elapsed());
+    let check = |name: &str, run: &std::process::Output, code: i32, rows: &[(&str, &str)]| {
+        let out = dir.path().join(name);
+        let stdout = String::from_utf8_lossy(&run.stdout);
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        // Never 124 or 137 for a cut: the device machine's tool reads those as its own call
+        // timed out.
+        assert_eq!(run.status.code(), Some(code), "{name}: {stdout}\n{stderr}");
+        assert!(
+            stderr.contains("not run, the deadline is near"),
+            "{name}: {stdout}\n{stderr}"
+        );
+        let summary = std::fs::read_to_string(out.join("summary.md")).expect("summary.md");
+        assert!(stdout.ends_with(&format!("{summary}\n")), "{stdout}");
+        for (part, result) in rows {
+            let row = summary
+                .lines()
+                .find(|l| l.starts_with(&format!("| {part} | ")))
+                .unwrap_or_else(|| panic!("no row for {part}: {summary}"));
+            assert!(row.ends_with(&format!("| {result} |")), "{name}: {summary}");
+        }
+        assert!(!out.join(".timed-out").exists());
+        summary
+    };
+    // The kernel tests' failure is the run's status.
+    let summary = check(
+        "failing",
+        &failing,
+        101,
+        &[
+            ("kernels", "failed (exit 101)"),
+            ("train-step", "cut at the deadline"),
+            ("step", "skipped: the deadline"),
+        ],
     );
-    assert_eq!(row("step"), "| step | 0 | skipped: the deadline |");
+    assert!(summary.contains("| step | 0 | skipped: the deadline |"));
     for expected in [
         "Kernel tests on CUDA: 1 passed, 1 failed: kernels::cuda::attention",
         "Training step: no `bench train-step` results",
     ] {
         assert!(summary.contains(expected), "{expected:?} in {summary}");
     }
-    assert!(!out.join(".timed-out").exists());
+    // Nothing failed, parts were cut or skipped: 3.
+    let summary = check(
+        "cut",
+        &cut,
+        3,
+        &[
+            ("step", "cut at the deadline"),
+            ("launch", "skipped: the deadline"),
+        ],
+    );
+    assert!(
+        summary.contains("Kernel tests on CUDA: not run"),
+        "{summary}"
+    );
 }
 
 /// `bench summary` on `bench train-step`'s own JSON (a CPU run of tiny, then the same row made
