@@ -179,7 +179,7 @@ fn mlperf_run_streams_evaluates_and_logs_as_the_rules_say() {
         d.join(out)
     };
 
-    // Bounded memory: 4× the samples, the same peak (within 10%).
+    // Bounded memory: 4× the samples, the same peak.
     let one = run(&strat1, "one", &["--mllog", "one.mllog"]);
     let four = run(&strat4, "four", &[]);
     let peak = |out: &Path| records(out, "end")[0]["peak_rss_mib"].as_f64().unwrap();
@@ -195,7 +195,10 @@ fn mlperf_run_streams_evaluates_and_logs_as_the_rules_say() {
         samples(&four)
     );
     assert_eq!(samples(&four), 4 * samples(&one));
-    assert!(peak4 <= 1.10 * peak1, "{peak4} MiB vs {peak1} MiB");
+    // Within 10% and 16 MiB: the same run's peak moved by 16 MiB between two runs here (297
+    // and 313 MiB). The 38,589 more samples held in memory as MLPerf's int32 arrays (1,700
+    // bytes each at 128 tokens and 20 predictions) would add 63 MiB.
+    assert!(peak4 <= 1.10 * peak1 + 16.0, "{peak4} MiB vs {peak1} MiB");
     for step in records(&one, "train") {
         assert!(step["data_wait_s"].as_f64().unwrap() >= 0.0);
     }
