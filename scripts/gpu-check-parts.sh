@@ -153,21 +153,19 @@
 #                  half padding; the first losses must agree). About 7 minutes (estimated; not
 #                  run yet).
 
-# `reference`: `bench gemm`'s torch.matmul reference where the machine's Python has torch,
-# else ember alone.
-torch_reference() {
+# `python_reference MODULES`: `reference` is a benchmark's PyTorch reference (the Python
+# with torch) where that Python also imports MODULES (Python's import list), else ember alone.
+python_reference() {
     reference=(--reference none)
-    [ -z "$torch_python" ] || reference=(--reference pytorch --python "$torch_python")
-}
-
-# `reference`: `bench train-step`'s PyTorch reference (Hugging Face's BertForPreTraining) where
-# the machine's Python has torch, transformers and safetensors, else ember alone.
-hf_reference() {
-    reference=(--reference none)
-    if [ -n "$torch_python" ] && "$torch_python" -c "import transformers, safetensors" 2>/dev/null; then
+    if [ -n "$torch_python" ] && "$torch_python" -c "import $1" 2>/dev/null; then
         reference=(--reference pytorch --python "$torch_python")
     fi
 }
+# `bench gemm`'s torch.matmul; `bench train-step`'s Hugging Face BertForPreTraining.
+# `sed -n "$table"`: `bench train-step`'s output from its table on, and any error line.
+table='/^| model | params/,$p; /rror/p'
+torch_reference() { python_reference torch; }
+hf_reference() { python_reference "transformers, safetensors"; }
 
 part_launch() {
     echo "== launch: GPU libraries found by ember, the GPU named, torchrun's store"
@@ -186,10 +184,7 @@ part_launch() {
 
 part_embed() {
     echo "== sentence embeddings on CUDA against sentence-transformers"
-    reference=(--reference none)
-    if [ -n "$torch_python" ] && "$torch_python" -c "import sentence_transformers" 2>/dev/null; then
-        reference=(--reference pytorch --python "$torch_python")
-    fi
+    python_reference sentence_transformers
     bounded 240 "$dir/xtask" bench embed --device cuda --sentences 512 --rounds 3 \
         "${reference[@]}" --out "$out/embed" 2>&1 | tail -8 || failed $?
 }
@@ -317,17 +312,17 @@ part_train_step() {
         IFS=: read -r seq batch prec <<< "$shape"
         bounded 200 "$dir/xtask" bench train-step --device cuda --presets large --batch-size "$batch" \
             --seq-len "$seq" --precision "$prec" --steps 3 --rounds 2 "${reference[@]}" \
-            --out "$out/train-step" 2>&1 | tail -8 || failed $?
+            --out "$out/train-step" 2>&1 | sed -n "$table" || failed $?
     done
     echo "   the same step with cuBLASLt's GEMMs ordered on the device (model.gemm = cublaslt, cublaslt_sync = device), ember alone"
     bounded 180 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
         --seq-len 128 --precision f32,bf16 --steps 3 --rounds 2 --reference none \
-        --gemm cublaslt --cublaslt-sync device --out "$out/train-step-cublaslt" 2>&1 | tail -10 || failed $?
+        --gemm cublaslt --cublaslt-sync device --out "$out/train-step-cublaslt" 2>&1 | sed -n "$table" || failed $?
     if [ ${#compile[@]} -gt 0 ]; then
         echo "   bf16 at seq 128 against torch.compile too (its compilation takes minutes: last)"
         bounded 300 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
             --seq-len 128 --precision bf16 --steps 3 --rounds 2 "${reference[@]}" "${compile[@]}" \
-            --out "$out/train-step-compile" 2>&1 | tail -8 || failed $?
+            --out "$out/train-step-compile" 2>&1 | sed -n "$table" || failed $?
     fi
 }
 
@@ -465,7 +460,7 @@ part_vocab() {
     hf_reference
     bounded 180 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
         --seq-len 128 --precision bf16 --steps 3 --rounds 2 "${reference[@]}" \
-        --make-vocab-size-divisible-by 8 --out "$out/vocab-train-step" 2>&1 | tail -10 || failed $?
+        --make-vocab-size-divisible-by 8 --out "$out/vocab-train-step" 2>&1 | sed -n "$table" || failed $?
 }
 
 part_unpad() {

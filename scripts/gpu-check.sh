@@ -116,14 +116,17 @@ run)
         fi
         return "$rc"
     }
-    # A part's command failed: `cmd | filter || failed $?`. A command cut (124 or 137 from
-    # `bounded`, the pipeline's first) is the part's result (`.timed-out`), not a failure, even
-    # where the filter after it then found nothing; and not the run's exit status either: the
-    # device machine's tool reads an exit of 124 or 137 as its own call having run out of time.
+    # A part's command failed: `cmd | filter || failed $?`. A command cut at the deadline
+    # (124 or 137 from `bounded`, the pipeline's first) is the part's result (`.timed-out`),
+    # not a failure, even where the filter after it then found nothing. One that ran into its
+    # own timeout with time left hung: a failure, exit 1 (the run never exits 124 or 137,
+    # which the device machine's tool reads as its own call having run out of time).
     failed() {
         local first=${PIPESTATUS[0]}
         case "$first/$1" in
-        124/* | 137/* | */124 | */137) ;;
+        124/* | 137/* | */124 | */137)
+            if [ "$(left)" -ge 10 ]; then status=1 part_failed=124; fi
+            ;;
         *) status=$1 part_failed=$1 ;;
         esac
     }
@@ -160,7 +163,7 @@ run)
             incomplete=1
             continue
         fi
-        # Called after `||`, the part runs without `set -e`: a command that fails unguarded
+        # Called as the left side of `||`, the part runs without `set -e`: a command that fails unguarded
         # (a copy of what a cut command never wrote) ends neither the part nor the run, and
         # the summary is still printed.
         "part_${part//-/_}" || failed $?

@@ -19,7 +19,7 @@
 //!
 //! The compositions are `ember_model::composed`'s. `bench kernels` times each op against the
 //! same composition and ends with the list for its device (`slower fused:`);
-//! `scripts/gpu-check.sh bench-kernels` then times a BERT-large step with that list against
+//! `scripts/gpu-check.sh run bench-kernels` then times a BERT-large step with that list against
 //! the fused default (which also sees what composing `attention` costs the projections: three
 //! dense layers instead of the packed one). The names are `bench kernels --ops`'s. The dropout masks are the
 //! fused ops' (keyed by sample and position), so a step's values are the same either way

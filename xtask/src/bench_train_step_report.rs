@@ -223,7 +223,7 @@ fn gemm_label(row: &Row) -> String {
 }
 
 /// Bytes as GiB for the tables (`–` where not measured).
-fn gib(bytes: Option<u64>) -> String {
+pub(crate) fn gib(bytes: Option<u64>) -> String {
     bytes.map_or("–".to_string(), |b| {
         format!("{:.1}", b as f64 / (1u64 << 30) as f64)
     })

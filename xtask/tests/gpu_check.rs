@@ -1,8 +1,9 @@
 //! `scripts/gpu-check.sh` (its parts in `scripts/gpu-check-parts.sh`) runs only on a GPU
 //! machine, lent to a session for minutes: a flag renamed since it was written would cost
-//! one of its parts. The first test finds every command the script gives this binary (`"$dir/xtask" ...`, also inside shell functions) and parses
-//! it with the binary's own command line (`xtask::parse_error`), the shell's variables
-//! standing for values of the kinds they hold.
+//! one of its parts. The first test finds every command the script gives this binary
+//! (`"$dir/xtask" ...`, also inside shell functions) and parses it with the binary's own
+//! command line (`xtask::parse_error`), the shell's variables standing for values of the
+//! kinds they hold.
 
 mod common;
 
@@ -369,6 +370,12 @@ fn bench_summary_names_the_targets_a_large_row_misses() {
         results.to_string(),
     )
     .unwrap();
+    // nvidia-smi's CSV: the GPU's line, not the header.
+    std::fs::write(
+        dir.path().join("gpu.txt"),
+        "name, driver_version, memory.total [MiB]\nNVIDIA H200, 580.159.04, 143771 MiB\n",
+    )
+    .unwrap();
     // A results file cut while written: named in its row, the rest still summed up.
     std::fs::write(
         dir.path().join("later/train-step-cuda-2.json"),
@@ -418,6 +425,10 @@ fn bench_summary_names_the_targets_a_large_row_misses() {
     let cut = cells(rows[2]);
     assert_eq!(cut[1], "later/train-step-cuda-2.json");
     assert!(cut[2].starts_with("not valid JSON: "), "{rows:?}");
+    assert!(
+        summary.contains("\nGPU: NVIDIA H200, 580.159.04, 143771 MiB\n"),
+        "{summary}"
+    );
     // Without the script's files: said, not an error.
     assert!(summary.contains("No parts.tsv"), "{summary}");
     assert!(
