@@ -91,11 +91,13 @@ run)
     # `bounded N command...`: `timeout N command...`, N cut to the time left (10 s at least);
     # nothing run (exit 124, as a timeout) when under 10 s are left. SIGTERM first, SIGKILL
     # 5 s later: `xtask train` answers SIGTERM by finishing its step and writing a checkpoint,
-    # which for BERT-large would outlast the deadline. A command timed out or not run leaves
-    # $out/.timed-out (in a pipeline, a variable would stay in its subshell); one killed
-    # before its time (SIGKILL from elsewhere: out of memory) failed, exit 1.
+    # which for BERT-large would outlast the deadline. Only a command cut at the deadline (its
+    # timeout the time left, run out) or not run returns 124 or 137, and leaves
+    # $out/.timed-out (in a pipeline, a variable would stay in its subshell). One stopped by
+    # its own timeout (it hung) or killed before it (SIGKILL from elsewhere: out of memory)
+    # failed: exit 1, with a line saying so.
     bounded() {
-        local want=$1 room rc=0 t0=$SECONDS
+        local want=$1 room rc=0 t0=$SECONDS clipped=0
         shift
         room=$(left)
         if [ "$room" -lt 10 ]; then
@@ -103,14 +105,14 @@ run)
             : > "$out/.timed-out"
             return 124
         fi
-        [ "$want" -le "$room" ] || want=$room
+        [ "$want" -le "$room" ] || { want=$room; clipped=1; }
         [ "$want" -ge 10 ] || want=10
         timeout -k 5 "$(( want - 5 ))" "$@" || rc=$?
         if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
-            if [ $(( SECONDS - t0 )) -ge $(( want - 6 )) ]; then
+            if [ "$clipped" = 1 ] && [ $(( SECONDS - t0 )) -ge $(( want - 6 )) ]; then
                 : > "$out/.timed-out"
             else
-                echo "   killed after $(( SECONDS - t0 )) s, before its timeout (out of memory?): ${*:2:2}" >&3
+                echo "   stopped after $(( SECONDS - t0 )) s of its $want (hung into its own timeout, or killed: out of memory?): ${*:2:2}" >&3
                 rc=1
             fi
         fi
@@ -118,15 +120,11 @@ run)
     }
     # A part's command failed: `cmd | filter || failed $?`. A command cut at the deadline
     # (124 or 137 from `bounded`, the pipeline's first) is the part's result (`.timed-out`),
-    # not a failure, even where the filter after it then found nothing. One that ran into its
-    # own timeout with time left hung: a failure, exit 1 (the run never exits 124 or 137,
-    # which the device machine's tool reads as its own call having run out of time).
+    # not a failure, even where the filter after it then found nothing; and never the run's
+    # exit status, which the device machine's tool would read as its own call timed out.
     failed() {
-        local first=${PIPESTATUS[0]}
-        case "$first/$1" in
-        124/* | 137/* | */124 | */137)
-            if [ "$(left)" -ge 10 ]; then status=1 part_failed=124; fi
-            ;;
+        case "${PIPESTATUS[0]}/$1" in
+        124/* | 137/* | */124 | */137) ;;
         *) status=$1 part_failed=$1 ;;
         esac
     }
@@ -163,15 +161,13 @@ run)
             incomplete=1
             continue
         fi
-        # Called as the left side of `||`, the part runs without `set -e`: a command that fails unguarded
-        # (a copy of what a cut command never wrote) ends neither the part nor the run, and
-        # the summary is still printed.
+        # Called as the left side of `||`, the part runs without `set -e`: a command that
+        # fails unguarded ends neither the part nor the run, and the summary is still printed.
         "part_${part//-/_}" || failed $?
         result=""
         [ "$part_failed" = 0 ] || result="failed (exit $part_failed)"
         if [ -e "$out/.timed-out" ]; then
-            if [ "$(left)" -lt 10 ]; then cut="cut at the deadline"; else cut="timed out"; fi
-            result="${result:+$result; }$cut"
+            result="${result:+$result; }cut at the deadline"
             incomplete=1
             rm -f "$out/.timed-out"
         fi

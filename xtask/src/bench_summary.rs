@@ -6,9 +6,8 @@
 //! inside one call of at most 10 minutes, and what it prints last is what the session sees
 //! first. The parts write their own tables; this reads them back into one:
 //! - `parts.tsv` (the script's): each part with its seconds and how it ended (`ok`, `failed
-//!   (exit N)`, `timed out` (a command's own timeout), `cut at the deadline`, both a failure
-//!   and a cut (`failed (exit N); cut at the deadline`), `skipped: the deadline`), so that
-//!   the next session knows which parts to run again;
+//!   (exit N)`, `cut at the deadline`, both (`failed (exit N); cut at the deadline`),
+//!   `skipped: the deadline`), so that the next session knows which parts to run again;
 //! - `kernels.log`: the CUDA kernel tests passed and failed, the failures by name;
 //! - every `train-step-*.json` (`bench train-step`'s results) anywhere up to two folders down:
 //!   a row per configuration with ember's samples/s, MFU, launches per step and reserved
