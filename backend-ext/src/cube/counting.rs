@@ -127,6 +127,11 @@ pub struct HostSyncs {
     /// a read or a sync, and a count taken without one may leave out the last few launches
     /// (they are counted in the next interval, so sums over several intervals are exact).
     pub launches: u64,
+    /// Explicit flushes of the queue (`ComputeClient::flush`). Not a wait on every backend,
+    /// and not in [`HostSyncs::total`]: but CubeCL's CUDA flush waits on the host for the
+    /// event it recorded at the previous flush (its drop queue's fence), so a flush per GEMM
+    /// window would hold the host to one window ahead (Note [Device-side GEMM windows]).
+    pub flushes: u64,
 }
 
 impl HostSyncs {
@@ -148,6 +153,7 @@ impl HostSyncs {
                 reads: a.reads + c.reads,
                 syncs: a.syncs + c.syncs,
                 launches: a.launches + c.launches,
+                flushes: a.flushes + c.flushes,
             })
     }
 
@@ -162,6 +168,7 @@ impl HostSyncs {
             reads: self.reads - earlier.reads,
             syncs: self.syncs - earlier.syncs,
             launches: self.launches - earlier.launches,
+            flushes: self.flushes - earlier.flushes,
         }
     }
 }
@@ -297,6 +304,7 @@ impl<S: ComputeServer> ComputeServer for CountingServer<S> {
     }
 
     fn flush(&mut self, stream_id: StreamId) -> Result<(), ServerError> {
+        count(stream_id, |c| c.flushes += 1);
         self.inner.flush(stream_id)
     }
 

@@ -283,9 +283,11 @@ fn plan<'t, C: CudaLike>((a, b, with, output): Operands<'t, C>) -> Option<Planne
         With::BiasGradient => (None, Epilogue::BiasGradient),
     };
     // The bias gradient needs one product with more than one row to sum (cuBLASLt before 12.3.4
-    // has no BGRADA at k = 1, nvmath-python's `BgradHandler`): otherwise the product runs
-    // without it and the caller's reduction computes it.
-    if epilogue == Epilogue::BiasGradient && (plan.batch != 1 || plan.k == 1) {
+    // has no BGRADA at k = 1, nvmath-python's `BgradHandler`) and `A'` read as stored (BGRADA
+    // sums `op(A')` over `k` for a non-transposed `A'` only: nvmath-python's cuBLASMp tests;
+    // the dense layer's `dW` plan reads `g` as stored, `gemm_layout.rs`): otherwise the
+    // product runs without it and the caller's reduction computes it, with no refusal spent.
+    if epilogue == Epilogue::BiasGradient && (plan.batch != 1 || plan.k == 1 || plan.transa) {
         epilogue = Epilogue::None;
     }
     if epilogue == Epilogue::Bias && plan.batch != 1 {

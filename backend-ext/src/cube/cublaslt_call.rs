@@ -45,9 +45,11 @@
 //!
 //! bf16 and f16 products written in their own type add a split-K algorithm's partial products
 //! in f32
-//! (`CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK` = `CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE`: what
-//! PyTorch sets when `torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction` is
-//! `False`). A deliberate difference from PyTorch's default (`True`, partial products rounded
+//! (`CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK` = `CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE`;
+//! algorithms without split-K pass any mask): the partial sums PyTorch keeps unrounded in its
+//! cuBLAS GEMMs when `torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction` is
+//! `False` (`CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION`; its cuBLASLt paths set no
+//! mask). A deliberate difference from PyTorch's default (`True`, partial products rounded
 //! to bf16 in place or in the workspace): ember's other GEMM paths (cubek's kernels)
 //! accumulate the whole sum in f32, and its tests bound every path's products alike. The
 //! heuristic may then have fewer split-K algorithms to choose from; `bench gemm` sets

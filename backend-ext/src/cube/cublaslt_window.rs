@@ -14,15 +14,29 @@ use cudarc::driver::sys::{
 };
 
 use super::cublaslt::CudaLike;
-use super::gemm_window::{EXPIRED, RELEASE, SIGNAL, WindowFlags, one_hardware_queue};
+use super::gemm_window::{
+    EXPIRED, MAX_POLLS_VAR, RELEASE, SIGNAL, WindowFlags, device_windows_refused, max_polls,
+};
 use crate::{CublasltSync, cublaslt_sync};
 
-/// Polls before the window kernel stops waiting: 2²⁸, minutes on a GPU (a poll is an atomic
-/// round trip to L2), where a window's products take milliseconds.
-const MAX_POLLS: u32 = 1 << 28;
 /// Windows between two reads of the `expired` flag (a host wait each: about every third
 /// BERT-large step, at 16 windows per encoder layer).
 const CHECK_EVERY: u32 = 1024;
+/// The first windows of a sequence read the `expired` flag too: a device where the order
+/// fails shows at the first window, after one window's polls, instead of a thousand windows
+/// (each expired, its products read before they were written) later.
+const CHECK_FIRST: u32 = 4;
+
+/// The window kernel's polls: [`MAX_POLLS_VAR`] or the default, read once.
+///
+/// # Panics
+/// When the variable is set to something else than a number of polls.
+fn polls() -> u32 {
+    static POLLS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *POLLS.get_or_init(|| {
+        max_polls(std::env::var(MAX_POLLS_VAR).ok().as_deref()).unwrap_or_else(|e| panic!("{e}"))
+    })
+}
 
 /// One device's window sequence on one runtime's client (`CudaRuntime`, or the counting
 /// runtime around it, whose clients are distinct).
@@ -70,7 +84,10 @@ pub(super) fn begin<C: CudaLike>(
     // (Read while device windows are in use only: the chain stops at the first `false`.)
     if cublaslt_sync() == CublasltSync::Device
         && windows.refused.is_none()
-        && let Some(reason) = one_hardware_queue(std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok())
+        && let Some(reason) = device_windows_refused(
+            std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok(),
+            std::env::var("CUDA_LAUNCH_BLOCKING").ok(),
+        )
     {
         refuse(windows, reason);
     }
@@ -85,7 +102,7 @@ pub(super) fn begin<C: CudaLike>(
                 // 0 is the `expired` flag's "none".
                 let number = w.last.wrapping_add(1).max(1);
                 w.last = number;
-                w.flags.signal_and_wait(number, MAX_POLLS);
+                w.flags.signal_and_wait(number, polls());
                 // SAFETY: `signal` is the flags buffer's first word, kept alive by `w.flags`.
                 let waited = unsafe {
                     sys::cuStreamWaitValue32_v2(
@@ -126,12 +143,13 @@ pub(super) fn begin<C: CudaLike>(
 }
 
 /// Orders CubeCL's next kernels after the products enqueued on `stream` since [`begin`]: a
-/// host wait for `stream`, or the release of the device window. Every [`CHECK_EVERY`]th
-/// device window reads the flags (a host wait) to find a window whose wait expired.
+/// host wait for `stream`, or the release of the device window. The first [`CHECK_FIRST`]
+/// device windows and every [`CHECK_EVERY`]th read the flags (a host wait) to find a window
+/// whose wait expired.
 ///
 /// # Panics
 /// When `stream` reports an error (a product failed on the device), or a window's wait
-/// expired (cuBLASLt's stream did not release it within [`MAX_POLLS`] polls).
+/// expired (cuBLASLt's stream did not release it within the kernel's polls).
 pub(super) fn end<C: CudaLike>(
     window: Window,
     windows: &Windows,
@@ -164,7 +182,7 @@ pub(super) fn end<C: CudaLike>(
         wait_for_products(stream, device);
         release_from_host(release, number, device, stream);
     }
-    if number % CHECK_EVERY == 0
+    if (number <= CHECK_FIRST || number % CHECK_EVERY == 0)
         && let Some(w) = windows
             .by_runtime
             .get(&TypeId::of::<C>())
@@ -174,8 +192,9 @@ pub(super) fn end<C: CudaLike>(
         if values[EXPIRED] != 0 {
             panic!(
                 "CUDA device {ordinal}: cuBLASLt's stream did not release GEMM window {} within \
-                 {MAX_POLLS} polls (flags {values:?}): its products may not have run",
-                values[EXPIRED]
+                 {} polls (flags {values:?}): its products may not have run",
+                values[EXPIRED],
+                polls(),
             );
         }
     }

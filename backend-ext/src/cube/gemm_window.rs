@@ -11,9 +11,10 @@
 //!
 //! 1. CubeCL's stream runs [`signal_and_wait_kernel`] with the window's number `n`: it writes
 //!    `signal = n` (after every earlier kernel of the stream, which wrote the operands), then
-//!    polls `release` until it reaches `n`. CubeCL's queue is flushed after the launch (a
-//!    blocking call to its runner thread, not a device wait): CubeCL hands launches to CUDA in
-//!    batches, and the kernel must reach CUDA before anything waits for its signal;
+//!    polls `release` until it reaches `n`. CubeCL's queue is pushed to CUDA after the launch
+//!    by a blocking call to its runner thread that does not wait for the device
+//!    ([`WindowFlags::signal_and_wait`]): CubeCL hands launches to CUDA in batches, and the
+//!    kernel must reach CUDA before anything waits for its signal;
 //! 2. cuBLASLt's stream waits for `signal ≥ n` (`cuStreamWaitValue32`, `GEQ`), runs the
 //!    window's products, then writes `release = n` (`cuStreamWriteValue32`, whose default
 //!    flags put a memory barrier before the write);
@@ -27,7 +28,9 @@
 //! n) ≥ 0`), so a release of window `n` also releases every earlier one. The kernel gives up
 //! after `max_polls` polls and writes `expired = n`, so a stream that never releases (a fault on
 //! cuBLASLt's side) stops the wait instead of hanging the process; the host reads `expired`
-//! now and then ([`WindowFlags::values`]) and treats a non-zero value as a device fault.
+//! at the first windows and then now and then ([`WindowFlags::values`]) and treats a non-zero
+//! value as a device fault. Where the order cannot hold, device windows are refused
+//! ([`device_windows_refused`]: one hardware queue, blocking launches).
 //!
 //! The operands' memory goes back to CubeCL at the window's end without a wait. That is safe
 //! because CubeCL 0.10 keeps a memory pool per stream and ember's operands come from the
@@ -102,8 +105,18 @@ impl<R: CubeRuntime> WindowFlags<R> {
     /// expired).
     ///
     /// CubeCL hands its launches to a runner thread in batches (32 tasks, or a blocking call):
-    /// without the flush the kernel could reach CUDA after the stream operations that wait for
-    /// its signal, and a host wait on that stream would never return.
+    /// without a blocking call here the kernel could reach CUDA after the stream operations
+    /// that wait for its signal, and a host wait on that stream would never return.
+    ///
+    /// The blocking call is `memory_usage`, not `flush`: any blocking call makes the runner
+    /// take the queued tasks first, in order (each launch task calls `cuLaunchKernel`), but
+    /// CubeCL's CUDA `flush` also waits on the host for the event it recorded at the previous
+    /// flush (its drop queue frees memory behind that fence: `cubecl-runtime`'s
+    /// `DropQueue::flush`, an `cuEventSynchronize`). Here that event would follow the previous
+    /// window's kernel, so each window would wait for the previous window's products and the
+    /// host could never run more than one window ahead. `memory_usage` reads the pool's
+    /// counters and waits for nothing on the device (the counting runtime's `flushes` stay 0:
+    /// the CUDA test `cublaslt_products_match_the_host_with_device_windows` checks it).
     pub fn signal_and_wait(&self, window: u32, max_polls: u32) {
         // SAFETY: the buffer holds the three `u32` flags the kernel indexes.
         let flags = unsafe { ArrayArg::from_raw_parts(self.handle.clone(), 3) };
@@ -116,8 +129,8 @@ impl<R: CubeRuntime> WindowFlags<R> {
             max_polls,
         );
         // A blocking call to the runner (the queued launches reach CUDA), not a device wait.
-        if let Err(e) = self.client.flush() {
-            panic!("CubeCL's queue did not flush after a GEMM window's kernel: {e:?}");
+        if let Err(e) = self.client.memory_usage() {
+            panic!("CubeCL's queue did not reach CUDA after a GEMM window's kernel: {e:?}");
         }
     }
 
@@ -134,23 +147,69 @@ impl<R: CubeRuntime> WindowFlags<R> {
     }
 }
 
-/// Why device windows cannot be used under `CUDA_DEVICE_MAX_CONNECTIONS` = `value`, if they
-/// cannot: with one connection (Megatron-LM's setting, which NVIDIA's containers often carry)
-/// every stream's work goes through one hardware queue in submission order, so a product
-/// enqueued on ember's stream after the window kernel that waits for it on CubeCL's would
-/// wait behind it until the wait expires (Note [Device-side GEMM windows]).
+/// Polls before the window kernel stops waiting, by default: 2²⁸, minutes on a GPU (a poll is
+/// an atomic round trip to L2), where a window's products take milliseconds.
+pub const DEFAULT_MAX_POLLS: u32 = 1 << 28;
+
+/// The environment variable that sets the window kernel's polls ([`max_polls`]): a smaller
+/// budget makes a window whose release never comes show within seconds (the GPU check's
+/// smoke runs), at the risk of expiring a window whose host was merely slow to enqueue it.
+pub const MAX_POLLS_VAR: &str = "EMBER_GEMM_WINDOW_MAX_POLLS";
+
+/// The window kernel's polls for [`MAX_POLLS_VAR`]'s `value`: [`DEFAULT_MAX_POLLS`] when
+/// unset.
+///
+/// # Errors
+/// A value that is not a whole number from 1 to 2³² − 1, with the variable's name.
+pub fn max_polls(value: Option<&str>) -> Result<u32, String> {
+    let Some(value) = value else {
+        return Ok(DEFAULT_MAX_POLLS);
+    };
+    match value.trim().parse::<u32>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!(
+            "{MAX_POLLS_VAR}={value:?}: expected the window kernel's polls, a whole number from 1 \
+             to {}",
+            u32::MAX
+        )),
+    }
+}
+
+/// Why device windows cannot be used, if they cannot, from `CUDA_DEVICE_MAX_CONNECTIONS`
+/// and `CUDA_LAUNCH_BLOCKING`:
+/// - with one connection (Megatron-LM's setting, which NVIDIA's containers often carry) every
+///   stream's work goes through one hardware queue in submission order, so a product enqueued
+///   on ember's stream after the window kernel that waits for it on CubeCL's would wait
+///   behind it until the wait expires;
+/// - with launches made blocking (`CUDA_LAUNCH_BLOCKING=1`, as debugging and
+///   compute-sanitizer run them) the window kernel's launch returns only when the kernel has
+///   ended, which it does only after the products that the same host thread has yet to
+///   enqueue: every window would wait until it expires. The CUDA driver API's stream memory
+///   operations warn that their ordering is invisible to CUDA and may deadlock where misused.
+///
+/// (Note [Device-side GEMM windows].)
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(super) fn one_hardware_queue(value: Option<String>) -> Option<String> {
-    (value?.trim() == "1").then(|| {
-        "CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream on one hardware queue, where a window \
-         kernel would wait for products queued behind it"
+pub(super) fn device_windows_refused(
+    max_connections: Option<String>,
+    launch_blocking: Option<String>,
+) -> Option<String> {
+    if max_connections.is_some_and(|v| v.trim() == "1") {
+        return Some(
+            "CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream on one hardware queue, where a \
+             window kernel would wait for products queued behind it"
+                .to_string(),
+        );
+    }
+    launch_blocking.is_some_and(|v| v.trim() == "1").then(|| {
+        "CUDA_LAUNCH_BLOCKING=1 returns from a window kernel's launch only when it has \
+             ended, which it does only once the products enqueued after it have run"
             .to_string()
     })
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{one_hardware_queue, released};
+    use super::{DEFAULT_MAX_POLLS, MAX_POLLS_VAR, device_windows_refused, max_polls, released};
 
     #[test]
     fn window_numbers_compare_cyclically_as_cu_stream_wait_value_geq() {
@@ -168,11 +227,39 @@ mod tests {
     }
 
     #[test]
-    fn one_connection_refuses_device_windows() {
-        assert!(one_hardware_queue(Some("1".into())).is_some());
-        assert!(one_hardware_queue(Some(" 1\n".into())).is_some());
-        assert_eq!(one_hardware_queue(Some("8".into())), None);
-        assert_eq!(one_hardware_queue(Some("32".into())), None);
-        assert_eq!(one_hardware_queue(None), None);
+    fn one_connection_or_blocking_launches_refuse_device_windows() {
+        let refused = |connections: Option<&str>, blocking: Option<&str>| {
+            device_windows_refused(connections.map(String::from), blocking.map(String::from))
+        };
+        assert!(
+            refused(Some("1"), None)
+                .unwrap()
+                .contains("CUDA_DEVICE_MAX_CONNECTIONS")
+        );
+        assert!(refused(Some(" 1\n"), None).is_some());
+        assert_eq!(refused(Some("8"), None), None);
+        assert_eq!(refused(Some("32"), None), None);
+        assert_eq!(refused(None, None), None);
+        assert!(
+            refused(None, Some("1"))
+                .unwrap()
+                .contains("CUDA_LAUNCH_BLOCKING")
+        );
+        assert!(refused(Some("8"), Some("1")).is_some());
+        assert_eq!(refused(None, Some("0")), None);
+    }
+
+    #[test]
+    fn the_window_kernels_polls_come_from_the_environment_or_the_default() {
+        assert_eq!(max_polls(None), Ok(DEFAULT_MAX_POLLS));
+        assert_eq!(max_polls(Some("16777216")), Ok(1 << 24));
+        assert_eq!(max_polls(Some(" 1000\n")), Ok(1000));
+        for bad in ["0", "-5", "1e6", "", "4294967296"] {
+            let e = max_polls(Some(bad)).unwrap_err();
+            assert!(
+                e.starts_with(MAX_POLLS_VAR) && e.contains("whole number"),
+                "{bad}: {e}"
+            );
+        }
     }
 }

@@ -76,7 +76,9 @@ fn cublaslt_products_match_the_host_with_device_windows() {
 
 #[test]
 fn gemm_window_kernel_waits_for_its_release_or_expires() {
-    super::gemm_window::check_window_kernel::<ember_backend_ext::CudaRuntime>(&device());
+    super::gemm_window::check_window_kernel::<
+        ember_backend_ext::CountingRuntime<ember_backend_ext::CudaRuntime>,
+    >(&device());
 }
 
 /// CUDA's `auto` reduces through planes (warps): the tree, which ran before, must match

@@ -2,9 +2,25 @@
 //! `backend-ext/src/cube/gemm_window.rs`): it signals its window, returns once the window is
 //! released (cyclically: a later release, across the wrap of the numbers, releases it too),
 //! and gives up after its polls with the window recorded as expired. CubeCL's stream waits for
-//! it: the flags read after it show its writes.
+//! it: the flags read after it show its writes. `R` is a counting runtime: enqueuing a window
+//! is one launch that has reached the server when `signal_and_wait` returns, with no flush of
+//! CubeCL's queue (on CUDA a flush waits for the device to reach the previous one) and no
+//! host wait.
 
+use ember_backend_ext::HostSyncs;
 use ember_backend_ext::gemm_window::{CubeRuntime, WindowFlags};
+
+/// Enqueues window `window` on `flags` and checks what it cost the host.
+fn signal_and_wait<R: CubeRuntime>(flags: &WindowFlags<R>, window: u32, polls: u32) {
+    let before = HostSyncs::now();
+    flags.signal_and_wait(window, polls);
+    let cost = HostSyncs::now().since(before);
+    assert_eq!(
+        (cost.launches, cost.flushes, cost.total()),
+        (1, 0, 0),
+        "window {window}: (launches taken by the server, flushes, host waits) of enqueuing it"
+    );
+}
 
 pub(super) fn check_window_kernel<R: CubeRuntime>(device: &R::Device) {
     // (flags before, window, polls, flags after)
@@ -20,7 +36,7 @@ pub(super) fn check_window_kernel<R: CubeRuntime>(device: &R::Device) {
     ];
     for (before, window, polls, after) in cases {
         let flags = WindowFlags::<R>::new(device, before);
-        flags.signal_and_wait(window, polls);
+        signal_and_wait(&flags, window, polls);
         assert_eq!(
             flags.values(),
             after,
@@ -29,7 +45,7 @@ pub(super) fn check_window_kernel<R: CubeRuntime>(device: &R::Device) {
     }
     // Two windows back to back on one buffer: the second starts after the first returned.
     let flags = WindowFlags::<R>::new(device, [0, 1, 0]);
-    flags.signal_and_wait(1, 1_000);
-    flags.signal_and_wait(2, 50);
+    signal_and_wait(&flags, 1, 1_000);
+    signal_and_wait(&flags, 2, 50);
     assert_eq!(flags.values(), [2, 1, 2]);
 }
