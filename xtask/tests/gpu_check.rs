@@ -164,7 +164,7 @@ fn gpu_check_every_part_has_its_function() {
         .filter_map(|l| l.strip_prefix("part_")?.strip_suffix("() {"))
         .map(str::to_string)
         .collect();
-    assert_eq!(all.len(), 15, "{all:?}");
+    assert_eq!(all.len(), 16, "{all:?}");
     let mut sorted = all.clone();
     sorted.sort();
     let mut defined = functions.clone();
@@ -194,7 +194,7 @@ fn gpu_check_refuses_an_unknown_part_before_running_any() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(
-            stderr.contains(&format!("unknown part {named} (launch step gemm")),
+            stderr.contains(&format!("unknown part {named} (launch headline step gemm")),
             "{args:?}: {stderr}"
         );
         assert!(!stderr.contains("bins.tar.xz"), "{args:?}: {stderr}");
@@ -231,6 +231,9 @@ fn gpu_check_run_keeps_its_deadline_and_ends_with_one_table() {
              'bench summary') exec {real} \"$@\" ;;\n\
              'gpu-libs --ld-library-path') echo /nonexistent; exit 0 ;;\n\
              'gpu-libs '*) echo 'libraries: stand-in'; exit 0 ;;\n\
+             'bench train-step') if [ -n \"$STAND_IN_DEFAULT_FAILS\" ]; then case \"$*\" in\n\
+                 *'--gemm cmma'*) echo '| model | params | stand-in row |'; exit 0 ;;\n\
+                 *) echo 'error: the default GEMMs failed'; exit 1 ;; esac; fi ;;\n\
              esac\necho 'ember: a run that never ends'\nexec sleep 300\n",
             real = env!("CARGO_BIN_EXE_xtask")
         ),
@@ -252,6 +255,10 @@ fn gpu_check_run_keeps_its_deadline_and_ends_with_one_table() {
             .arg("run")
             .args(parts)
             .env("GPU_CHECK_DIR", &bins)
+            .env(
+                "STAND_IN_DEFAULT_FAILS",
+                if name == "fallback" { "1" } else { "" },
+            )
             .env("GPU_CHECK_DEADLINE_S", deadline)
             .env("OUT", dir.path().join(name))
             // No torch on this PATH's python3 either way: the parts take their no-reference
@@ -263,9 +270,13 @@ fn gpu_check_run_keeps_its_deadline_and_ends_with_one_table() {
     };
     let failing = spawn("failing", &["kernels", "train-step", "step"], "40");
     let cut = spawn("cut", &["step", "launch"], "34");
-    let (failing, cut) = (
+    // And a third: the headline's benchmark fails with the default GEMMs and passes with
+    // `--gemm cmma`, which the part then runs.
+    let fallback = spawn("fallback", &["headline"], "40");
+    let (failing, cut, fallback) = (
         failing.wait_with_output().unwrap(),
         cut.wait_with_output().unwrap(),
+        fallback.wait_with_output().unwrap(),
     );
     // The never-ending benchmarks were stopped near the deadline, not at their own 200 s and
     // 360 s.
@@ -323,6 +334,26 @@ fn gpu_check_run_keeps_its_deadline_and_ends_with_one_table() {
     );
     assert!(
         summary.contains("Kernel tests on CUDA: not run"),
+        "{summary}"
+    );
+    // The headline failed: the part failed (the run exits 1) and the fallback's table is
+    // in the log, after the line that says why it ran.
+    let stdout = String::from_utf8_lossy(&fallback.stdout);
+    assert_eq!(fallback.status.code(), Some(1), "{stdout}");
+    let said = stdout
+        .find("failed (exit 1): once more with --gemm cmma")
+        .unwrap_or_else(|| panic!("{stdout}"));
+    let row = stdout
+        .find("| stand-in row |")
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(said < row, "{stdout}");
+    assert!(
+        stdout.contains("error: the default GEMMs failed"),
+        "{stdout}"
+    );
+    let summary = std::fs::read_to_string(dir.path().join("fallback/summary.md")).unwrap();
+    assert!(
+        summary.contains("| headline | ") && summary.contains("| failed (exit 1) |"),
         "{summary}"
     );
 }
