@@ -170,11 +170,19 @@ pub(super) fn softmax_launch<R: CubeRuntime>(
 }
 
 /// `cubes` cubes numbered `CUBE_POS_X + CUBE_POS_Y · CUBE_COUNT_X` (more than one grid
-/// dimension holds still fit).
+/// dimension holds still fit), spread evenly over the grid's rows: fewer than one cube per
+/// row beyond `cubes` (the masked softmax of BERT-large at seq 512, batch 32, has 65,536 cubes
+/// of four rows: a full first row of 65,535 would leave a second of 65,535 cubes with one row's
+/// work, the others only returning).
 fn grid(cubes: usize) -> CubeCount {
-    let x = cubes.clamp(1, MAX_GRID);
-    let y = cubes.div_ceil(x).max(1);
+    let (x, y) = grid_dims(cubes);
     CubeCount::Static(x as u32, y as u32, 1)
+}
+
+/// `(x, y)` of [`grid`]: `y` the fewest rows of at most `MAX_GRID` cubes, `x` the cubes a row.
+fn grid_dims(cubes: usize) -> (usize, usize) {
+    let y = cubes.div_ceil(MAX_GRID).max(1);
+    (cubes.div_ceil(y).max(1), y)
 }
 
 /// Units of a row kernel's cube for rows of `n` elements: `n` rounded up to a power of two,
@@ -363,6 +371,28 @@ pub(super) fn row_max(shared: &mut SharedMemory<f32>, value: f32, #[comptime] pl
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grids_spread_their_cubes_evenly_over_rows() {
+        for cubes in [
+            1,
+            255,
+            MAX_GRID,
+            MAX_GRID + 1,
+            65_536,
+            131_071,
+            262_144,
+            1 << 20,
+        ] {
+            let (x, y) = grid_dims(cubes);
+            assert!(x <= MAX_GRID && x * y >= cubes, "{cubes}: {x} × {y}");
+            // Fewer idle cubes than rows.
+            assert!(x * y - cubes < y, "{cubes}: {x} × {y}");
+        }
+        assert_eq!(grid_dims(65_536), (32_768, 2));
+        assert_eq!(grid_dims(MAX_GRID), (MAX_GRID, 1));
+        assert_eq!(grid_dims(0), (1, 1));
+    }
 
     #[test]
     fn softmax_rows_go_to_planes_where_a_fixed_plane_holds_them_in_registers() {
