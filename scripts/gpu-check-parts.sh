@@ -103,7 +103,8 @@
 #                  against PyTorch eager (as train-step below; 300 s: its first process autotunes
 #                  every GEMM shape of the step). Where it fails (not where it is cut), once
 #                  more with `--gemm cmma`, the GEMM kernel the first GPU session ran, so that the
-#                  call still measures a step; the part is failed either way.
+#                  call still measures a step (its results in `train-step-cmma/`, a row of its
+#                  own in the summary); the part is failed either way.
 #   train-step     `xtask bench train-step --device cuda`: the GPU-speed issue's targets, BERT-large
 #                  at sequence length 128 (batch 32) and 512 (batch 16), bf16 then f32 (ember's
 #                  autocast against torch.autocast; seq 128 bf16 first, unless `headline` ran it
@@ -224,7 +225,8 @@ part_gemm() {
             --seq-len 128 --steps 4 --buckets device --gemm "$gemm" 2>&1 \
             | grep -E "^GEMMs|^\| (model|large)|rror" | tee -a "$out/gemm.md" || failed $?
     done
-    # cuBLASLt ordered on the device (a stuck window would expire in minutes: bounded).
+    # cuBLASLt ordered on the device (a stuck window expires in seconds: the run's
+    # EMBER_GEMM_WINDOW_MAX_POLLS).
     bounded 150 "$dir/xtask" bench step --device cuda --presets large --batch-size 32 \
         --seq-len 128 --steps 4 --buckets device --gemm cublaslt --cublaslt-sync device 2>&1 \
         | grep -E "^GEMMs|^\| (model|large)|rror|cublaslt_sync" | tee -a "$out/gemm.md" || failed $?
@@ -307,12 +309,12 @@ part_onebit() {
     done
 }
 
-# `headline_train_step GEMM...`: the issue's headline shape, BERT-large bf16 at seq 128 batch
-# 32, against the reference, with `bench train-step`'s other flags GEMM....
+# `headline_train_step FLAGS...`: the issue's headline shape, BERT-large bf16 at seq 128 batch
+# 32, against the reference, with `bench train-step`'s other FLAGS (its `--out` among them).
 headline_train_step() {
     bounded 300 "$dir/xtask" bench train-step --device cuda --presets large --batch-size 32 \
-        --seq-len 128 --precision bf16 --steps 3 --rounds 2 "${reference[@]}" "$@" \
-        --out "$out/train-step" 2>&1 | sed -n "$table"
+        --seq-len 128 --precision bf16 --steps 3 --rounds 2 "${reference[@]}" "$@" 2>&1 \
+        | sed -n "$table"
 }
 
 part_headline() {
@@ -321,12 +323,13 @@ part_headline() {
     headline_done=1
     # (The runner's pipefail: the function's status is the benchmark's, not its table filter's.)
     local rc=0
-    headline_train_step || rc=$?
+    headline_train_step --out "$out/train-step" || rc=$?
     [ "$rc" != 0 ] || return 0
     failed "$rc"
     if ! cut_short; then
+        # Its own folder: the summary's row must not pass for the default GEMMs' result.
         echo "   failed (exit $rc): once more with --gemm cmma, the GEMMs of the first GPU session"
-        headline_train_step --gemm cmma || failed $?
+        headline_train_step --gemm cmma --out "$out/train-step-cmma" || failed $?
     fi
 }
 

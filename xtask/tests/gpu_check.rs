@@ -61,7 +61,14 @@ fn script_text() -> String {
 fn gpu_check_script_commands_parse() {
     let script = script_text().replace("\\\n", " ");
     let mut commands: Vec<(String, Vec<String>)> = Vec::new();
+    // The function whose body a line is in (`name() {` alone on a line, to `}`).
+    let mut body_of: Option<&str> = None;
     for line in script.lines() {
+        if let Some(name) = line.strip_suffix("() {") {
+            body_of = Some(name);
+        } else if line == "}" {
+            body_of = None;
+        }
         let mut rest = line;
         while let Some(at) = rest.find("\"$dir/xtask\"") {
             rest = &rest[at + "\"$dir/xtask\"".len()..];
@@ -73,14 +80,14 @@ fn gpu_check_script_commands_parse() {
             {
                 continue;
             }
-            // A shell function's body (`run_train() { "$dir/xtask" train ... "$@"; }`): every
-            // call of it adds its own words.
-            if let Some(name) = line
-                .trim()
-                .strip_suffix("")
-                .and_then(|l| l.split_once("() {"))
-            {
-                let name = name.0.trim();
+            // A shell function's body (`run_train() { "$dir/xtask" train ... "$@"; }`, or a
+            // command with `"$@"` in a body of several lines): every call of it adds its own
+            // words.
+            let function = match line.split_once("() {") {
+                Some((name, _)) => Some(name.trim()),
+                None => body_of.filter(|_| line.contains("\"$@\"")),
+            };
+            if let Some(name) = function {
                 for call in script.lines().map(str::trim) {
                     if let Some(args) = call.strip_prefix(&format!("{name} ")) {
                         let mut called = words.clone();
@@ -115,6 +122,16 @@ fn gpu_check_script_commands_parse() {
             .iter()
             .any(|(_, w)| w.iter().any(|x| x == "--largest-batch")),
         "the largest-batch part's command was not found"
+    );
+    // A function of several lines: each call's flags (the headline's fallback) are parsed.
+    assert!(
+        checked.iter().any(|(line, w)| {
+            line.starts_with("headline_train_step --gemm cmma")
+                && w.len() > 1
+                && (w[0].as_str(), w[1].as_str()) == ("bench", "train-step")
+                && w.windows(2).any(|p| p[0] == "--gemm" && p[1] == "cmma")
+        }),
+        "the headline's fallback was not found: {commands:#?}"
     );
     let failures: Vec<String> = checked
         .iter()
@@ -210,8 +227,9 @@ fn gpu_check_refuses_an_unknown_part_before_running_any() {
 /// (one passed, one failed), a train-step part whose first benchmark never ends (its timeout
 /// cut to the time left, the later commands not run, the part "cut at the deadline"), then a
 /// part with no time left (skipped): the run exits with the kernel tests' 101. Beside it, a
-/// run where nothing fails but a part is cut and one skipped exits 3. The real binary writes
-/// the summaries.
+/// run where nothing fails but a part is cut and one skipped exits 3, and a run whose
+/// headline fails with the default GEMMs and passes with `--gemm cmma`, which the part then
+/// runs (failed, exit 1). The real binary writes the summaries.
 #[test]
 fn gpu_check_run_keeps_its_deadline_and_ends_with_one_table() {
     use std::os::unix::fs::PermissionsExt;
@@ -245,9 +263,9 @@ fn gpu_check_run_keeps_its_deadline_and_ends_with_one_table() {
          echo 'test result: FAILED. 1 passed; 1 failed'\nexit 101\n"
             .to_string(),
     );
-    // Two runs at once: the one described above, and one where nothing fails but the step
-    // part is cut (its benchmark's table filter then finds nothing: no failure) and launch is
-    // skipped.
+    // Three runs at once: the one described above, one where nothing fails but the step part
+    // is cut (its benchmark's table filter then finds nothing: no failure) and launch is
+    // skipped, and the headline's fallback (below).
     let started = std::time::Instant::now();
     let spawn = |name: &str, parts: &[&str], deadline: &str| {
         std::process::Command::new("bash")
@@ -352,10 +370,11 @@ fn gpu_check_run_keeps_its_deadline_and_ends_with_one_table() {
         "{stdout}"
     );
     let summary = std::fs::read_to_string(dir.path().join("fallback/summary.md")).unwrap();
-    assert!(
-        summary.contains("| headline | ") && summary.contains("| failed (exit 1) |"),
-        "{summary}"
-    );
+    let row = summary
+        .lines()
+        .find(|l| l.starts_with("| headline | "))
+        .unwrap_or_else(|| panic!("no row for headline: {summary}"));
+    assert!(row.ends_with("| failed (exit 1) |"), "{summary}");
 }
 
 /// `bench summary` on `bench train-step`'s own JSON (a CPU run of tiny, then the same row made

@@ -1,8 +1,9 @@
 //! A CubeCL runtime that counts host synchronisations and kernel launches:
 //! [`CountingRuntime<R>`] runs `R` unchanged and counts every read of device memory to the
 //! host and every wait of the host for the device (`ComputeServer::read`,
-//! `ComputeServer::sync`), and every kernel launch (`ComputeServer::launch`), per calling
-//! thread. Launches are what a GPU step pays per kernel whatever its size (a few microseconds
+//! `ComputeServer::sync`), every kernel launch (`ComputeServer::launch`) and every explicit
+//! flush of the queue (`ComputeServer::flush`; not a wait in itself, [`HostSyncs::flushes`]),
+//! per calling thread. Launches are what a GPU step pays per kernel whatever its size (a few microseconds
 //! of the host's enqueueing and the device's scheduling): a step of thousands of small kernels
 //! is bound by them, which is why apex's multi-tensor kernels and fused epilogues exist.
 //!
@@ -130,7 +131,9 @@ pub struct HostSyncs {
     /// Explicit flushes of the queue (`ComputeClient::flush`). Not a wait on every backend,
     /// and not in [`HostSyncs::total`]: but CubeCL's CUDA flush waits on the host for the
     /// event it recorded at the previous flush (its drop queue's fence), so a flush per GEMM
-    /// window would hold the host to one window ahead (Note [Device-side GEMM windows]).
+    /// window would hold the host to one window ahead (Note [Device-side GEMM windows]). The
+    /// flushes CubeCL's CUDA server makes by itself after a launch (its drop queue's policy)
+    /// are not calls to the server, and not counted.
     pub flushes: u64,
 }
 

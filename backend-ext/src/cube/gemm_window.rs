@@ -100,8 +100,8 @@ impl<R: CubeRuntime> WindowFlags<R> {
     }
 
     /// Enqueues [`signal_and_wait_kernel`] for `window` on this thread's CubeCL stream and
-    /// flushes CubeCL's queue, so that the kernel has reached the device's stream when this
-    /// returns: the kernels enqueued after it start once the window is released (or the wait
+    /// pushes CubeCL's queue to CUDA (a blocking call, not `flush`), so that the kernel has
+    /// reached the device's stream when this returns: the kernels enqueued after it start once the window is released (or the wait
     /// expired).
     ///
     /// CubeCL hands its launches to a runner thread in batches (32 tasks, or a blocking call):
@@ -112,11 +112,14 @@ impl<R: CubeRuntime> WindowFlags<R> {
     /// take the queued tasks first, in order (each launch task calls `cuLaunchKernel`), but
     /// CubeCL's CUDA `flush` also waits on the host for the event it recorded at the previous
     /// flush (its drop queue frees memory behind that fence: `cubecl-runtime`'s
-    /// `DropQueue::flush`, an `cuEventSynchronize`). Here that event would follow the previous
-    /// window's kernel, so each window would wait for the previous window's products and the
-    /// host could never run more than one window ahead. `memory_usage` reads the pool's
+    /// `PendingDropQueue::flush`, a `cuEventSynchronize`). Here that event would follow the
+    /// previous window's kernel, so each window would wait for the previous window's products
+    /// and the host could never run more than one window ahead. `memory_usage` reads the pool's
     /// counters and waits for nothing on the device (the counting runtime's `flushes` stay 0:
-    /// the CUDA test `cublaslt_products_match_the_host_with_device_windows` checks it).
+    /// the kernel tests check it on lavapipe and CUDA). CubeCL still flushes its drop queue by
+    /// itself after a launch once 64 buffers or 64 MiB wait to be freed (`cubecl-cuda`'s
+    /// `Command::kernel`), a wait for the previous such flush that is its policy, not a
+    /// window's, and that the counting runtime does not see.
     pub fn signal_and_wait(&self, window: u32, max_polls: u32) {
         // SAFETY: the buffer holds the three `u32` flags the kernel indexes.
         let flags = unsafe { ArrayArg::from_raw_parts(self.handle.clone(), 3) };

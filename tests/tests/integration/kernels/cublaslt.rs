@@ -126,8 +126,9 @@ impl Drop for SyncChoice {
 /// What the counting runtime counts for a window of cuBLASLt products besides the products:
 /// `(launches, host waits)`. With host waits: no launch, the wait for CubeCL's stream (a
 /// `sync`; ember's own stream is not CubeCL's and is not counted). With device windows (Note
-/// [Device-side GEMM windows]): the window kernel's launch, no wait (for a window of kinds
-/// launched before: a kind's first window waits on the host). Under Burn's plain CUDA backend
+/// [Device-side GEMM windows]): the window kernel's launch, no sync (for a window of kinds
+/// launched before: a kind's first window waits on the host; the first four device windows
+/// read the `expired` flag after their products, a read, not a sync). Under Burn's plain CUDA backend
 /// nothing is counted but the products.
 fn window_counts(counting: bool) -> (u64, u64) {
     match (counting, ember_backend_ext::cublaslt_sync()) {
@@ -399,7 +400,9 @@ fn transposed(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// (`MasterOps::dense_backward_as`, autocast's weight gradients: Note [cuBLASLt's f32 output]).
 /// At BERT-like sizes (multiples of 64) the epilogue must have run: two products, one bias
 /// gradient, two launches and no reduction or cast of its own (the launches are counted under
-/// the counting runtime only). At odd sizes (rows of 100 bytes in bf16) cuBLASLt may have no
+/// the counting runtime only); with bf16 operands written in f32, for which cuBLASLt lists no
+/// BGRADA kernel, it may have been refused (then said), and where it ran the same counts hold.
+/// At odd sizes (rows of 100 bytes in bf16) cuBLASLt may have no
 /// BGRADA kernel; the values must hold either way (the fallback sums `g`'s columns: `sum_dim`,
 /// or in f32 the column sums of Note [Parameter gradients in f32]).
 fn check_dense_backward<B: FusedOps>(device: &B::Device, counting: bool, f32_gemm: GemmPrecision) {
@@ -457,6 +460,13 @@ fn check_dense_backward<B: FusedOps>(device: &B::Device, counting: bool, f32_gem
                     ran <= 1,
                     "{what}: {ran} bias gradients in an epilogue, for one dW"
                 );
+                if ran == 1 {
+                    assert_eq!(
+                        ember_backend_ext::HostSyncs::now().launches - launches,
+                        2 + window_counts(counting).0,
+                        "{what}: launches with db in dW's epilogue: no reduction or cast"
+                    );
+                }
                 println!(
                     "{what}: the bias gradient {} (refused so far: {})",
                     if ran == 1 {
