@@ -15,7 +15,8 @@ use cudarc::driver::sys::{
 
 use super::cublaslt::CudaLike;
 use super::gemm_window::{
-    EXPIRED, MAX_POLLS_VAR, RELEASE, SIGNAL, WindowFlags, device_windows_refused, max_polls,
+    DEFAULT_MAX_POLLS, EXPIRED, MAX_POLLS_VAR, RELEASE, SIGNAL, WindowFlags,
+    device_windows_refused, max_polls,
 };
 use crate::{CublasltSync, cublaslt_sync};
 
@@ -27,15 +28,19 @@ const CHECK_EVERY: u32 = 1024;
 /// (each expired, its products read before they were written) later.
 const CHECK_FIRST: u32 = 4;
 
-/// The window kernel's polls: [`MAX_POLLS_VAR`] or the default, read once.
-///
-/// # Panics
-/// When the variable is set to something else than a number of polls.
+/// The window kernel's polls: [`MAX_POLLS_VAR`] or the default, read once. A value that is
+/// not a number of polls gets a warning naming the variable, and the default.
 fn polls() -> u32 {
     static POLLS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *POLLS.get_or_init(|| {
-        max_polls(std::env::var(MAX_POLLS_VAR).ok().as_deref()).unwrap_or_else(|e| panic!("{e}"))
-    })
+    *POLLS.get_or_init(
+        || match max_polls(std::env::var(MAX_POLLS_VAR).ok().as_deref()) {
+            Ok(polls) => polls,
+            Err(e) => {
+                tracing::warn!("{e}; the GEMM windows poll {DEFAULT_MAX_POLLS} times");
+                DEFAULT_MAX_POLLS
+            }
+        },
+    )
 }
 
 /// One device's window sequence on one runtime's client (`CudaRuntime`, or the counting
