@@ -28,6 +28,20 @@ const CHECK_EVERY: u32 = 1024;
 /// (each expired, its products read before they were written) later.
 const CHECK_FIRST: u32 = 4;
 
+/// Why the environment rules device windows out, if it does ([`device_windows_refused`]),
+/// read once: not at every window of a step's hundreds.
+fn refused_by_environment() -> Option<&'static String> {
+    static REFUSED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    REFUSED
+        .get_or_init(|| {
+            device_windows_refused(
+                std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok(),
+                std::env::var("CUDA_LAUNCH_BLOCKING").ok(),
+            )
+        })
+        .as_ref()
+}
+
 /// The window kernel's polls: [`MAX_POLLS_VAR`] or the default, read once. A value that is
 /// not a number of polls gets a warning naming the variable, and the default.
 fn polls() -> u32 {
@@ -86,15 +100,11 @@ pub(super) fn begin<C: CudaLike>(
     stream: &CudaStream,
     host: bool,
 ) -> Window {
-    // (Read while device windows are in use only: the chain stops at the first `false`.)
     if cublaslt_sync() == CublasltSync::Device
         && windows.refused.is_none()
-        && let Some(reason) = device_windows_refused(
-            std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok(),
-            std::env::var("CUDA_LAUNCH_BLOCKING").ok(),
-        )
+        && let Some(reason) = refused_by_environment()
     {
-        refuse(windows, reason);
+        refuse(windows, reason.clone());
     }
     if cublaslt_sync() == CublasltSync::Device && windows.refused.is_none() && !host {
         // The stream memory operations take the thread's current context (CubeCL makes it
